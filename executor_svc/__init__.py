@@ -1,0 +1,1 @@
+"""swarmserve executor: the stateful half (device, GGUF weights, paged KV cache, sampler)."""

@@ -1,0 +1,26 @@
+"""Exceptions the executor raises for bad input.
+
+Each maps to one gRPC status code in the service layer, so a caller can tell
+"fix your request" (InvalidRequestError) from "try again later"
+(OutOfKVBlocksError) from "fix the server's model" (ModelLoadError).
+"""
+
+
+class ExecutorError(Exception):
+    """Base class of every error the executor raises on purpose."""
+
+
+class ModelLoadError(ExecutorError):
+    """The model file is missing, not a GGUF, truncated, or uses an unsupported feature."""
+
+
+class InvalidRequestError(ExecutorError):
+    """A request or plan is malformed (bad token ids, prompt too long, bad params)."""
+
+
+class UnknownRequestError(InvalidRequestError):
+    """A plan names a request id the engine does not hold."""
+
+
+class OutOfKVBlocksError(ExecutorError):
+    """A plan needs more KV blocks than are free; nothing was executed."""

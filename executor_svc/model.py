@@ -1,0 +1,75 @@
+"""A llama-family decoder (llama, qwen2, qwen3) run over one ragged batch.
+
+RMSNorm → fused QKV (+bias for qwen2) → per-head q/k RMSNorm (qwen3) → RoPE
+(half-split) → KV written to the paged cache → paged attention → output proj →
+RMSNorm → SwiGLU MLP, thirty-odd times, then the final norm and the LM head for
+only the rows that need logits.
+
+The arithmetic follows Hugging Face's implementation op for op where that is free
+(norm in float32, cos/sin from a float32 table, logits in float32), so that
+greedy output stays equal to the transformers reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.kv_cache import KVCache
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_weights import ModelWeights
+from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.torch_ops import TorchOps
+
+
+def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: torch.device):
+    """cos and sin for every position of the context: each [context_length, head_dim // 2], float32."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors
+    positions = torch.arange(config.context_length, dtype=torch.int64).float() / config.rope_linear_factor
+    freqs = positions[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None) -> None:
+        self.ops = ops or TorchOps()
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.rope_cos, self.rope_sin = rope_tables(config, weights.rope_freq_factors, device)
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab]."""
+        c, w, ops = self.config, self.weights, self.ops
+        num_tokens = batch.num_tokens
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        metadata = ops.prepare(batch, kv_cache.block_size)
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+
+        residual = w.embed[batch.token_ids]  # [T_padded, hidden]
+        x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
+        for layer_index, layer in enumerate(w.layers):
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, q_size + 2 * kv_size]
+            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = ops.rope(q, cos, sin)
+            k = ops.rope(k, cos, sin)
+            k_cache, v_cache = kv_cache.layer(layer_index)
+            ops.write_kv(k[:num_tokens], v[:num_tokens].contiguous(), k_cache, v_cache, batch.slot_mapping)
+            attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
+            x, residual = ops.add_rms_norm(F.linear(attn.view(-1, q_size), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
+            mlp = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
+            x, residual = ops.add_rms_norm(mlp, residual, next_norm, c.rms_norm_eps)
+
+        logits = F.linear(x[batch.logits_indices], w.lm_head).float()
+        return logits[: batch.num_logits]

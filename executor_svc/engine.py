@@ -1,0 +1,312 @@
+"""The executor engine: requests in, one step per plan, tokens out.
+
+The engine does exactly what a plan says. It holds every request's tokens and KV
+blocks; the scheduler decides who runs and how many tokens each computes. A
+request is *prefilling* while tokens it already knows (its prompt, or prompt and
+output after a preemption) are not in the KV cache yet; when a step computes up
+to its last known token, that step also samples its next token.
+
+Every plan is validated before anything changes, so a bad plan raises and the
+engine carries on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError
+from executor_svc.gguf_file import open_gguf
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import Transformer
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_source import resolve_model_path
+from executor_svc.model_weights import load_weights
+from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.request_state import FinishReason, NewRequest, RequestState
+from executor_svc.sampler import SampledToken, SampleSpec, sample
+from executor_svc.tokenizer import TokenizerInfo, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"  # "default" (the embedded SmolLM2) or a path to a .gguf
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan
+    batch_invariant: bool = True  # a request's result does not depend on its batch (see ragged_batch.py)
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_tokens: int  # tokens to compute this step: a prefill chunk, or 1 to decode
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # finished or aborted: free everything
+    preempted: list[str] = field(default_factory=list)  # free KV, keep tokens, recompute later
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # empty mid-prefill
+    finish_reason: FinishReason | None
+    num_computed_tokens: int  # tokens in KV after this step
+    logprobs: list[SampledToken]  # one per new token when logprobs were asked for, else empty
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    outputs: list[RequestOutput]
+    num_computed_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    timings: StepTimings
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_path = resolve_model_path(config.model)
+        gguf = open_gguf(self.model_path)
+        self.model_config = ModelConfig.from_gguf(gguf)
+        self.tokenizer = load_tokenizer(gguf)
+        weights = load_weights(gguf, self.model_config, config.torch_dtype, self.device)
+        self.model = Transformer(self.model_config, weights, self.device)
+        self.kv_cache = KVCache.from_memory_budget(
+            self.model_config, config.kv_cache_bytes, config.block_size, config.torch_dtype, self.device
+        )
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._row_multiple = 4 if config.batch_invariant else 1
+        self._requests: dict[str, RequestState] = {}
+
+    # ----------------------------------------------------------------- requests
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def get_request(self, request_id: str) -> RequestState:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+
+    def validate_new_request(self, new: NewRequest) -> None:
+        ctx, vocab = self.model_config.context_length, self.model_config.vocab_size
+        if not new.request_id:
+            raise InvalidRequestError("request_id must not be empty")
+        if new.request_id in self._requests:
+            raise InvalidRequestError(f"request id {new.request_id!r} is already in flight")
+        if not new.prompt_token_ids:
+            raise InvalidRequestError(f"request {new.request_id!r}: prompt_token_ids is empty")
+        if len(new.prompt_token_ids) >= ctx:
+            raise InvalidRequestError(
+                f"request {new.request_id!r}: prompt of {len(new.prompt_token_ids)} tokens leaves no room "
+                f"to generate in the model's context of {ctx} tokens"
+            )
+        bad = [t for t in new.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"request {new.request_id!r}: prompt_token_ids {bad[:5]} outside the vocabulary [0, {vocab})"
+            )
+        bad_stop = [t for t in new.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise InvalidRequestError(
+                f"request {new.request_id!r}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab})"
+            )
+        if new.max_new_tokens <= 0:
+            raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
+
+    def add_request(self, new: NewRequest) -> None:
+        self.validate_new_request(new)
+        self._insert(new)
+
+    def _insert(self, new: NewRequest) -> None:
+        seed = new.sampling.seed if new.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._requests[new.request_id] = RequestState(
+            request_id=new.request_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling=new.sampling,
+            seed=seed,
+            max_new_tokens=new.max_new_tokens,
+            stop_token_ids=frozenset(new.stop_token_ids),
+            ignore_eos=new.ignore_eos,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a request and free its KV; releasing an unknown (e.g. already finished) id is a no-op."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.kv_cache.release(state.block_ids)
+
+    def preempt(self, request_id: str) -> None:
+        """Free a request's KV but keep its tokens; later steps recompute them."""
+        state = self.get_request(request_id)
+        self.kv_cache.release(state.block_ids)
+        state.num_computed_tokens = 0
+        state.num_preemptions += 1
+
+    # -------------------------------------------------------------------- steps
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Execute one plan. Raises InvalidRequestError (nothing changed) or
+        OutOfKVBlocksError (the plan's releases, preemptions and new requests took
+        effect, no tokens were computed)."""
+        t0 = time.perf_counter()
+        self._validate(plan)
+        for request_id in plan.released:
+            self.release(request_id)
+        for request_id in plan.preempted:
+            self.preempt(request_id)
+        for new in plan.new_requests:
+            self._insert(new)
+
+        scheduled = [(self._requests[s.request_id], s.num_tokens) for s in plan.scheduled]
+        needed = sum(self.kv_cache.num_new_blocks_needed(r.block_ids, r.num_computed_tokens + n) for r, n in scheduled)
+        if needed > self.kv_cache.num_free_blocks:
+            raise OutOfKVBlocksError(
+                f"the plan needs {needed} new KV blocks but only {self.kv_cache.num_free_blocks} are free"
+            )
+        for state, num_tokens in scheduled:
+            self.kv_cache.grow(state.block_ids, state.num_computed_tokens + num_tokens)
+
+        if not scheduled:
+            return self._step_output([], 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
+
+        slices, specs, samplers = [], [], []
+        for state, num_tokens in scheduled:
+            start = state.num_computed_tokens
+            is_last_chunk = start + num_tokens == len(state.token_ids)
+            slices.append(
+                RequestSlice(state.token_ids[start : start + num_tokens], start, state.block_ids, int(is_last_chunk))
+            )
+            if is_last_chunk:
+                samplers.append(state)
+                specs.append(SampleSpec(state.sampling, state.seed, state.num_output_tokens))
+        batch = RaggedBatch.build(slices, self.kv_cache.block_size, self.device, self._row_multiple)
+        t1 = time.perf_counter()
+        logits = self.model.forward(batch, self.kv_cache)
+        t2 = time.perf_counter()
+        sampled = dict(zip((s.request_id for s in samplers), sample(logits, specs)))
+
+        outputs = []
+        for state, num_tokens in scheduled:
+            state.num_computed_tokens += num_tokens
+            token = sampled.get(state.request_id)
+            if token is not None:
+                state.token_ids.append(token.token_id)
+                state.finish_reason = self._finish_reason(state, token.token_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=state.request_id,
+                    new_token_ids=[token.token_id] if token else [],
+                    finish_reason=state.finish_reason,
+                    num_computed_tokens=state.num_computed_tokens,
+                    logprobs=[token] if token and token.logprob is not None else [],
+                )
+            )
+            if state.finish_reason is not None:
+                self.release(state.request_id)
+        t3 = time.perf_counter()
+        return self._step_output(outputs, batch.num_tokens, StepTimings(t1 - t0, t2 - t1, t3 - t2))
+
+    def _validate(self, plan: StepPlan) -> None:
+        new_ids = set()
+        for new in plan.new_requests:
+            self.validate_new_request(new)
+            if new.request_id in new_ids:
+                raise InvalidRequestError(f"request id {new.request_id!r} appears twice in new_requests")
+            new_ids.add(new.request_id)
+        gone = set(plan.released) | set(plan.preempted)
+        for request_id in plan.preempted:
+            if request_id not in self._requests:
+                raise UnknownRequestError(f"cannot preempt unknown request id {request_id!r}")
+        seen: set[str] = set()
+        total = 0
+        for s in plan.scheduled:
+            if s.request_id in seen:
+                raise InvalidRequestError(f"request {s.request_id!r} is scheduled twice in one step")
+            seen.add(s.request_id)
+            if s.request_id in new_ids:
+                new = next(n for n in plan.new_requests if n.request_id == s.request_id)
+                num_computed, num_known = 0, len(new.prompt_token_ids)
+            elif s.request_id in self._requests and s.request_id not in plan.released:
+                state = self._requests[s.request_id]
+                num_known = len(state.token_ids)
+                num_computed = 0 if s.request_id in gone else state.num_computed_tokens
+            else:
+                raise UnknownRequestError(f"the plan schedules unknown request id {s.request_id!r}")
+            if s.num_tokens <= 0:
+                raise InvalidRequestError(f"request {s.request_id!r}: num_tokens must be > 0, got {s.num_tokens}")
+            if num_computed + s.num_tokens > num_known:
+                raise InvalidRequestError(
+                    f"request {s.request_id!r}: cannot compute {s.num_tokens} tokens, "
+                    f"only {num_known - num_computed} are not yet in KV"
+                )
+            total += s.num_tokens
+        if total > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"the plan computes {total} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+
+    def _finish_reason(self, state: RequestState, token_id: int) -> FinishReason | None:
+        if token_id in self.eos_token_ids and not state.ignore_eos:
+            return FinishReason.EOS
+        if token_id in state.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if state.num_output_tokens >= state.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(state.token_ids) >= self.model_config.context_length:
+            return FinishReason.CONTEXT_FULL
+        return None
+
+    def _step_output(self, outputs: list[RequestOutput], num_tokens: int, timings: StepTimings) -> StepOutput:
+        return StepOutput(
+            outputs=outputs,
+            num_computed_tokens=num_tokens,
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            num_total_blocks=self.kv_cache.num_usable_blocks,
+            timings=timings,
+        )

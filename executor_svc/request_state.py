@@ -1,0 +1,49 @@
+"""What the executor holds for one request: its tokens, its KV blocks, why it stopped."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from executor_svc.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"  # sampled an end-of-sequence token (and ignore_eos is off)
+    STOP_TOKEN = "stop_token"  # sampled one of the request's stop token ids
+    LENGTH = "length"  # produced max_new_tokens
+    CONTEXT_FULL = "context_full"  # prompt + output reached the model's context length
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt followed by output
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    seed: int
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,38 @@
+"""How one request wants its tokens chosen."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from executor_svc.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    min_p: float = 0.0  # drop tokens below min_p × the top token's probability
+    seed: int | None = None  # None: the engine draws one, so a request is reproducible internally
+    num_logprobs: int = 0  # also report the top-n log-probabilities at each sampled position
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.num_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"num_logprobs must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

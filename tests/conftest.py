@@ -1,0 +1,39 @@
+"""Shared fixtures: the embedded model in the engine, and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The reference never fetches anything from a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from executor_svc.model_source import resolve_model_path
+
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def engine_fp32():
+    """The embedded model, float32, batch-invariant: shared by the correctness tests."""
+    from executor_svc.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="default", dtype="float32", kv_cache_bytes=512 << 20))
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path):
+    """transformers loading the same GGUF, float32: the correctness reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(default_model_path.parent), default_model_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return tokenizer, model

@@ -1,0 +1,189 @@
+"""Tiny random GGUF models written with the `gguf` writer, for fast tests.
+
+Each has a real (small) byte-level BPE tokenizer in its metadata, so the engine and
+transformers can both load it. Quantized tensor types the `gguf` package cannot
+quantize (the K-quants) are written as random blocks with sane fp16 scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf.constants import GGML_QUANT_SIZES
+
+# GPT-2's byte-to-unicode table: every byte as a printable character.
+_BYTE_CHARS = (
+    list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+)
+
+
+def byte_alphabet() -> list[str]:
+    cs = list(_BYTE_CHARS)
+    n = 0
+    for b in range(256):
+        if b not in _BYTE_CHARS:
+            cs.append(256 + n)
+            n += 1
+    bs = list(_BYTE_CHARS) + [b for b in range(256) if b not in _BYTE_CHARS]
+    table = dict(zip(bs, (chr(c) for c in cs)))
+    return [table[b] for b in range(256)]
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 3 control tokens, 256 bytes, one token per merge."""
+    tokens = list(SPECIAL_TOKENS) + byte_alphabet()
+    for merge in MERGES:
+        tokens.append(merge.replace(" ", ""))
+    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    return tokens, types, list(MERGES)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    architecture: str = "llama"  # llama | qwen2 | qwen3
+    tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    context_length: int = 512
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    seed: int = 0
+
+
+def _block_elements(qtype: GGMLQuantizationType) -> int:
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+def random_k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Random K-quant bytes [rows, cols / 256 * block_bytes] with finite, small scales."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    scale = lambda size: rng.uniform(0.001, 0.01, size=size).astype(np.float16).view(np.uint8)  # noqa: E731
+    n = rows * (cols // block_elems)
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        # d then dmin lead the block.
+        blocks[..., 0:2] = scale(n).reshape(rows, -1, 2)
+        blocks[..., 2:4] = scale(n).reshape(rows, -1, 2)
+    elif qtype == GGMLQuantizationType.Q6_K:
+        # d is the last two bytes.
+        blocks[..., -2:] = scale(n).reshape(rows, -1, 2)
+    else:
+        raise ValueError(f"not a K-quant: {qtype.name}")
+    return blocks.reshape(rows, -1)
+
+
+def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType, rng) -> None:
+    rows, cols = values.shape
+    if qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, values.astype(np.float32))
+    elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
+        writer.add_tensor(name, random_k_quant_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+    else:
+        data = quants.quantize(values.astype(np.float32), qtype)
+        if qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=qtype)
+
+
+def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    rng = np.random.default_rng(spec.seed)
+    arch = spec.architecture
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    tokens, types, merges = tiny_vocab()
+    vocab = len(tokens)
+    h, q, kv = spec.hidden_size, spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}-{spec.tensor_type.name}")
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(h)
+    writer.add_block_count(spec.num_layers)
+    writer.add_feed_forward_length(spec.intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(
+        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+    )
+
+    def matrix(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols) * 4).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    qtype = spec.tensor_type
+    # The embedding stays in a 32-element-block type even for K-quant models, as llama.cpp often does.
+    embed_type = GGMLQuantizationType.Q8_0 if qtype != GGMLQuantizationType.F32 else qtype
+    _add_matrix(writer, "token_embd.weight", matrix(vocab, h, 4.0), embed_type, rng)
+    for i in range(spec.num_layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", norm(h))
+        _add_matrix(writer, p + "attn_q.weight", matrix(q, h), qtype, rng)
+        _add_matrix(writer, p + "attn_k.weight", matrix(kv, h), qtype, rng)
+        _add_matrix(writer, p + "attn_v.weight", matrix(kv, h), qtype, rng)
+        if arch == "qwen2":
+            writer.add_tensor(p + "attn_q.bias", (0.1 * rng.standard_normal(q)).astype(np.float32))
+            writer.add_tensor(p + "attn_k.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32))
+            writer.add_tensor(p + "attn_v.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32))
+        if arch == "qwen3":
+            writer.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+            writer.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
+        _add_matrix(writer, p + "attn_output.weight", matrix(h, q), qtype, rng)
+        writer.add_tensor(p + "ffn_norm.weight", norm(h))
+        _add_matrix(writer, p + "ffn_gate.weight", matrix(spec.intermediate_size, h), qtype, rng)
+        _add_matrix(writer, p + "ffn_up.weight", matrix(spec.intermediate_size, h), qtype, rng)
+        _add_matrix(writer, p + "ffn_down.weight", matrix(h, spec.intermediate_size), qtype, rng)
+    writer.add_tensor("output_norm.weight", norm(h))
+    if not spec.tie_word_embeddings:
+        _add_matrix(writer, "output.weight", matrix(vocab, h, 4.0), embed_type, rng)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def k_quant_spec(qtype: GGMLQuantizationType, architecture: str = "llama") -> TinyModelSpec:
+    """K-quant rows must be multiples of 256 elements."""
+    return TinyModelSpec(
+        architecture=architecture,
+        tensor_type=qtype,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=512,
+        head_dim=128 if architecture == "qwen3" else None,
+    )
+
+
+def qwen3_spec(qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> TinyModelSpec:
+    """Qwen3's head_dim (128) is not hidden_size / num_heads, as in the real models."""
+    return TinyModelSpec("qwen3", qtype, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=128, rope_theta=1e6)

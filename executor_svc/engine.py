@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -191,11 +192,11 @@ class Engine:
     # -------------------------------------------------------------------- steps
 
     def step(self, plan: StepPlan) -> StepOutput:
-        """Execute one plan. Raises InvalidRequestError (nothing changed) or
-        OutOfKVBlocksError (the plan's releases, preemptions and new requests took
-        effect, no tokens were computed)."""
+        """Execute one plan. Raises InvalidRequestError or OutOfKVBlocksError with
+        nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
         self._validate(plan)
+        self._check_kv_room(plan)
         for request_id in plan.released:
             self.release(request_id)
         for request_id in plan.preempted:
@@ -204,11 +205,6 @@ class Engine:
             self._insert(new)
 
         scheduled = [(self._requests[s.request_id], s.num_tokens) for s in plan.scheduled]
-        needed = sum(self.kv_cache.num_new_blocks_needed(r.block_ids, r.num_computed_tokens + n) for r, n in scheduled)
-        if needed > self.kv_cache.num_free_blocks:
-            raise OutOfKVBlocksError(
-                f"the plan needs {needed} new KV blocks but only {self.kv_cache.num_free_blocks} are free"
-            )
         for state, num_tokens in scheduled:
             self.kv_cache.grow(state.block_ids, state.num_computed_tokens + num_tokens)
 
@@ -290,6 +286,23 @@ class Engine:
             raise InvalidRequestError(
                 f"the plan computes {total} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens}"
             )
+
+    def _check_kv_room(self, plan: StepPlan) -> None:
+        """Blocks the plan needs, counted after its releases and preemptions free theirs."""
+        leaving = [self._requests[r] for r in {*plan.released, *plan.preempted} if r in self._requests]
+        holders = Counter(b for state in leaving for b in state.block_ids)
+        freed = sum(1 for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n)
+        emptied = {state.request_id for state in leaving}
+        needed = 0
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if state is None or s.request_id in emptied:  # new, or starting over after a preemption
+                needed += self.kv_cache.num_blocks_for(s.num_tokens)
+            else:
+                needed += self.kv_cache.num_new_blocks_needed(state.block_ids, state.num_computed_tokens + s.num_tokens)
+        available = self.kv_cache.num_free_blocks + freed
+        if needed > available:
+            raise OutOfKVBlocksError(f"the plan needs {needed} new KV blocks but only {available} are free")
 
     def _finish_reason(self, state: RequestState, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids and not state.ignore_eos:

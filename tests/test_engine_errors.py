@@ -168,6 +168,10 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
     with pytest.raises(OutOfKVBlocksError, match="needs 6 new KV blocks but only 4 are free"):
         engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40), ScheduledRequest("b", 40)]))
     assert engine.kv_cache.num_free_blocks == 4
+    # All or nothing: a refused plan does not even add its new requests.
+    with pytest.raises(OutOfKVBlocksError):
+        engine.step(StepPlan(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
+    assert not engine.has_request("c")
     out = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40)]))
     assert out.outputs[0].num_computed_tokens == 40 and out.num_free_blocks == 1
 

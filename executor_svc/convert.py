@@ -1,0 +1,80 @@
+"""Protobuf ↔ engine types for the executor service (the servicer's from_pb / to_pb)."""
+
+from __future__ import annotations
+
+from swarmserve.executor.v1 import executor_pb2 as pb
+
+from executor_svc.engine import RequestOutput, ScheduledRequest, StepOutput, StepPlan
+from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.sampler import SampledToken
+from executor_svc.sampling_params import SamplingParams
+
+FINISH_REASON_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CONTEXT_FULL: pb.FINISH_REASON_CONTEXT_FULL,
+}
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        num_logprobs=msg.num_logprobs,
+    )
+
+
+def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
+    return NewRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling=sampling_from_pb(msg.sampling),
+        max_new_tokens=msg.max_new_tokens,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def plan_from_pb(msg: pb.StepRequest) -> StepPlan:
+    return StepPlan(
+        scheduled=[ScheduledRequest(s.request_id, s.num_tokens) for s in msg.scheduled],
+        new_requests=[new_request_from_pb(r) for r in msg.new_requests],
+        released=list(msg.released),
+        preempted=list(msg.preempted),
+    )
+
+
+def _logprob_to_pb(token: SampledToken) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token.token_id,
+        logprob=token.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in token.top_logprobs],
+    )
+
+
+def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
+    return pb.RequestResult(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        finish_reason=FINISH_REASON_TO_PB[out.finish_reason],
+        num_computed_tokens=out.num_computed_tokens,
+        logprobs=[_logprob_to_pb(t) for t in out.logprobs],
+    )
+
+
+def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
+    return pb.StepResponse(
+        step_id=step_id,
+        results=[_result_to_pb(r) for r in out.outputs],
+        num_free_kv_blocks=out.num_free_blocks,
+        num_total_kv_blocks=out.num_total_blocks,
+        num_computed_tokens=out.num_computed_tokens,
+        timings=pb.StepTimings(
+            prepare_s=out.timings.prepare_s, forward_s=out.timings.forward_s, sample_s=out.timings.sample_s
+        ),
+    )

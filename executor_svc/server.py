@@ -1,0 +1,124 @@
+"""The executor's gRPC servicer: a thin shell around the engine.
+
+from_pb → engine → to_pb. Steps run one at a time on a worker thread so the
+event loop keeps answering health checks while the model computes. Engine
+exceptions become status codes; the engine stays usable for the next call.
+
+The scheduler is stateless and may restart: every plan carries the scheduler's
+incarnation id. When a new id appears (at GetInfo or at a Step), whatever the
+previous scheduler left in the engine is released; a retired scheduler's later
+steps are refused with FAILED_PRECONDITION so two schedulers never fight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from swarmserve.executor.v1 import executor_pb2 as pb
+from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+from executor_svc.convert import plan_from_pb, step_output_to_pb
+from executor_svc.engine import Engine
+from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
+
+log = structlog.get_logger()
+
+SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
+
+
+class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.executor_id = uuid.uuid4().hex
+        self._scheduler_id = ""
+        self._retired_scheduler_ids: set[str] = set()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._lock = asyncio.Lock()
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def _adopt_scheduler(self, scheduler_id: str) -> int:
+        """Make `scheduler_id` the current scheduler; returns how many leftovers were released."""
+        if scheduler_id == self._scheduler_id:
+            return 0
+        leftovers = self.engine.request_ids
+        for request_id in leftovers:
+            self.engine.release(request_id)
+        if self._scheduler_id:
+            self._retired_scheduler_ids.add(self._scheduler_id)
+        log.info("scheduler_attached", scheduler_id=scheduler_id, released_requests=len(leftovers))
+        self._scheduler_id = scheduler_id
+        return len(leftovers)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        async with self._lock:
+            released = 0
+            if request.scheduler_id:
+                if request.scheduler_id in self._retired_scheduler_ids:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
+                released = await self._run(self._adopt_scheduler, request.scheduler_id)
+        engine, config, tok = self.engine, self.engine.model_config, self.engine.tokenizer
+        return pb.GetInfoResponse(
+            model_name=config.name,
+            architecture=config.architecture,
+            context_length=config.context_length,
+            vocab_size=config.vocab_size,
+            eos_token_ids=list(tok.eos_token_ids),
+            bos_token_id=tok.bos_token_id,
+            add_bos_token=tok.add_bos_token,
+            bos_token=tok.bos_token or "",
+            eos_token=tok.eos_token or "",
+            tokenizer_json=tok.to_json(),
+            chat_template=tok.chat_template or "",
+            kv_block_size=engine.kv_cache.block_size,
+            num_kv_blocks=engine.kv_cache.num_usable_blocks,
+            num_free_kv_blocks=engine.kv_cache.num_free_blocks,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            dtype=engine.config.dtype,
+            device=str(engine.device),
+            executor_id=self.executor_id,
+            num_released_requests=released,
+        )
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        if not request.scheduler_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
+        async with self._lock:
+            if request.scheduler_id in self._retired_scheduler_ids:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
+            try:
+                await self._run(self._adopt_scheduler, request.scheduler_id)
+                plan = plan_from_pb(request)
+                output = await self._run(self.engine.step, plan)
+            except OutOfKVBlocksError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # a bug, not bad input: say so, keep serving
+                log.exception("step_failed", step_id=request.step_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {type(exc).__name__}: {exc}")
+        return step_output_to_pb(request.step_id, output)
+
+
+async def serve(engine: Engine, listen: str) -> grpc.aio.Server:
+    """Start the executor's gRPC server (service + standard health) and return it."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.bound_port = port  # type: ignore[attr-defined]
+    return server

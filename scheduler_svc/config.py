@@ -1,0 +1,30 @@
+"""The scheduler's configuration, built from CLI flags and validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHING_MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    listen: str = "127.0.0.1:50051"
+    executor: str = "127.0.0.1:50052"
+    max_running_requests: int = 16  # requests in the batch at once
+    max_queued_requests: int = 256  # beyond this Generate answers RESOURCE_EXHAUSTED
+    max_num_batched_tokens: int = 256  # tokens computed per step: decodes first, then prefill chunks
+    batching: str = "continuous"  # continuous | static (fixed membership until every member finishes)
+    default_max_new_tokens: int = 1024  # when a request names none (capped by the context)
+    kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
+    executor_timeout_s: float = 60.0  # one Step RPC
+    connect_timeout_s: float = 2.0  # one connection attempt to the executor
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        for name in ("max_running_requests", "max_queued_requests", "max_num_batched_tokens", "default_max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -1,0 +1,288 @@
+"""The scheduler's pure core: who runs next step, and how many tokens each computes.
+
+No sockets, no model: requests and the executor's KV report go in, a `Plan`
+comes out, and the step's results go back in through `apply`. Tests drive it
+with fake results (see tests/test_planner.py).
+
+Each step, under one token budget (`max_num_batched_tokens`):
+1. **Decodes first.** Every running request with exactly one pending token (its
+   last sampled token) gets 1 token. If the KV cache cannot grow for it, the
+   newest running requests are preempted (KV freed, tokens kept, recomputed
+   later) until it fits — a running request is never failed for lack of KV.
+2. **Prefill chunks.** Running requests still prefilling (a prompt, or
+   prompt + output after a preemption) get what is left of the budget, oldest
+   first, cut to what the free KV holds.
+3. **Admission.** Waiting requests join in FIFO order while the batch has room,
+   budget is left, and the KV cache can hold the whole prompt plus a watermark
+   (KV-aware admission: a request is only admitted if it can finish its prefill).
+
+`static` batching fixes the batch when it forms and admits no one until every
+member has finished: the naive baseline continuous batching is measured against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledTokens:
+    request_id: str
+    num_tokens: int
+    draft_budget: int = 0
+
+
+@dataclass
+class Plan:
+    step_id: int
+    new_requests: list[Request] = field(default_factory=list)
+    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.scheduled or self.released or self.preempted)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class StepResultView:
+    """What the executor reported for one request, as plain data."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # eos | stop_token | length | context_full
+    num_computed_tokens: int
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    request: Request
+    message: str
+
+
+class Planner:
+    def __init__(self, config: SchedulerConfig, block_size: int, num_kv_blocks: int, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.num_free_blocks = num_kv_blocks
+        self.token_budget = min(config.max_num_batched_tokens, max_num_batched_tokens)
+        self.watermark_blocks = math.ceil(config.kv_watermark * num_kv_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.failures: list[RequestFailure] = []  # drained by the caller after schedule()
+        self._to_release: list[str] = []
+        self._static_batch: set[str] = set()
+        self._step_id = 0
+
+    # ------------------------------------------------------------------ queue
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._to_release)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of this many tokens fits in the whole KV cache at all."""
+        return self.blocks_for(num_tokens) <= self.num_kv_blocks - self.watermark_blocks
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """End a request the scheduler decided to end (stop string, abort, failure)."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        if request.is_known_to_executor:
+            self._to_release.append(request.request_id)
+            request.is_known_to_executor = False
+        self.requests.pop(request.request_id, None)
+        self._static_batch.discard(request.request_id)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.is_aborted = True
+        self.finish(request)
+        return request
+
+    def reset_executor_state(self) -> list[Request]:
+        """The executor lost (or will drop) everything: end every live request; returns them."""
+        live = list(self.running) + list(self.waiting)
+        for request in live:
+            request.is_known_to_executor = False
+            self.finish(request)
+        self._to_release.clear()
+        return live
+
+    # --------------------------------------------------------------- planning
+
+    def schedule(self) -> Plan:
+        self._step_id += 1
+        plan = Plan(step_id=self._step_id, released=self._to_release)
+        self._to_release = []
+        # Blocks of requests released by this plan come back only in the next report.
+        free = self.num_free_blocks
+        budget = self.token_budget
+        scheduled: dict[str, int] = {}
+
+        # 1. Decodes first; preempt the newest running requests when the KV cannot grow.
+        for request in [r for r in self.running if r.num_pending_tokens == 1]:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            need = request.num_new_blocks(1, self.block_size)
+            while need > free:
+                victim = next((r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None)
+                if victim is None:
+                    break
+                free += victim.num_blocks(self.block_size)
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+            if need > free:
+                if len(self.running) > 1:
+                    # Older requests hold the KV: this one (the newest left) waits its turn.
+                    self._preempt(request)
+                    plan.preempted.append(request.request_id)
+                elif not plan.released:  # released blocks would come back next step
+                    self._fail(request, free)
+                continue
+            scheduled[request.request_id] = 1
+            free -= need
+            budget -= 1
+
+        # 2. Prefill chunks of running requests, oldest first, cut to budget and free KV.
+        for request in self.running:
+            if budget == 0:
+                break
+            if request.request_id in scheduled or request.num_pending_tokens <= 1:
+                continue
+            fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_computed_tokens
+            n = min(request.num_pending_tokens, budget, fits)
+            if n <= 0:
+                continue
+            scheduled[request.request_id] = n
+            free -= request.num_new_blocks(n, self.block_size)
+            budget -= n
+
+        # 3. Admission, FIFO, while there is room, budget and KV for the whole prompt.
+        if self.config.batching == "static" and not self.running:
+            self._static_batch.clear()
+        forming_static_batch = self.config.batching == "static" and not self._static_batch
+        admitted_static: list[str] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            if self.config.batching == "static" and not forming_static_batch and request.request_id not in self._static_batch:
+                break
+            need_total = self.blocks_for(request.num_known_tokens + 1)
+            if not self.can_ever_fit(request.num_known_tokens + 1):
+                self.waiting.popleft()
+                self._fail(request, free)
+                continue
+            if need_total > free - self.watermark_blocks:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted_static.append(request.request_id)
+            if not request.is_known_to_executor:
+                plan.new_requests.append(request)
+                request.is_known_to_executor = True
+            n = min(request.num_pending_tokens, budget)
+            scheduled[request.request_id] = n
+            free -= request.num_new_blocks(n, self.block_size)
+            budget -= n
+        if forming_static_batch:
+            self._static_batch.update(admitted_static)
+
+        plan.scheduled = [ScheduledTokens(request_id, n) for request_id, n in scheduled.items()]
+        return plan
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _fail(self, request: Request, free: int) -> None:
+        message = (
+            f"request {request.request_id!r} needs {self.blocks_for(request.num_known_tokens + 1)} KV blocks of "
+            f"{self.block_size} tokens for its {request.num_known_tokens} tokens, but the executor's KV cache has "
+            f"{self.num_kv_blocks} blocks ({free} free with nothing left to preempt)"
+        )
+        self.finish(request)
+        self.failures.append(RequestFailure(request, message))
+
+    # ---------------------------------------------------------------- results
+
+    def apply(self, results: list[StepResultView], num_free_blocks: int, now: float) -> list[RequestUpdate]:
+        """Fold one step's results in; returns the updates of requests still live."""
+        self.num_free_blocks = num_free_blocks
+        updates = []
+        for result in results:
+            request = self.requests.get(result.request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = result.num_computed_tokens
+            request.num_drafted_tokens += result.num_drafted_tokens
+            request.num_accepted_tokens += result.num_accepted_tokens
+            request.num_cached_tokens = max(request.num_cached_tokens, result.num_cached_tokens)
+            if result.new_token_ids:
+                request.output_token_ids.extend(result.new_token_ids)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+            if result.finish_reason is not None:
+                # The executor freed it already.
+                request.is_known_to_executor = False
+                self.finish(request)
+                request.finish_time = now
+            updates.append(RequestUpdate(request, list(result.new_token_ids), result.finish_reason, result.logprobs))
+        return updates
+
+    def mark_scheduled(self, plan: Plan, now: float) -> None:
+        """Queue time ends when a request is first part of a step."""
+        for s in plan.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = now

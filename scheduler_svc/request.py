@@ -1,0 +1,69 @@
+"""The scheduler's view of one request: what to send, how far it got, when things happened.
+
+The executor owns the truth about KV; the scheduler mirrors just enough of it
+(`num_computed_tokens`, hence the blocks a request holds) to plan the next step
+without asking.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from executor_svc.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # in the batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    arrival_time: float = 0.0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # mirrors the executor: tokens whose KV is cached
+    is_known_to_executor: bool = False  # sent in a plan's new_requests (and not released since)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    is_aborted: bool = False  # the client went away or asked to stop; release at the next step
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus output: everything the executor holds for this request."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet in KV: a prefill remainder, or 1 (the last sampled token) when decoding."""
+        return self.num_known_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return math.ceil(self.num_computed_tokens / block_size)
+
+    def num_new_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks the executor must add to compute `num_tokens` more tokens."""
+        return math.ceil((self.num_computed_tokens + num_tokens) / block_size) - self.num_blocks(block_size)

@@ -1,0 +1,246 @@
+"""The scheduler's pure core, driven step by step with fake executor results (vLLM-style):
+admission order, the token budget, decodes first, preemption and resume, static vs continuous."""
+
+from __future__ import annotations
+
+import math
+
+from executor_svc.sampling_params import SamplingParams
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.request import Request, RequestStatus
+
+BLOCK = 4
+
+
+def make_planner(num_blocks=100, budget=16, max_running=4, batching="continuous", watermark=0.0):
+    config = SchedulerConfig(
+        max_running_requests=max_running, max_num_batched_tokens=budget, batching=batching, kv_watermark=watermark
+    )
+    return Planner(config, block_size=BLOCK, num_kv_blocks=num_blocks, max_num_batched_tokens=8192)
+
+
+def req(request_id, prompt_len, max_new_tokens=100):
+    return Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(), max_new_tokens)
+
+
+class FakeExecutor:
+    """Executes plans the way the real engine accounts for them: tokens, KV blocks, finishes."""
+
+    def __init__(self, planner: Planner, lengths: dict[str, int] | None = None):
+        self.planner = planner
+        self.free = planner.num_kv_blocks
+        self.blocks: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+        self.known: dict[str, int] = {}
+        self.outputs: dict[str, int] = {}
+        self.lengths = lengths or {}  # request id -> output length at which it finishes
+        self.plans: list[Plan] = []
+
+    def step(self, plan: Plan) -> list[StepResultView]:
+        self.plans.append(plan)
+        for rid in plan.released:
+            self._free(rid)
+            self.known.pop(rid, None)
+        for rid in plan.preempted:
+            self._free(rid)
+            self.computed[rid] = 0
+        for r in plan.new_requests:
+            self.known[r.request_id] = r.num_prompt_tokens
+            self.computed[r.request_id] = 0
+            self.outputs[r.request_id] = 0
+        results = []
+        for s in plan.scheduled:
+            rid = s.request_id
+            assert self.computed[rid] + s.num_tokens <= self.known[rid], f"{rid} computes past its known tokens"
+            need = math.ceil((self.computed[rid] + s.num_tokens) / BLOCK) - self.blocks.get(rid, 0)
+            assert need <= self.free, f"plan over-allocates KV for {rid}: needs {need}, {self.free} free"
+            self.free -= need
+            self.blocks[rid] = self.blocks.get(rid, 0) + need
+            self.computed[rid] += s.num_tokens
+            new, finish = [], None
+            if self.computed[rid] == self.known[rid]:
+                new = [7]
+                self.known[rid] += 1
+                self.outputs[rid] += 1
+                if self.outputs[rid] >= self.lengths.get(rid, 10**9):
+                    finish = "length"
+            results.append(StepResultView(rid, new, finish, self.computed[rid]))
+            if finish:
+                self._free(rid)
+                self.known.pop(rid)
+        self.planner.apply(results, self.free, now=0.0)
+        return results
+
+    def _free(self, rid):
+        self.free += self.blocks.pop(rid, 0)
+
+    def run_step(self):
+        return self.step(self.planner.schedule())
+
+
+def scheduled(plan):
+    return {s.request_id: s.num_tokens for s in plan.scheduled}
+
+
+def test_fifo_admission_and_chunked_prefill_under_the_budget():
+    p = make_planner(budget=16, max_running=4)
+    for rid, n in [("a", 10), ("b", 10), ("c", 30)]:
+        p.add(req(rid, n))
+    ex = FakeExecutor(p)
+    plan = p.schedule()
+    # a whole, b cut to the 6 tokens left; c waits.
+    assert scheduled(plan) == {"a": 10, "b": 6}
+    assert [r.request_id for r in plan.new_requests] == ["a", "b"]
+    ex.step(plan)
+    plan = p.schedule()
+    # Decodes first (a), then b's remainder, then c's first chunk.
+    assert list(scheduled(plan).items()) == [("a", 1), ("b", 4), ("c", 11)]
+    ex.step(plan)
+    plan = p.schedule()
+    assert scheduled(plan) == {"a": 1, "b": 1, "c": 14}
+    assert plan.num_scheduled_tokens <= 16
+
+
+def test_decodes_are_never_starved_by_prefill():
+    p = make_planner(budget=8, max_running=8)
+    for i in range(6):
+        p.add(req(f"d{i}", 2))
+    ex = FakeExecutor(p)
+    ex.run_step()  # six prefills of 2 tokens (budget 8: four admitted whole... )
+    p.add(req("long", 500))
+    for _ in range(5):
+        plan = p.schedule()
+        decodes = [rid for rid, n in scheduled(plan).items() if rid.startswith("d") and n == 1]
+        running_decoders = [r for r in p.running if r.request_id.startswith("d") and r.num_pending_tokens == 1]
+        assert len(decodes) == min(8, len(running_decoders))
+        ex.step(plan)
+
+
+def test_max_running_requests_caps_the_batch_and_finished_slots_refill_next_step():
+    p = make_planner(budget=64, max_running=2)
+    for rid in "abc":
+        p.add(req(rid, 3))
+    ex = FakeExecutor(p, lengths={"a": 2, "b": 5, "c": 5})
+    plan = p.schedule()
+    assert set(scheduled(plan)) == {"a", "b"}
+    ex.step(plan)  # a: 1 output
+    ex.run_step()  # a: 2 outputs → finished
+    assert p.requests.get("a") is None
+    plan = p.schedule()
+    assert "c" in scheduled(plan) and [r.request_id for r in plan.new_requests] == ["c"]
+
+
+def test_kv_aware_admission_waits_for_room_for_the_whole_prompt():
+    p = make_planner(num_blocks=10, budget=64, max_running=4)
+    p.add(req("a", 20))  # 6 blocks incl. one token of headroom
+    p.add(req("b", 20))  # would need 6 more
+    ex = FakeExecutor(p, lengths={"a": 1})
+    plan = p.schedule()
+    assert scheduled(plan) == {"a": 20}
+    ex.step(plan)  # a finishes immediately and frees its blocks
+    plan = p.schedule()
+    assert scheduled(plan) == {"b": 20}
+
+
+def test_preemption_newest_first_when_decodes_run_out_of_kv_and_everyone_finishes():
+    # 7 blocks of 4 tokens: three 7-token prompts take 2 blocks each, then decodes need more.
+    p = make_planner(num_blocks=7, budget=64, max_running=4)
+    for rid in "abc":
+        p.add(req(rid, 7, max_new_tokens=20))
+    ex = FakeExecutor(p, lengths={rid: 6 for rid in "abc"})
+    plan = p.schedule()
+    assert scheduled(plan) == {"a": 7, "b": 7, "c": 7}
+    ex.step(plan)
+    preempted_seen = []
+    for _ in range(200):
+        if not p.has_work:
+            break
+        plan = p.schedule()
+        preempted_seen += plan.preempted
+        ex.step(plan)
+    assert preempted_seen[0] == "c", preempted_seen
+    assert not p.failures, "a running request must never fail for lack of KV"
+    assert all(ex.outputs[rid] == 6 for rid in "abc")
+    assert ex.free == p.num_kv_blocks
+
+
+def test_preempted_request_keeps_its_tokens_and_goes_back_to_the_front():
+    p = make_planner(num_blocks=5, budget=64, max_running=4)
+    p.add(req("old", 7, max_new_tokens=50))
+    p.add(req("new", 7, max_new_tokens=50))
+    ex = FakeExecutor(p)
+    ex.run_step()
+    outputs_before = None
+    for _ in range(10):
+        plan = p.schedule()
+        if plan.preempted:
+            assert plan.preempted == ["new"]
+            victim = next(r for r in p.waiting if r.request_id == "new")
+            outputs_before = list(victim.output_token_ids)
+            assert victim.num_computed_tokens == 0 and p.waiting[0] is victim
+            ex.step(plan)
+            break
+        ex.step(plan)
+    assert outputs_before is not None
+    # When it resumes, it recomputes prompt + output in one chunk, without a new_requests entry.
+    for _ in range(100):
+        plan = p.schedule()
+        if "new" in scheduled(plan):
+            assert scheduled(plan)["new"] == 7 + len(outputs_before)
+            assert all(r.request_id != "new" for r in plan.new_requests)
+            break
+        ex.step(plan)
+    else:
+        raise AssertionError("the preempted request never resumed")
+
+
+def test_a_request_that_cannot_fit_even_alone_fails_instead_of_hanging():
+    p = make_planner(num_blocks=4, budget=64, max_running=2)
+    p.add(req("huge", 20))
+    plan = p.schedule()
+    assert not plan.scheduled
+    assert [f.request.request_id for f in p.failures] == ["huge"]
+    assert "KV blocks" in p.failures[0].message
+
+
+def test_static_batching_admits_no_one_until_the_whole_batch_finishes():
+    p = make_planner(budget=64, max_running=2, batching="static")
+    for rid in "abc":
+        p.add(req(rid, 3))
+    ex = FakeExecutor(p, lengths={"a": 1, "b": 4, "c": 1})
+    plan = p.schedule()
+    assert set(scheduled(plan)) == {"a", "b"}
+    ex.step(plan)  # a finishes after its first token
+    for _ in range(3):
+        plan = p.schedule()
+        assert set(scheduled(plan)) == {"b"}, "static batching must not refill a's slot"
+        ex.step(plan)
+    plan = p.schedule()
+    assert set(scheduled(plan)) == {"c"}
+
+
+def test_continuous_batching_refills_the_slot_on_the_next_step():
+    p = make_planner(budget=64, max_running=2, batching="continuous")
+    for rid in "abc":
+        p.add(req(rid, 3))
+    ex = FakeExecutor(p, lengths={"a": 1, "b": 4, "c": 1})
+    ex.run_step()  # a finishes
+    plan = p.schedule()
+    assert set(scheduled(plan)) == {"b", "c"}
+
+
+def test_abort_releases_at_the_next_step_and_frees_the_slot():
+    p = make_planner(budget=64, max_running=2)
+    p.add(req("a", 5))
+    p.add(req("b", 5))
+    p.add(req("c", 5))
+    ex = FakeExecutor(p)
+    ex.run_step()
+    p.abort("a")
+    p.abort("c")  # still waiting: removed without involving the executor
+    plan = p.schedule()
+    assert plan.released == ["a"]
+    assert "a" not in scheduled(plan) and "c" not in scheduled(plan)
+    ex.step(plan)
+    assert ex.free == p.num_kv_blocks - math.ceil(7 / BLOCK)  # only b's blocks remain held

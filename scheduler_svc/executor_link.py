@@ -1,0 +1,66 @@
+"""The scheduler's connection to the executor: attach, fetch the model's limits, send plans.
+
+Every attach uses a fresh scheduler incarnation id, so the executor releases
+whatever an earlier incarnation (a crashed scheduler, or this one before a
+broken step) left behind.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+from swarmserve.executor.v1 import executor_pb2 as pb
+from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from tokenizers import Tokenizer
+
+from scheduler_svc.intake import ModelLimits
+
+
+class ExecutorLink:
+    def __init__(self, address: str, connect_timeout_s: float, step_timeout_s: float) -> None:
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self.stub = pb_grpc.ExecutorServiceStub(self.channel)
+        self.scheduler_id = ""
+        self.info: pb.GetInfoResponse | None = None
+        self.limits: ModelLimits | None = None
+
+    @property
+    def is_connected(self) -> bool:
+        return self.info is not None
+
+    async def attach(self) -> pb.GetInfoResponse:
+        """GetInfo under a new incarnation id; raises grpc.aio.AioRpcError when unreachable."""
+        scheduler_id = uuid.uuid4().hex
+        info = await self.stub.GetInfo(
+            pb.GetInfoRequest(scheduler_id=scheduler_id), timeout=self.connect_timeout_s, wait_for_ready=False
+        )
+        if self.info is None or info.executor_id != self.info.executor_id:
+            self.limits = ModelLimits(
+                tokenizer=Tokenizer.from_str(info.tokenizer_json),
+                chat_template=info.chat_template or None,
+                bos_token=info.bos_token,
+                eos_token=info.eos_token,
+                context_length=info.context_length,
+                vocab_size=info.vocab_size,
+            )
+        self.scheduler_id = scheduler_id
+        self.info = info
+        return info
+
+    def detach(self) -> None:
+        """Forget the connection (after a failed step); the next attach starts clean."""
+        self.info = None
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        request.scheduler_id = self.scheduler_id
+        return await self.stub.Step(request, timeout=self.step_timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,136 @@
+"""A Generate call → a validated scheduler `Request`, or a message naming the bad field.
+
+Everything the executor would refuse is refused here first, with a message a
+person can act on, so a bad request never reaches a step plan.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from tokenizers import Tokenizer
+
+from executor_svc.errors import InvalidRequestError
+from executor_svc.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
+from scheduler_svc.request import Request
+
+DEFAULT_TEMPERATURE = 1.0
+
+
+class InvalidArgument(ValueError):
+    """The request is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What intake needs to know about the model behind the executor."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    context_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Intake:
+    request: Request
+    stop_strings: list[str]
+    include_special_tokens: bool
+
+
+def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
+    s = msg.sampling
+    try:
+        return SamplingParams(
+            temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            seed=s.seed if s.HasField("seed") else None,
+            num_logprobs=msg.num_logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise InvalidArgument(f"sampling.{exc}") from None
+
+
+def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
+    kind = msg.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt is missing: set one of text, chat or token_ids")
+    if kind == "text":
+        if not msg.text:
+            raise InvalidArgument("text is empty")
+        return limits.tokenizer.encode(msg.text, add_special_tokens=True).ids
+    if kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("token_ids is empty")
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+        return ids
+    messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    if not messages:
+        raise InvalidArgument("chat.messages is empty")
+    if not limits.chat_template:
+        raise InvalidArgument("this model has no chat template; send text or token_ids")
+    try:
+        text = render_chat_template(
+            limits.chat_template,
+            messages,
+            add_generation_prompt=True,
+            bos_token=limits.bos_token,
+            eos_token=limits.eos_token,
+        )
+    except InvalidMessagesError as exc:
+        raise InvalidArgument(f"chat.{exc}") from None
+    except ChatTemplateError as exc:
+        raise InvalidArgument(f"the chat template failed on these messages: {exc}") from None
+    # The template already wrote any BOS it wants.
+    return limits.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens: int) -> Intake:
+    sampling = _sampling(msg)
+    if msg.num_logprobs > MAX_LOGPROBS:
+        raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")
+    prompt = _prompt_token_ids(msg, limits)
+    ctx = limits.context_length
+    if len(prompt) >= ctx:
+        raise InvalidArgument(
+            f"the prompt is {len(prompt)} tokens; the model's context is {ctx} tokens, "
+            f"which leaves no room to generate"
+        )
+    room = ctx - len(prompt)
+    if msg.HasField("max_new_tokens"):
+        if msg.max_new_tokens <= 0:
+            raise InvalidArgument(f"max_new_tokens must be > 0, got {msg.max_new_tokens}")
+        if msg.max_new_tokens > room:
+            raise InvalidArgument(
+                f"max_new_tokens={msg.max_new_tokens} is beyond the context: the prompt is {len(prompt)} tokens "
+                f"and the context {ctx}, so at most {room} new tokens fit"
+            )
+        max_new_tokens = msg.max_new_tokens
+    else:
+        max_new_tokens = min(default_max_new_tokens, room)
+    bad_stop = [t for t in msg.stop_token_ids if t >= limits.vocab_size]
+    if bad_stop:
+        raise InvalidArgument(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    if any(not s for s in msg.stop):
+        raise InvalidArgument("stop strings must not be empty")
+    request = Request(
+        request_id=msg.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        arrival_time=time.monotonic(),
+    )
+    return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)

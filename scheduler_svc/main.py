@@ -1,0 +1,72 @@
+"""`swarmserve-scheduler`: serve SchedulerService, driving the executor step by step."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import structlog
+
+from executor_svc.observability.logs import LOG_FORMATS, configure_logging
+from scheduler_svc.config import BATCHING_MODES, SchedulerConfig
+from scheduler_svc.server import serve
+
+log = structlog.get_logger()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = SchedulerConfig()
+    p = argparse.ArgumentParser(prog="swarmserve-scheduler", description=__doc__)
+    p.add_argument("--listen", default=defaults.listen, help="address to serve on (default %(default)s)")
+    p.add_argument("--executor", default=defaults.executor, help="the executor's address (default %(default)s)")
+    p.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests, help="batch size cap (default %(default)s)")
+    p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests, help="queue cap (default %(default)s)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens computed per step, decodes first then prefill chunks (default %(default)s)",
+    )
+    p.add_argument("--batching", default=defaults.batching, choices=BATCHING_MODES)
+    p.add_argument("--default-max-new-tokens", type=int, default=defaults.default_max_new_tokens)
+    p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        listen=args.listen,
+        executor=args.executor,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        batching=args.batching,
+        default_max_new_tokens=args.default_max_new_tokens,
+    )
+
+
+async def run(config: SchedulerConfig) -> None:
+    server, loop, tasks = await serve(config)
+    log.info("scheduler_listening", address=config.listen, executor=config.executor, batching=config.batching)
+    stop = asyncio.Event()
+    event_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        event_loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("scheduler_stopping")
+    await server.stop(grace=1.0)
+    for task in tasks:
+        task.cancel()
+    await loop.link.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    asyncio.run(run(config_from_args(args)))
+
+
+if __name__ == "__main__":
+    main()

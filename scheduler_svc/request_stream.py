@@ -1,0 +1,93 @@
+"""One client's stream: turns token updates into GenerateResponse messages.
+
+The step loop pushes; the Generate handler pulls from `events`. Text goes through
+the incremental detokenizer and the stop-string matcher, so deltas never split a
+character and never reach past a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from tokenizers import Tokenizer
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import Request
+from scheduler_svc.stop_strings import StopStringMatcher
+
+FINISH_REASONS = {
+    "eos": pb.FINISH_REASON_EOS,
+    "stop_token": pb.FINISH_REASON_STOP_TOKEN,
+    "stop_string": pb.FINISH_REASON_STOP_STRING,
+    "length": pb.FINISH_REASON_LENGTH,
+    "context_full": pb.FINISH_REASON_CONTEXT_FULL,
+    "aborted": pb.FINISH_REASON_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """Ends the stream with a gRPC status instead of a final message."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class RequestStream:
+    def __init__(self, request: Request, tokenizer: Tokenizer, stop_strings: list[str], include_special_tokens: bool) -> None:
+        self.request = request
+        self.events: asyncio.Queue[pb.GenerateResponse | StreamError] = asyncio.Queue()
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, not include_special_tokens)
+        self._stops = StopStringMatcher(stop_strings)
+        self.is_closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def push_tokens(self, token_ids: list[int], logprobs: list) -> bool:
+        """Stream new tokens; returns True when a stop string matched (the request must end)."""
+        text = self._stops.feed(self._detokenizer.push(token_ids))
+        self._put(
+            pb.GenerateResponse(
+                request_id=self.request_id,
+                delta=pb.TokenDelta(token_ids=token_ids, text=text, logprobs=logprobs),
+            )
+        )
+        return self._stops.matched is not None
+
+    def finish(self, reason: str) -> None:
+        """Send the held-back text (unless a stop string matched) and the final message."""
+        if self.is_closed:
+            return
+        tail = "" if reason == "stop_string" else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        if tail:
+            self._put(pb.GenerateResponse(request_id=self.request_id, delta=pb.TokenDelta(text=tail)))
+        r = self.request
+        now = time.monotonic()
+        usage = pb.Usage(
+            prompt_tokens=r.num_prompt_tokens,
+            completion_tokens=len(r.output_token_ids),
+            cached_tokens=r.num_cached_tokens,
+            queue_time_s=(r.first_scheduled_time or now) - r.arrival_time,
+            ttft_s=(r.first_token_time - r.arrival_time) if r.first_token_time else 0.0,
+            total_time_s=now - r.arrival_time,
+            drafted_tokens=r.num_drafted_tokens,
+            accepted_tokens=r.num_accepted_tokens,
+            num_preemptions=r.num_preemptions,
+        )
+        final = pb.GenerateFinal(finish_reason=FINISH_REASONS[reason], usage=usage, stop_string=self._stops.matched or "")
+        self._put(pb.GenerateResponse(request_id=self.request_id, final=final))
+        self.is_closed = True
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        if not self.is_closed:
+            self._put(StreamError(code, message))
+            self.is_closed = True
+
+    def _put(self, item) -> None:
+        self.events.put_nowait(item)

@@ -1,0 +1,135 @@
+"""The scheduler's gRPC servicer: validate, enqueue, stream; cancellation frees the request.
+
+A Generate call returns as soon as it is refused (INVALID_ARGUMENT,
+ALREADY_EXISTS, RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while the
+executor is unreachable); otherwise it streams until the request ends. If the
+client goes away or its deadline passes, the handler is cancelled and the
+request is released at the next step, mid-prefill or mid-decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.executor_link import ExecutorLink
+from scheduler_svc.intake import InvalidArgument, intake
+from scheduler_svc.request_stream import RequestStream, StreamError
+from scheduler_svc.step_loop import StepLoop
+
+log = structlog.get_logger()
+
+SERVICE_NAME = "swarmserve.scheduler.v1.SchedulerService"
+CONNECT_GRACE_S = 2.0  # a request arriving mid-reconnect waits this long before UNAVAILABLE
+
+
+class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
+    def __init__(self, config: SchedulerConfig, loop: StepLoop) -> None:
+        self.config = config
+        self.loop = loop
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        loop = self.loop
+        if not loop.is_connected and not await loop.wait_connected(CONNECT_GRACE_S):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
+                "the scheduler keeps retrying",
+            )
+        limits = loop.link.limits
+        try:
+            accepted = intake(request, limits, self.config.default_max_new_tokens)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = accepted.request.request_id
+        if request_id in loop.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        planner = loop.planner
+        if not planner.can_ever_fit(accepted.request.num_prompt_tokens + 1):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt ({accepted.request.num_prompt_tokens} tokens) does not fit in the executor's KV cache "
+                f"({planner.num_kv_blocks} blocks of {planner.block_size} tokens)",
+            )
+        if planner.num_waiting >= self.config.max_queued_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the queue is full ({planner.num_waiting} requests waiting, "
+                f"max_queued_requests={self.config.max_queued_requests}); retry later",
+            )
+        stream = RequestStream(accepted.request, limits.tokenizer, accepted.stop_strings, accepted.include_special_tokens)
+        loop.submit(stream)
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        log.debug("request_queued", prompt_tokens=accepted.request.num_prompt_tokens)
+        try:
+            while True:
+                event = await stream.events.get()
+                if isinstance(event, StreamError):
+                    await context.abort(event.code, event.message)
+                yield event
+                if event.HasField("final"):
+                    return
+        finally:
+            if not stream.is_closed or request_id in loop.streams:
+                # Cancelled, deadline passed, or the client went away: free it at the next step.
+                loop.abort(request_id)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        return pb.AbortResponse(was_found=self.loop.abort(request.request_id))
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        loop, info, planner = self.loop, self.loop.link.info, self.loop.planner
+        return pb.GetServerInfoResponse(
+            model_name=info.model_name if info else "",
+            context_length=info.context_length if info else 0,
+            vocab_size=info.vocab_size if info else 0,
+            executor_address=self.config.executor,
+            is_executor_connected=loop.is_connected,
+            batching=self.config.batching,
+            max_running_requests=self.config.max_running_requests,
+            max_queued_requests=self.config.max_queued_requests,
+            num_running_requests=len(planner.running) if planner else 0,
+            num_queued_requests=planner.num_waiting if planner else 0,
+            num_free_kv_blocks=planner.num_free_blocks if planner else 0,
+            num_kv_blocks=planner.num_kv_blocks if planner else 0,
+            kv_block_size=planner.block_size if planner else 0,
+            chat_template=info.chat_template if info else "",
+        )
+
+
+async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServicer) -> None:
+    """SERVING while the executor is attached, NOT_SERVING while it is not."""
+    last = None
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if loop.is_connected else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            last = status
+        await asyncio.sleep(0.1)
+
+
+async def serve(config: SchedulerConfig) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
+    """Start the scheduler: its gRPC server, the step loop and the health tracker."""
+    link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s)
+    loop = StepLoop(config, link)
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    await server.start()
+    server.bound_port = port  # type: ignore[attr-defined]
+    tasks = [asyncio.create_task(loop.run(), name="step-loop"), asyncio.create_task(_track_health(loop, health_servicer))]
+    return server, loop, tasks

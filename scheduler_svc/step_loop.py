@@ -1,0 +1,257 @@
+"""The step loop: plan, send, apply, stream — once per step, for as long as there is work.
+
+One asyncio task runs it. Generate handlers only enqueue requests and read their
+streams, so a slow client never slows a step. When the executor cannot be
+reached, every request in flight ends with UNAVAILABLE (no hang), new ones are
+refused the same way, and the loop keeps re-attaching until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from swarmserve.executor.v1 import executor_pb2 as epb
+from swarmserve.scheduler.v1 import scheduler_pb2 as spb
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.executor_link import ExecutorLink
+from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.request_stream import RequestStream
+
+log = structlog.get_logger()
+
+EXECUTOR_FINISH_REASONS = {
+    epb.FINISH_REASON_EOS: "eos",
+    epb.FINISH_REASON_STOP_TOKEN: "stop_token",
+    epb.FINISH_REASON_LENGTH: "length",
+    epb.FINISH_REASON_CONTEXT_FULL: "context_full",
+}
+RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as the scheduler saw it: the raw material for timelines and the cost model."""
+
+    step_id: int
+    start_s: float  # time.monotonic() when the plan was sent
+    wall_s: float  # plan sent → result back
+    num_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_new_requests: int
+    num_preempted: int
+    num_free_kv_blocks: int
+    executor_forward_s: float
+    executor_total_s: float  # prepare + forward + sample, as the executor timed it
+    request_ids: tuple[str, ...]
+
+
+def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
+    return [
+        spb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[spb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top_logprobs],
+        )
+        for lp in logprobs
+    ]
+
+
+class StepLoop:
+    def __init__(self, config: SchedulerConfig, link: ExecutorLink) -> None:
+        self.config = config
+        self.link = link
+        self.planner: Planner | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.history: deque[StepRecord] = deque(maxlen=4096)
+        self.last_connect_error = ""
+        self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
+
+    # ----------------------------------------------------------- for handlers
+
+    @property
+    def is_connected(self) -> bool:
+        return self.link.is_connected and self.planner is not None
+
+    async def wait_connected(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def submit(self, stream: RequestStream) -> None:
+        """Queue a validated request (the caller checked capacity and connection)."""
+        assert self.planner is not None
+        self.planner.add(stream.request)
+        self.streams[stream.request_id] = stream
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request: it is released at the next step; its stream ends as aborted."""
+        stream = self.streams.pop(request_id, None)
+        if self.planner is not None:
+            self.planner.abort(request_id)
+        if stream is None:
+            return False
+        stream.finish("aborted")
+        self._wake.set()
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            if not self.is_connected:
+                if await self._attach():
+                    attempt = 0
+                else:
+                    await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
+                    attempt += 1
+                continue
+            planner = self.planner
+            if not planner.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = planner.schedule()
+            for failure in planner.failures:
+                self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
+            planner.failures.clear()
+            if plan.is_empty:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._run_step(plan)
+
+    async def _attach(self) -> bool:
+        try:
+            info = await self.link.attach()
+        except grpc.aio.AioRpcError as exc:
+            self.last_connect_error = f"{exc.code().name}: {exc.details()}"
+            self._connected.clear()
+            return False
+        self.planner = Planner(self.config, info.kv_block_size, info.num_kv_blocks, info.max_num_batched_tokens)
+        self.planner.num_free_blocks = info.num_free_kv_blocks
+        self.last_connect_error = ""
+        self._connected.set()
+        log.info(
+            "executor_attached",
+            executor=self.link.address,
+            model=info.model_name,
+            kv_blocks=info.num_kv_blocks,
+            released_leftovers=info.num_released_requests,
+        )
+        return True
+
+    def _plan_to_pb(self, plan: Plan) -> epb.StepRequest:
+        return epb.StepRequest(
+            step_id=plan.step_id,
+            new_requests=[
+                epb.NewRequest(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    sampling=epb.SamplingParams(
+                        temperature=r.sampling.temperature,
+                        top_p=r.sampling.top_p,
+                        top_k=r.sampling.top_k,
+                        min_p=r.sampling.min_p,
+                        seed=r.sampling.seed,
+                        num_logprobs=r.sampling.num_logprobs,
+                    ),
+                    max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=sorted(r.stop_token_ids),
+                    ignore_eos=r.ignore_eos,
+                )
+                for r in plan.new_requests
+            ],
+            scheduled=[
+                epb.ScheduledRequest(request_id=s.request_id, num_tokens=s.num_tokens, draft_budget=s.draft_budget)
+                for s in plan.scheduled
+            ],
+            released=plan.released,
+            preempted=plan.preempted,
+        )
+
+    async def _run_step(self, plan: Plan) -> None:
+        planner = self.planner
+        num_decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1)
+        start = time.monotonic()
+        planner.mark_scheduled(plan, start)
+        try:
+            response = await self.link.step(self._plan_to_pb(plan))
+        except grpc.aio.AioRpcError as exc:
+            self._lose_executor(exc)
+            return
+        end = time.monotonic()
+        results = [
+            StepResultView(
+                request_id=r.request_id,
+                new_token_ids=list(r.new_token_ids),
+                finish_reason=EXECUTOR_FINISH_REASONS.get(r.finish_reason),
+                num_computed_tokens=r.num_computed_tokens,
+                num_drafted_tokens=r.num_drafted_tokens,
+                num_accepted_tokens=r.num_accepted_tokens,
+                num_cached_tokens=r.num_cached_tokens,
+                logprobs=_logprobs_to_pb(r.logprobs),
+            )
+            for r in response.results
+        ]
+        for update in planner.apply(results, response.num_free_kv_blocks, end):
+            stream = self.streams.get(update.request.request_id)
+            if stream is None:
+                continue
+            reason = update.finish_reason
+            if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
+                reason = "stop_string"
+                planner.finish(update.request)
+                update.request.finish_time = end
+            if reason is not None:
+                stream.finish(reason)
+                del self.streams[stream.request_id]
+        t = response.timings
+        self.history.append(
+            StepRecord(
+                step_id=plan.step_id,
+                start_s=start,
+                wall_s=end - start,
+                num_requests=len(plan.scheduled),
+                num_prefill_tokens=plan.num_scheduled_tokens - num_decode,
+                num_decode_tokens=num_decode,
+                num_new_requests=len(plan.new_requests),
+                num_preempted=len(plan.preempted),
+                num_free_kv_blocks=response.num_free_kv_blocks,
+                executor_forward_s=t.forward_s,
+                executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
+                request_ids=tuple(s.request_id for s in plan.scheduled),
+            )
+        )
+
+    def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
+        """A step failed: end every request in flight and re-attach under a new incarnation."""
+        code = exc.code()
+        unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        status = grpc.StatusCode.UNAVAILABLE if unreachable else grpc.StatusCode.INTERNAL
+        message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
+        log.error("step_failed", code=code.name, details=exc.details())
+        for request in self.planner.reset_executor_state():
+            self._fail_stream(request.request_id, status, message)
+        self.planner = None
+        self.link.detach()
+        self._connected.clear()
+
+    def _fail_stream(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(code, message)

@@ -1,0 +1,415 @@
+"""`swarmserve`: generate, chat, info and serve from the command line.
+
+Exit status: 0 done, 1 the server (or startup) failed -- its status code and message on
+stderr as `error: CODE: message` --, 2 usage error, 130 interrupted with Ctrl-C (the
+request is cancelled on the server before exiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from clients.cli_output import completion_to_json, format_error, format_serve_banner, format_summary
+from clients.client import DEFAULT_SCHEDULER_ADDRESS
+from clients.completion import Completion, collect_completion
+from clients.errors import SwarmServeError
+from clients.events import TokenEvent
+from clients.serve import BATCHING_MODES, LOG_FORMATS, ServeConfig, ServeError, Supervisor
+from clients.sync_client import SwarmClient
+
+EXIT_ERROR = 1  # usage errors exit with argparse's 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+CHAT_EXIT_COMMANDS = ("/exit", "/quit")
+CHAT_PROMPT = ">>> "
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    """`1,2,3` or `1 2 3` -> [1, 2, 3]."""
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError("token ids must be >= 0")
+    return ids
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default=DEFAULT_SCHEDULER_ADDRESS, help="scheduler address (default %(default)s)")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        help="deadline in seconds for the whole call (default: none)",
+    )
+
+
+def _add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """The sampling and stopping flags; unset ones are not sent, so the server's defaults apply."""
+    _add_connection_flags(parser)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=_non_negative_int,
+        default=None,
+        help="most tokens to generate (default: the server's)",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the server's, 1)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=_non_negative_int, default=None, help="sampling seed, for reproducible sampling")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="sample EOS like any token; it does not end the request",
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop string (repeatable); not included in the output",
+    )
+    parser.add_argument(
+        "--include-special-tokens",
+        action="store_true",
+        help="keep special tokens (e.g. <|im_end|>) in the text",
+    )
+    parser.add_argument(
+        "--request-id",
+        default=None,
+        help="request id (default: the server assigns one); lets another process abort it",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with the result at the end, and nothing else on stdout",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmserve", description="swarmserve: serve a model, or generate from a running server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser("generate", help="complete a raw-text prompt, streaming the text")
+    generate.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="raw text, tokenized as is; '-' reads it from stdin",
+    )
+    generate.add_argument(
+        "--token-ids",
+        type=_token_ids,
+        default=None,
+        metavar="IDS",
+        help="an already tokenized prompt instead of PROMPT: 1,2,3",
+    )
+    _add_request_flags(generate)
+    generate.set_defaults(run=_run_generate)
+
+    chat = commands.add_parser("chat", help="chat with the model: a REPL on stdin, or one turn with --message")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    chat.add_argument(
+        "--message",
+        default=None,
+        metavar="TEXT",
+        help="one user message; answer it and exit instead of reading stdin",
+    )
+    _add_request_flags(chat)
+    chat.set_defaults(run=_run_chat)
+
+    info = commands.add_parser("info", help="print the scheduler's GetServerInfo as JSON")
+    _add_connection_flags(info)
+    info.set_defaults(run=_run_info)
+
+    serve = commands.add_parser("serve", help="start the executor and the scheduler and supervise them until Ctrl-C")
+    defaults = ServeConfig()
+    serve.add_argument(
+        "--executor-listen",
+        default=defaults.executor_listen,
+        metavar="ADDR",
+        help="(default %(default)s)",
+    )
+    serve.add_argument(
+        "--scheduler-listen",
+        default=defaults.scheduler_listen,
+        metavar="ADDR",
+        help="(default %(default)s)",
+    )
+    serve.add_argument("--model", default=defaults.model, help="'default' (the embedded model) or a path to a .gguf")
+    serve.add_argument(
+        "--dtype",
+        default=None,
+        help="executor compute dtype, e.g. float32 or bfloat16 (default: the executor's)",
+    )
+    serve.add_argument("--device", default=None, help="executor torch device (default: the executor's)")
+    serve.add_argument(
+        "--kv-cache-gb",
+        type=_positive_float,
+        default=None,
+        help="GiB for the paged KV cache (default: the executor's)",
+    )
+    serve.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=None,
+        help="tokens per KV block (default: the executor's)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="executor torch threads (default: torch's choice)",
+    )
+    serve.add_argument("--batching", choices=BATCHING_MODES, default=None, help="(default: the scheduler's)")
+    serve.add_argument("--max-running-requests", type=_positive_int, default=None)
+    serve.add_argument("--max-queued-requests", type=_non_negative_int, default=None)
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="per-step token budget, given to both",
+    )
+    serve.add_argument(
+        "--default-max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help="for requests that set no max_new_tokens (default: the scheduler's)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="both servers' log format (default: theirs)",
+    )
+    serve.add_argument(
+        "--startup-timeout",
+        type=_positive_float,
+        default=defaults.startup_timeout_s,
+        metavar="S",
+        help="seconds each server may take to become ready (default %(default)g)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL (default %(default)g)",
+    )
+    serve.set_defaults(run=_run_serve)
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        executor_listen=args.executor_listen,
+        scheduler_listen=args.scheduler_listen,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_gb=args.kv_cache_gb,
+        block_size=args.block_size,
+        threads=args.threads,
+        batching=args.batching,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        default_max_new_tokens=args.default_max_new_tokens,
+        log_format=args.log_format,
+        startup_timeout_s=args.startup_timeout,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a usage error exits with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("generate", "chat"):
+        args.stop = args.stop or []
+    if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
+        parser.error("generate: give exactly one of PROMPT or --token-ids")
+    if args.command == "serve":
+        try:
+            args.config = serve_config(args)
+        except ValueError as error:
+            parser.error(f"serve: {error}")
+    return args
+
+
+def request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The client keyword arguments the request flags stand for (None: not given)."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "stop": list(args.stop),
+        "ignore_eos": args.ignore_eos,
+        "include_special_tokens": args.include_special_tokens,
+        "request_id": args.request_id,
+    }
+
+
+def _stream_turn(client: SwarmClient, args: argparse.Namespace, *, is_chat: bool, **prompt: Any) -> Completion:
+    """Run one request: stream its text to stdout (or keep quiet for --json), then report it."""
+    events = []
+    with client.generate(**prompt, **request_kwargs(args)) as stream:
+        for event in stream:
+            events.append(event)
+            if isinstance(event, TokenEvent) and event.text and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    completion = collect_completion(stream.request_id or "", events)
+    if args.json:
+        print(json.dumps(completion_to_json(completion)), flush=True)
+    else:
+        # End the line for the terminal (and between chat turns); a pipe gets the text exactly.
+        if (is_chat or sys.stdout.isatty()) and not completion.text.endswith("\n"):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        print(format_summary(completion), file=sys.stderr, flush=True)
+    return completion
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    if args.token_ids is not None:
+        prompt: dict[str, Any] = {"token_ids": args.token_ids}
+    else:
+        prompt = {"prompt": sys.stdin.read() if args.prompt == "-" else args.prompt}
+    with SwarmClient(args.server, timeout=args.timeout) as client:
+        _stream_turn(client, args, is_chat=False, **prompt)
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    """A conversation: each user line is a turn, the reply joins the history.
+
+    Interactively, a failed turn is reported and dropped and the REPL goes on; with
+    piped input the script stops there, since later lines assumed that reply.
+    """
+    history = [{"role": "system", "content": args.system}] if args.system is not None else []
+    with SwarmClient(args.server, timeout=args.timeout) as client:
+        if args.message is not None:
+            _stream_turn(client, args, is_chat=True, messages=[*history, {"role": "user", "content": args.message}])
+            return 0
+        is_interactive = sys.stdin.isatty()
+        num_failed_turns = 0
+        while True:
+            if is_interactive:
+                sys.stderr.write(CHAT_PROMPT)
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:  # EOF / Ctrl-D
+                if is_interactive:
+                    sys.stderr.write("\n")
+                break
+            text = line.rstrip("\r\n")
+            if text.strip() in CHAT_EXIT_COMMANDS:
+                break
+            if not text.strip():
+                continue
+            turn = [*history, {"role": "user", "content": text}]
+            try:
+                completion = _stream_turn(client, args, is_chat=True, messages=turn)
+            except SwarmServeError as error:
+                print(format_error(error), file=sys.stderr, flush=True)
+                if not is_interactive:
+                    return EXIT_ERROR
+                num_failed_turns += 1
+                continue
+            history = [*turn, {"role": "assistant", "content": completion.text}]
+    return EXIT_ERROR if num_failed_turns else 0
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    with SwarmClient(args.server, timeout=args.timeout) as client:
+        info = client.server_info()
+    print(json.dumps(dataclasses.asdict(info), indent=2), flush=True)
+    return 0
+
+
+async def _serve(config: ServeConfig) -> int:
+    supervisor = Supervisor(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, supervisor.request_stop)
+    try:
+        ready = await supervisor.start()
+        child_exit = None
+        if ready is not None:
+            print(format_serve_banner(ready.executor_address, ready.scheduler_address, ready.model_name), flush=True)
+            child_exit = await supervisor.wait()
+        if child_exit is None:
+            print("swarmserve: stopping", file=sys.stderr, flush=True)
+    except ServeError as error:
+        print(format_error(error), file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    finally:
+        await supervisor.stop()
+    if child_exit is not None:
+        print(f"error: the {child_exit.describe()}; stopped the other server", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    print("swarmserve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(args.config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return args.run(args)
+    except SwarmServeError as error:
+        print(format_error(error), file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\ncancelled", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`): the request was cancelled on the way out;
+        # point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
+    except (TimeoutError, ValueError) as error:
+        print(format_error(error), file=sys.stderr, flush=True)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Waiting for a server to report SERVING on the standard grpc.health.v1 service.
+
+Both servers register it (the executor and the scheduler), so one loop serves the
+client's `wait_ready` and `swarmserve serve`'s startup. Each probe waits for the
+connection (`wait_for_ready`) with a short deadline, so a server that is still
+loading its model, not yet listening, or listening but NOT_SERVING all read the same:
+not ready yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# Probes are cheap and local; short ones notice readiness soon after it happens.
+PROBE_TIMEOUT_S = 1.0
+PROBE_INTERVAL_S = 0.1
+
+# Keep reconnect backoff short so a server that starts listening late is found
+# within a second rather than after gRPC's default backoff (which grows to 2 min).
+# Not "grpc.min_reconnect_backoff_ms": despite its name it is the minimum *connect
+# timeout*, and lowering it makes a busy server's slow handshake fail the connection.
+FAST_RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+async def probe(channel: grpc.aio.Channel, service: str = "", timeout: float = PROBE_TIMEOUT_S) -> str:
+    """One health check: "SERVING", "NOT_SERVING", ... or why no answer came (e.g. "UNAVAILABLE")."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True)
+    except grpc.aio.AioRpcError as error:
+        # NOT_FOUND: the server is up but has not registered `service` yet.
+        return error.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+async def wait_serving(channel: grpc.aio.Channel, timeout: float, service: str = "") -> None:
+    """Return once `service` ("" = the whole server) is SERVING; TimeoutError after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last = "no answer"
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise TimeoutError(f"not SERVING after {timeout:g}s (last health check: {last})")
+        last = await probe(channel, service, timeout=min(PROBE_TIMEOUT_S, remaining))
+        if last == "SERVING":
+            return
+        await asyncio.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - loop.time())))

@@ -109,7 +109,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 async def serve(engine: Engine, listen: str) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it."""
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+        ]
     )
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine), server)
     health_servicer = health.aio.HealthServicer()

@@ -65,6 +65,9 @@ class RequestStream:
         if self.is_closed:
             return
         tail = "" if reason == "stop_string" else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        if self._stops.matched is not None:
+            # The held-back tail completed a stop string: the output ends there.
+            reason = "stop_string"
         if tail:
             self._put(pb.GenerateResponse(request_id=self.request_id, delta=pb.TokenDelta(text=tail)))
         r = self.request

@@ -122,7 +122,7 @@ async def serve(config: SchedulerConfig) -> tuple[grpc.aio.Server, StepLoop, lis
     """Start the scheduler: its gRPC server, the step loop and the health tracker."""
     link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s)
     loop = StepLoop(config, link)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port must fail, not be shared
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

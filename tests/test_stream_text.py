@@ -1,0 +1,87 @@
+"""Streamed text: incremental detokenization and stop strings, on the embedded tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+
+from executor_svc.gguf_file import open_gguf
+from executor_svc.sampling_params import SamplingParams
+from executor_svc.tokenizer import load_tokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import Request
+from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.stop_strings import StopStringMatcher
+
+TEXTS = [
+    "plain ascii text with spaces  and\ttabs\n",
+    "東京タワー 🗼🚀🎉 naïve café — «ça va»",
+    "👩‍👩‍👧‍👦 family, 🇯🇵 flag, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math letters",
+    "def f(x):\n    return x ** 2  # ²\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return load_tokenizer(open_gguf(default_model_path)).tokenizer
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_deltas_concatenate_to_the_decoded_text_and_never_split_a_character(tokenizer, text, chunk):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    prompt = tokenizer.encode("Say:", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_the_test_text_really_splits_characters_across_tokens(tokenizer):
+    ids = tokenizer.encode(TEXTS[1], add_special_tokens=False).ids
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer):
+    ids = tokenizer.encode("hi<|im_end|>", add_special_tokens=False).ids
+    skip = IncrementalDetokenizer(tokenizer, [])
+    keep = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    assert skip.push(ids) + skip.flush() == "hi"
+    assert keep.push(ids) + keep.flush() == "hi<|im_end|>"
+
+
+def test_stop_string_split_across_deltas_is_cut_and_never_streamed():
+    m = StopStringMatcher(["STOP", "\n\n"])
+    out = [m.feed(t) for t in ["Hello wor", "ld ST", "O", "P and more"]]
+    assert "".join(out) == "Hello world "
+    assert m.matched == "STOP"
+    assert m.feed("after") == "" and m.flush() == ""
+
+
+def test_only_a_possible_start_of_a_stop_string_is_held_back():
+    m = StopStringMatcher(["</answer>"])
+    assert m.feed("a < b and c </ans") == "a < b and c "  # "</ans" may become "</answer>"
+    assert m.feed("wer is not it") == "</answer is not it"  # it did not
+    assert m.feed("x <") == "x "
+    assert m.flush() == "<"
+    assert m.matched is None
+
+
+def test_earliest_stop_string_wins():
+    m = StopStringMatcher(["bb", "a"])
+    assert m.feed("xxbbxa") == "xx" and m.matched == "bb"
+
+
+def test_a_stop_string_completed_by_the_final_flush_ends_as_stop_string(tokenizer):
+    request = Request("r", [1], SamplingParams(), 8)
+    stream = RequestStream(request, tokenizer, stop_strings=["END"], include_special_tokens=False)
+    stream.push_tokens(tokenizer.encode("text E", add_special_tokens=False).ids, [])
+    stream.push_tokens(tokenizer.encode("ND", add_special_tokens=False).ids, [])
+    stream.finish("length")
+    events = []
+    while not stream.events.empty():
+        events.append(stream.events.get_nowait())
+    text = "".join(e.delta.text for e in events if e.HasField("delta"))
+    final = events[-1].final
+    assert text == "text "
+    assert final.finish_reason == pb.FINISH_REASON_STOP_STRING and final.stop_string == "END"

@@ -1,0 +1,165 @@
+"""Bad input, a full queue, an executor that goes away and comes back, a scheduler that
+restarts: each a clear status code, never a hang, and the server keeps serving.
+
+A tiny random model keeps these fast; what is checked here is the plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
+
+from clients import AsyncSwarmClient, SwarmServeError
+from tests.stack import Stack, wait_serving
+from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=CONTEXT))
+
+
+def tiny_stack(tiny_model, tmp_path_factory, *scheduler_args) -> Stack:
+    return Stack(
+        ["--model", str(tiny_model), "--kv-cache-gb", "0.01"],
+        list(scheduler_args),
+        log_dir=tmp_path_factory.mktemp("logs"),
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = tiny_stack(tiny_model, tmp_path_factory).start()
+    yield s
+    s.stop()
+
+
+async def error_of(coro) -> SwarmServeError:
+    with pytest.raises(SwarmServeError) as info:
+        await coro
+    return info.value
+
+
+def executor_free_blocks(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as channel:
+        info = executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(), timeout=5)
+    return info.num_free_kv_blocks, info.num_kv_blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"prompt": ""}, "text is empty"),
+        ({"token_ids": []}, "token_ids is empty"),
+        ({"messages": []}, "chat.messages is empty"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens must be > 0"),
+        ({"prompt": "hi", "max_new_tokens": CONTEXT + 1}, "max_new_tokens=257 is beyond the context"),
+        ({"prompt": "a " * CONTEXT}, "leaves no room to generate"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature must be a finite number >= 0"),
+        ({"prompt": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"prompt": "hi", "top_k": -3}, "top_k must be >= 0"),
+        ({"token_ids": [5, 100000]}, "outside the vocabulary"),
+        ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(stack, kwargs, field):
+    async def main():
+        async with AsyncSwarmClient(stack.scheduler_address) as client:
+            error = await error_of(client.complete(**kwargs))
+            still_fine = await client.complete("hello", max_new_tokens=3, ignore_eos=True)
+        return error, still_fine
+
+    error, still_fine = asyncio.run(main())
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.message
+    assert len(still_fine.token_ids) == 3
+
+
+def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
+    s = tiny_stack(tiny_model, tmp_path_factory, "--max-running-requests", "1", "--max-queued-requests", "2").start()
+
+    async def main():
+        async with AsyncSwarmClient(s.scheduler_address) as client:
+            running = [
+                asyncio.create_task(client.complete("x", max_new_tokens=250, ignore_eos=True, temperature=0.0))
+                for _ in range(3)
+            ]
+            await asyncio.sleep(0.3)  # one runs, two wait
+            error = await error_of(client.complete("y", max_new_tokens=3))
+            done = await asyncio.gather(*running)
+            after = await client.complete("z", max_new_tokens=3, ignore_eos=True)
+        return error, done, after
+
+    try:
+        error, done, after = asyncio.run(main())
+    finally:
+        s.stop()
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in error.message and "max_queued_requests=2" in error.message
+    assert all(len(c.token_ids) == 250 for c in done) and len(after.token_ids) == 3
+
+
+def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_model, tmp_path_factory):
+    s = tiny_stack(tiny_model, tmp_path_factory).start()
+
+    async def in_flight_then_down():
+        async with AsyncSwarmClient(s.scheduler_address) as client:
+            task = asyncio.create_task(client.complete("x", max_new_tokens=200, ignore_eos=True))
+            await asyncio.sleep(0.5)
+            s.kill_executor()
+            t0 = time.monotonic()
+            in_flight = await error_of(task)
+            new = await error_of(client.complete("y", max_new_tokens=3))
+            return in_flight, new, time.monotonic() - t0
+
+    try:
+        in_flight, new, elapsed = asyncio.run(in_flight_then_down())
+        assert in_flight.code == grpc.StatusCode.UNAVAILABLE and "executor" in in_flight.message
+        assert new.code == grpc.StatusCode.UNAVAILABLE and "unreachable" in new.message
+        assert elapsed < 10
+        s.start_executor()  # same address
+        wait_serving(s.scheduler_address, 30)
+
+        async def again():
+            async with AsyncSwarmClient(s.scheduler_address) as client:
+                return await client.complete("back", max_new_tokens=4, ignore_eos=True)
+
+        assert len(asyncio.run(again()).token_ids) == 4
+    finally:
+        s.stop()
+
+
+def test_no_kv_survives_a_scheduler_restart(tiny_model, tmp_path_factory):
+    s = tiny_stack(tiny_model, tmp_path_factory).start()
+
+    async def start_long_requests():
+        client = AsyncSwarmClient(s.scheduler_address)
+        tasks = [asyncio.create_task(client.complete("x " * 20, max_new_tokens=200, ignore_eos=True)) for _ in range(3)]
+        for _ in range(200):  # kill it mid-generation, as soon as the requests hold KV
+            free, total = executor_free_blocks(s.executor_address)
+            if free < total:
+                break
+            await asyncio.sleep(0.01)
+        s.kill_scheduler()
+        for task in tasks:
+            error = await error_of(task)
+            assert error.code == grpc.StatusCode.UNAVAILABLE, error
+        await client.close()
+        return free, total
+
+    try:
+        held_free, total = asyncio.run(start_long_requests())
+        assert held_free < total, "the requests should hold KV before the restart"
+        assert executor_free_blocks(s.executor_address)[0] < total, "the dead scheduler's requests still hold KV"
+        s.start_scheduler()
+        free, total = executor_free_blocks(s.executor_address)
+        assert free == total, f"{total - free} KV blocks survived the scheduler restart"
+    finally:
+        s.stop()

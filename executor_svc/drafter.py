@@ -1,0 +1,430 @@
+"""The model-free drafter: draft tokens from the longest recent suffix match.
+
+Speculation needs a guess of the next few tokens that is often right and costs
+next to nothing. Coding agents copy a lot from their context (files they read,
+tool output, their own earlier edits), so the guess is: find the most recent
+earlier place where the last few tokens occurred and propose what followed there
+(prompt-lookup / suffix decoding). No model and no device, just an index over
+each request's own tokens (prompt + output), and optionally a swarm-wide index
+over every request's output, because agents in one swarm repeat each other.
+
+The rule, exactly (`max_ngram >= n >= min_ngram`):
+  1. take the longest n such that the last n tokens occurred earlier in the
+     history with at least one token after them;
+  2. of the occurrences of that n-gram take the most recent one;
+  3. propose the tokens that followed it, at most `max_tokens`, ending at the
+     current end of the history (a continuation may run into the suffix itself).
+
+Worked example, max_ngram=3, max_tokens=4:
+
+    position   0 1 2 3 4 5 6 7 8 9
+    token      a b c d b c e a b c
+
+    n=3: [a b c] occurred at 0..2, followed by d  -> the longest match
+    (n=2: [b c] occurred more recently at 4..5, but a longer match wins)
+    propose positions 3..6: [d b c e]
+
+    position   0 1 2 3 4 5 6 7
+    token      a b c a b c a b
+
+    n=3: [c a b] occurred at 2..4 (and nowhere later but the suffix itself)
+    propose positions 5..7: [c a b], which runs into the suffix and stops at the end
+
+The index is a trie of reversed contexts. Each position p (a token with tokens
+before it) is filed under its context read backwards, t[p-1], t[p-2], ...,
+t[p-max_ngram]: the node at depth n is the n-gram t[p-n:p], and it remembers the
+latest position that followed it. Proposing walks the current suffix backwards
+down the same trie; the deepest node reached is the longest match and its latest
+position the most recent occurrence. Appending a token files one position and
+proposing walks one path, each at most max_ngram dict lookups plus O(1) work per
+level, whatever the history's length; the draft is a slice of the history.
+
+Most contexts longer than a few tokens occur once, so a node that only one
+position has reached stays a *lazy leaf*: its subtree is implied by that
+position's own tokens, which a query compares in place, and it is expanded one
+level when a second position arrives. Text that repeats costs at most max_ngram
+nodes per token, fresh text one or two (code-like text: ~2 nodes and ~250 bytes a
+token, 8 MB for a 32k-token request).
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+_ROOT_NODE_ID = 0
+# Trie keys pack (node id, token id) into one int, and a location packs
+# (document id, offset): both halves fit in 32 bits.
+_ID_BITS = 32
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+def _as_token_ids(token_ids: Sequence[int]) -> list[int]:
+    """A private copy of plain ints (numpy or torch scalars welcome) that fit a trie key."""
+    copied = list(map(operator.index, token_ids))
+    if copied and (min(copied) < 0 or max(copied) > _ID_MASK):
+        raise ValueError(f"token ids must be in [0, 2**{_ID_BITS}), got {min(copied)}..{max(copied)}")
+    return copied
+
+
+def _check_ngram_range(max_ngram: int, min_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+
+
+class SuffixMatch(NamedTuple):
+    """The longest recent suffix match: the draft is `token_ids[start:]`, capped."""
+
+    num_matched_tokens: int  # n, the length of the matched suffix
+    token_ids: Sequence[int]  # the history that holds the continuation; read, never kept
+    start: int  # where the continuation begins in token_ids
+
+    def draft(self, max_tokens: int) -> list[int]:
+        return list(self.token_ids[self.start : self.start + max(max_tokens, 0)])
+
+    def num_draft_tokens(self, max_tokens: int) -> int:
+        """len(draft(max_tokens)) without copying."""
+        return max(0, min(max_tokens, len(self.token_ids) - self.start))
+
+
+class _ContextTrie:
+    """The reversed-context trie over a set of documents (see the module docstring).
+
+    A *location* is a position in a document, packed as doc_id << 32 | offset.
+    Every node keeps the latest location filed under it and how many are, so a
+    document can be removed again (the swarm index evicts). `documents` belongs to
+    the owner, which appends tokens before filing them and deletes a document only
+    after removing it from the trie.
+    """
+
+    def __init__(self, documents: dict[int, list[int]], max_ngram: int) -> None:
+        self._documents = documents
+        self._max_ngram = max_ngram
+        self._child_ids: dict[int, int] = {}  # node_id << 32 | token_id -> child node id
+        self._latest_locations = array("q", [0])  # per node
+        self._num_locations = array("q", [0])  # per node; 0 = unused
+        self._is_expanded = bytearray(b"\x01")  # per node; 0 = a lazy leaf (exactly one location under it)
+        self._free_node_ids: list[int] = []
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in use, the root excluded: the trie's memory, about one per indexed token."""
+        return len(self._num_locations) - 1 - len(self._free_node_ids)
+
+    def insert(self, doc_id: int, offset: int) -> None:
+        """File the position `offset` of a document under its context (the document already holds it)."""
+        token_ids = self._documents[doc_id]
+        location = doc_id << _ID_BITS | offset
+        node_id = _ROOT_NODE_ID
+        for depth in range(min(self._max_ngram, offset)):
+            key = node_id << _ID_BITS | token_ids[offset - 1 - depth]
+            child_id = self._child_ids.get(key)
+            if child_id is None:
+                self._child_ids[key] = self._new_lazy_leaf(location)
+                return
+            if not self._is_expanded[child_id]:
+                self._expand(child_id, depth + 1)
+            self._num_locations[child_id] += 1
+            self._latest_locations[child_id] = location
+            node_id = child_id
+
+    def remove(self, doc_id: int, offset: int) -> None:
+        """Undo insert(doc_id, offset); nodes no location needs any more are freed.
+
+        A node may go on remembering the removed location as its latest when other
+        locations remain under it (we do not know which of them is the newest);
+        longest_match skips such a node rather than point at removed data.
+        """
+        token_ids = self._documents[doc_id]
+        node_id = _ROOT_NODE_ID
+        for depth in range(min(self._max_ngram, offset)):
+            key = node_id << _ID_BITS | token_ids[offset - 1 - depth]
+            child_id = self._child_ids[key]
+            self._num_locations[child_id] -= 1
+            if self._num_locations[child_id] == 0:
+                # Its children, if any, lie on this same path and are freed next.
+                del self._child_ids[key]
+                self._free_node_ids.append(child_id)
+            if not self._is_expanded[child_id]:
+                return
+            node_id = child_id
+
+    def longest_match(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """(n, location): the longest suffix n-gram of `token_ids` (n <= max_ngram) filed
+        in the trie and the latest location that followed it; (0, -1) when none."""
+        num_tokens = len(token_ids)
+        max_depth = min(self._max_ngram, num_tokens)
+        node_id, depth = _ROOT_NODE_ID, 0
+        path_node_ids = []  # path_node_ids[n - 1] is the expanded node at depth n
+        while depth < max_depth:
+            child_id = self._child_ids.get(node_id << _ID_BITS | token_ids[num_tokens - 1 - depth])
+            if child_id is None:
+                break
+            node_id, depth = child_id, depth + 1
+            if not self._is_expanded[node_id]:
+                return self._match_lazy_leaf(node_id, depth, token_ids, max_depth)
+            path_node_ids.append(node_id)
+        for depth in range(len(path_node_ids), 0, -1):
+            location = self._latest_locations[path_node_ids[depth - 1]]
+            if location >> _ID_BITS in self._documents:
+                return depth, location
+        return 0, -1
+
+    def _match_lazy_leaf(self, node_id: int, depth: int, token_ids: Sequence[int], max_depth: int) -> tuple[int, int]:
+        """Below a lazy leaf the one location's own tokens are the trie: compare them in place.
+        A lazy leaf's location is always live: removing it frees the leaf."""
+        location = self._latest_locations[node_id]
+        leaf_token_ids = self._documents[location >> _ID_BITS]
+        offset = location & _ID_MASK
+        num_tokens = len(token_ids)
+        max_depth = min(max_depth, offset)
+        while depth < max_depth and leaf_token_ids[offset - 1 - depth] == token_ids[num_tokens - 1 - depth]:
+            depth += 1
+        return depth, location
+
+    def _expand(self, node_id: int, depth: int) -> None:
+        """A lazy leaf at `depth` is about to get a second location: make its one
+        location's next level explicit (if its context goes deeper)."""
+        location = self._latest_locations[node_id]
+        offset = location & _ID_MASK
+        if depth < min(self._max_ngram, offset):
+            token_id = self._documents[location >> _ID_BITS][offset - 1 - depth]
+            self._child_ids[node_id << _ID_BITS | token_id] = self._new_lazy_leaf(location)
+        self._is_expanded[node_id] = 1
+
+    def _new_lazy_leaf(self, location: int) -> int:
+        if self._free_node_ids:
+            node_id = self._free_node_ids.pop()
+            self._latest_locations[node_id] = location
+            self._num_locations[node_id] = 1
+            self._is_expanded[node_id] = 0
+            return node_id
+        self._latest_locations.append(location)
+        self._num_locations.append(1)
+        self._is_expanded.append(0)
+        return len(self._num_locations) - 1
+
+
+class RequestIndex:
+    """One request's tokens (prompt + accepted output) and their suffix index.
+
+    Only accepted tokens enter: rejected drafts never do, so nothing is ever
+    taken back.
+    """
+
+    def __init__(self, token_ids: Sequence[int] = (), *, max_ngram: int = 8, min_ngram: int = 1) -> None:
+        _check_ngram_range(max_ngram, min_ngram)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._token_ids: list[int] = []
+        self._trie = _ContextTrie({0: self._token_ids}, max_ngram)
+        self.extend(token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The history itself, not a copy: read it, do not change it."""
+        return self._token_ids
+
+    @property
+    def num_nodes(self) -> int:
+        return self._trie.num_nodes
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append accepted tokens; O(max_ngram) per token."""
+        for token_id in _as_token_ids(token_ids):
+            self._token_ids.append(token_id)
+            self._trie.insert(0, len(self._token_ids) - 1)
+
+    def match(self) -> SuffixMatch | None:
+        """The longest recent suffix match of the history, None when there is none."""
+        num_matched_tokens, location = self._trie.longest_match(self._token_ids)
+        if num_matched_tokens < self.min_ngram:
+            return None
+        return SuffixMatch(num_matched_tokens, self._token_ids, location & _ID_MASK)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` draft tokens; [] when the suffix matches nothing earlier."""
+        match = self.match()
+        return match.draft(max_tokens) if match is not None else []
+
+
+class SwarmIndex:
+    """Every request's output tokens, so one agent can draft from what another wrote.
+
+    Only outputs: prompts are mostly a shared system prompt, already in each
+    request's own index. Each request's output is one document, appended to while
+    it runs and kept after it finishes, until the index holds more than
+    `max_num_tokens` tokens; then whole documents go, oldest first (by when their
+    first token arrived), a running request's included: its later output starts a
+    new document. Document ids are never reused, so a trie node that still
+    remembers an evicted location as its latest is recognised and skipped in
+    favour of a shorter match: an eviction may cost a proposal, never give a
+    wrong one.
+    """
+
+    def __init__(self, *, max_ngram: int = 8, min_ngram: int = 1, max_num_tokens: int = 1_000_000) -> None:
+        _check_ngram_range(max_ngram, min_ngram)
+        if max_num_tokens < 0:
+            raise ValueError(f"max_num_tokens must be >= 0, got {max_num_tokens}")
+        self.min_ngram = min_ngram
+        self.max_num_tokens = max_num_tokens
+        self.num_tokens = 0
+        self._documents: dict[int, list[int]] = {}
+        self._trie = _ContextTrie(self._documents, max_ngram)
+        self._doc_ids_oldest_first: deque[int] = deque()
+        self._doc_ids_by_request_id: dict[str, int] = {}  # requests whose document is still growing
+        self._request_ids_by_doc_id: dict[int, str] = {}
+        self._next_doc_id = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self._trie.num_nodes
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._documents)
+
+    def append(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Index a request's newly accepted output tokens, then evict down to the bound."""
+        token_ids = _as_token_ids(token_ids)
+        if not token_ids:
+            return
+        doc_id = self._doc_ids_by_request_id.get(request_id)
+        if doc_id is None:
+            doc_id = self._open_document(request_id)
+        document = self._documents[doc_id]
+        for token_id in token_ids:
+            document.append(token_id)
+            self._trie.insert(doc_id, len(document) - 1)
+        self.num_tokens += len(token_ids)
+        while self.num_tokens > self.max_num_tokens:
+            self._evict_oldest()
+
+    def finish(self, request_id: str) -> None:
+        """The request produces no more output; its document stays until evicted."""
+        doc_id = self._doc_ids_by_request_id.pop(request_id, None)
+        if doc_id is not None:
+            del self._request_ids_by_doc_id[doc_id]
+
+    def match(self, token_ids: Sequence[int], *, exclude_request_id: str | None = None) -> SuffixMatch | None:
+        """The longest recent match of the suffix of `token_ids` in anyone's output.
+
+        A match in `exclude_request_id`'s own output is dropped: that request's own
+        index holds the same occurrence with at least as long a match.
+        """
+        num_matched_tokens, location = self._trie.longest_match(token_ids)
+        if num_matched_tokens < self.min_ngram:
+            return None
+        doc_id = location >> _ID_BITS
+        if exclude_request_id is not None and self._doc_ids_by_request_id.get(exclude_request_id) == doc_id:
+            return None
+        return SuffixMatch(num_matched_tokens, self._documents[doc_id], location & _ID_MASK)
+
+    def _open_document(self, request_id: str) -> int:
+        doc_id = self._next_doc_id
+        self._next_doc_id += 1
+        self._documents[doc_id] = []
+        self._doc_ids_oldest_first.append(doc_id)
+        self._doc_ids_by_request_id[request_id] = doc_id
+        self._request_ids_by_doc_id[doc_id] = request_id
+        return doc_id
+
+    def _evict_oldest(self) -> None:
+        """O(max_ngram) per evicted token, paid once per token indexed."""
+        doc_id = self._doc_ids_oldest_first.popleft()
+        document = self._documents[doc_id]
+        for offset in range(1, len(document)):
+            self._trie.remove(doc_id, offset)
+        del self._documents[doc_id]
+        self.num_tokens -= len(document)
+        request_id = self._request_ids_by_doc_id.pop(doc_id, None)
+        if request_id is not None:
+            del self._doc_ids_by_request_id[request_id]
+
+
+class Drafter:
+    """The draft source for every request of one executor.
+
+    Proposals come from the request's own index and, with `use_swarm_index`, from
+    the swarm index over everyone's output; the longer match wins, a tie goes to
+    the request's own index. No request ever gets more than `max_draft_tokens`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_ngram: int = 8,
+        min_ngram: int = 1,
+        max_draft_tokens: int = 16,
+        use_swarm_index: bool = False,
+        max_swarm_tokens: int = 1_000_000,
+    ) -> None:
+        _check_ngram_range(max_ngram, min_ngram)
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_draft_tokens = max_draft_tokens
+        self.swarm_index = (
+            SwarmIndex(max_ngram=max_ngram, min_ngram=min_ngram, max_num_tokens=max_swarm_tokens)
+            if use_swarm_index
+            else None
+        )
+        self._request_indexes: dict[str, RequestIndex] = {}
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._request_indexes
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        if request_id in self._request_indexes:
+            raise ValueError(f"request {request_id!r} is already in the drafter")
+        self._request_indexes[request_id] = RequestIndex(
+            prompt_token_ids, max_ngram=self.max_ngram, min_ngram=self.min_ngram
+        )
+
+    def append(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Accepted output tokens only (rejected drafts never enter)."""
+        self._index(request_id).extend(token_ids)
+        if self.swarm_index is not None:
+            self.swarm_index.append(request_id, token_ids)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request; its output stays in the swarm index until evicted."""
+        del self._request_indexes[request_id]
+        if self.swarm_index is not None:
+            self.swarm_index.finish(request_id)
+
+    def propose(self, request_id: str, max_tokens: int) -> list[int]:
+        """At most min(max_tokens, max_draft_tokens) draft tokens; [] when nothing matches."""
+        match = self._match(request_id)
+        return match.draft(min(max_tokens, self.max_draft_tokens)) if match is not None else []
+
+    def num_draftable(self, request_id: str) -> int:
+        """len(propose(request_id, max_draft_tokens)), without building the draft."""
+        match = self._match(request_id)
+        return match.num_draft_tokens(self.max_draft_tokens) if match is not None else 0
+
+    def _index(self, request_id: str) -> RequestIndex:
+        try:
+            return self._request_indexes[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in the drafter") from None
+
+    def _match(self, request_id: str) -> SuffixMatch | None:
+        index = self._index(request_id)
+        own_match = index.match()
+        if self.swarm_index is None:
+            return own_match
+        swarm_match = self.swarm_index.match(index.token_ids, exclude_request_id=request_id)
+        if swarm_match is None:
+            return own_match
+        if own_match is None or swarm_match.num_matched_tokens > own_match.num_matched_tokens:
+            return swarm_match
+        return own_match

@@ -28,8 +28,10 @@ from executor_svc.model_source import resolve_model_path
 from executor_svc.model_weights import load_weights
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.request_state import FinishReason, NewRequest, RequestState
-from executor_svc.sampler import SampledToken, SampleSpec, sample
-from executor_svc.tokenizer import TokenizerInfo, load_tokenizer
+from executor_svc.drafter import Drafter
+from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
+from executor_svc.tokenizer import load_tokenizer
+from executor_svc.verifier import verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,6 +46,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan
     batch_invariant: bool = True  # a request's result does not depend on its batch (see ragged_batch.py)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    max_draft_tokens: int = 16  # most speculative tokens one request may verify per step
+    use_swarm_index: bool = False  # also draft from other requests' outputs
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -64,6 +70,7 @@ class EngineConfig:
 class ScheduledRequest:
     request_id: str
     num_tokens: int  # tokens to compute this step: a prefill chunk, or 1 to decode
+    draft_budget: int = 0  # speculative tokens it may verify on top of a decode token
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_computed_tokens: int  # tokens in KV after this step
     logprobs: list[SampledToken]  # one per new token when logprobs were asked for, else empty
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draftable_tokens: int = 0  # drafts the index could propose next step
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class StepTimings:
 class StepOutput:
     outputs: list[RequestOutput]
     num_computed_tokens: int
+    num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
     num_free_blocks: int
     num_total_blocks: int
     timings: StepTimings
@@ -115,6 +126,7 @@ class Engine:
             self.model_config, config.kv_cache_bytes, config.block_size, config.torch_dtype, self.device
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
         self._row_multiple = 4 if config.batch_invariant else 1
         self._requests: dict[str, RequestState] = {}
 
@@ -175,12 +187,14 @@ class Engine:
             stop_token_ids=frozenset(new.stop_token_ids),
             ignore_eos=new.ignore_eos,
         )
+        self.drafter.add_request(new.request_id, new.prompt_token_ids)
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV; releasing an unknown (e.g. already finished) id is a no-op."""
         state = self._requests.pop(request_id, None)
         if state is not None:
             self.kv_cache.release(state.block_ids)
+            self.drafter.release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Free a request's KV but keep its tokens; later steps recompute them."""
@@ -196,7 +210,14 @@ class Engine:
         nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
         self._validate(plan)
-        self._check_kv_room(plan)
+        drafts = self._propose_drafts(plan)
+        if not self._has_kv_room(plan, drafts):
+            drafts = {}  # drafts are optional: drop them before refusing the plan
+            if not self._has_kv_room(plan, drafts):
+                raise OutOfKVBlocksError(
+                    f"the plan needs {self._num_blocks_needed(plan, drafts)} new KV blocks but only "
+                    f"{self._num_blocks_available(plan)} are free"
+                )
         for request_id in plan.released:
             self.release(request_id)
         for request_id in plan.preempted:
@@ -204,49 +225,86 @@ class Engine:
         for new in plan.new_requests:
             self._insert(new)
 
-        scheduled = [(self._requests[s.request_id], s.num_tokens) for s in plan.scheduled]
-        for state, num_tokens in scheduled:
-            self.kv_cache.grow(state.block_ids, state.num_computed_tokens + num_tokens)
-
-        if not scheduled:
-            return self._step_output([], 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
-
-        slices, specs, samplers = [], [], []
-        for state, num_tokens in scheduled:
+        work = [(self._requests[s.request_id], s.num_tokens, drafts.get(s.request_id, [])) for s in plan.scheduled]
+        if not work:
+            return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
+        slices = []
+        for state, num_tokens, draft_ids in work:
             start = state.num_computed_tokens
-            is_last_chunk = start + num_tokens == len(state.token_ids)
-            slices.append(
-                RequestSlice(state.token_ids[start : start + num_tokens], start, state.block_ids, int(is_last_chunk))
-            )
-            if is_last_chunk:
-                samplers.append(state)
-                specs.append(SampleSpec(state.sampling, state.seed, state.num_output_tokens))
+            end = start + num_tokens
+            self.kv_cache.grow(state.block_ids, end + len(draft_ids))
+            num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
+            slices.append(RequestSlice(state.token_ids[start:end] + draft_ids, start, state.block_ids, num_logits))
         batch = RaggedBatch.build(slices, self.kv_cache.block_size, self.device, self._row_multiple)
         t1 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv_cache)
+        logits = self.model.forward(batch, self.kv_cache)  # [rows needing logits, vocab]
         t2 = time.perf_counter()
-        sampled = dict(zip((s.request_id for s in samplers), sample(logits, specs)))
+        argmax_ids = logits.argmax(dim=-1).tolist()
 
         outputs = []
-        for state, num_tokens in scheduled:
-            state.num_computed_tokens += num_tokens
-            token = sampled.get(state.request_id)
-            if token is not None:
-                state.token_ids.append(token.token_id)
-                state.finish_reason = self._finish_reason(state, token.token_id)
+        row = 0
+        for (state, num_tokens, draft_ids), piece in zip(work, slices):
+            emitted, num_accepted = [], 0
+            if piece.num_logits:
+                rows = slice(row, row + piece.num_logits)
+                spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
+                emitted, num_accepted = verify(logits[rows], argmax_ids[rows], draft_ids, spec)
+                emitted = self._append_until_finish(state, emitted)
+                logprobs = [
+                    token_logprobs(logits[row + j], token_id, state.sampling.num_logprobs) for j, token_id in enumerate(emitted)
+                ]
+                row += piece.num_logits
+            # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
+            state.num_computed_tokens += num_tokens + min(num_accepted, len(emitted))
+            self.kv_cache.truncate(state.block_ids, state.num_computed_tokens)
+            if emitted:
+                self.drafter.append(state.request_id, emitted)
             outputs.append(
                 RequestOutput(
                     request_id=state.request_id,
-                    new_token_ids=[token.token_id] if token else [],
+                    new_token_ids=emitted,
                     finish_reason=state.finish_reason,
                     num_computed_tokens=state.num_computed_tokens,
-                    logprobs=[token] if token and token.logprob is not None else [],
+                    logprobs=logprobs if emitted and state.sampling.num_logprobs else [],
+                    num_drafted_tokens=len(draft_ids),
+                    num_accepted_tokens=num_accepted,
+                    num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
                 )
             )
             if state.finish_reason is not None:
                 self.release(state.request_id)
         t3 = time.perf_counter()
-        return self._step_output(outputs, batch.num_tokens, StepTimings(t1 - t0, t2 - t1, t3 - t2))
+        return self._step_output(outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2))
+
+    def _propose_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
+        """Draft tokens for decoding requests with a budget, capped so they cannot overrun
+        max_new_tokens or the context."""
+        drafts = {}
+        gone = {*plan.released, *plan.preempted}
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if not s.draft_budget or state is None or s.request_id in gone or state.num_uncomputed_tokens != 1:
+                continue
+            room = min(
+                s.draft_budget,
+                self.config.max_draft_tokens,
+                state.max_new_tokens - state.num_output_tokens - 1,
+                self.model_config.context_length - len(state.token_ids) - 1,
+            )
+            if room > 0:
+                proposed = self.drafter.propose(s.request_id, room)
+                if proposed:
+                    drafts[s.request_id] = proposed
+        return drafts
+
+    def _append_until_finish(self, state: RequestState, emitted: list[int]) -> list[int]:
+        """Append new tokens in order, stopping at the one that finishes the request; returns those appended."""
+        for i, token_id in enumerate(emitted):
+            state.token_ids.append(token_id)
+            state.finish_reason = self._finish_reason(state, token_id)
+            if state.finish_reason is not None:
+                return emitted[: i + 1]
+        return emitted
 
     def _validate(self, plan: StepPlan) -> None:
         new_ids = set()
@@ -287,22 +345,27 @@ class Engine:
                 f"the plan computes {total} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens}"
             )
 
-    def _check_kv_room(self, plan: StepPlan) -> None:
-        """Blocks the plan needs, counted after its releases and preemptions free theirs."""
+    def _num_blocks_available(self, plan: StepPlan) -> int:
+        """Free blocks once the plan's releases and preemptions have freed theirs."""
         leaving = [self._requests[r] for r in {*plan.released, *plan.preempted} if r in self._requests]
         holders = Counter(b for state in leaving for b in state.block_ids)
         freed = sum(1 for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n)
-        emptied = {state.request_id for state in leaving}
+        return self.kv_cache.num_free_blocks + freed
+
+    def _num_blocks_needed(self, plan: StepPlan, drafts: dict[str, list[int]]) -> int:
+        emptied = {*plan.released, *plan.preempted}
         needed = 0
         for s in plan.scheduled:
+            num_tokens = s.num_tokens + len(drafts.get(s.request_id, ()))
             state = self._requests.get(s.request_id)
             if state is None or s.request_id in emptied:  # new, or starting over after a preemption
-                needed += self.kv_cache.num_blocks_for(s.num_tokens)
+                needed += self.kv_cache.num_blocks_for(num_tokens)
             else:
-                needed += self.kv_cache.num_new_blocks_needed(state.block_ids, state.num_computed_tokens + s.num_tokens)
-        available = self.kv_cache.num_free_blocks + freed
-        if needed > available:
-            raise OutOfKVBlocksError(f"the plan needs {needed} new KV blocks but only {available} are free")
+                needed += self.kv_cache.num_new_blocks_needed(state.block_ids, state.num_computed_tokens + num_tokens)
+        return needed
+
+    def _has_kv_room(self, plan: StepPlan, drafts: dict[str, list[int]]) -> bool:
+        return self._num_blocks_needed(plan, drafts) <= self._num_blocks_available(plan)
 
     def _finish_reason(self, state: RequestState, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids and not state.ignore_eos:
@@ -315,10 +378,11 @@ class Engine:
             return FinishReason.CONTEXT_FULL
         return None
 
-    def _step_output(self, outputs: list[RequestOutput], num_tokens: int, timings: StepTimings) -> StepOutput:
+    def _step_output(self, outputs: list[RequestOutput], num_tokens: int, num_kv_tokens: int, timings: StepTimings) -> StepOutput:
         return StepOutput(
             outputs=outputs,
             num_computed_tokens=num_tokens,
+            num_kv_tokens=num_kv_tokens,
             num_free_blocks=self.kv_cache.num_free_blocks,
             num_total_blocks=self.kv_cache.num_usable_blocks,
             timings=timings,

@@ -80,21 +80,9 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]]  # the num_logprobs most likely (token id, logprob)
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
-    """logits [len(specs), V] float32 → one token per row."""
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
-    tokens = []
-    for row, spec in enumerate(specs):
-        if spec.params.is_greedy:
-            token_id = greedy_ids[row]
-        else:
-            probs = token_probabilities(logits[row], spec.params)
-            token_id = draw(probs, uniform(spec.seed, spec.output_index))
-        tokens.append(_with_logprobs(logits[row], token_id, spec.params.num_logprobs))
-    return tokens
-
-
-def _with_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> SampledToken:
+def token_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> SampledToken:
+    """The chosen token's log-probability under the model's raw distribution (logits [V]),
+    and the top `num_logprobs` alternatives; no log-softmax when none were asked for."""
     if num_logprobs == 0:
         return SampledToken(token_id, None, [])
     logprobs = torch.log_softmax(logits, dim=-1)

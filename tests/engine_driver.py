@@ -6,6 +6,7 @@ different shapes, so tests can check that a request's tokens do not depend on th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from executor_svc.engine import Engine, ScheduledRequest, StepPlan
@@ -19,6 +20,8 @@ class Run:
     logprobs: dict[str, list] = field(default_factory=dict)
     num_steps: int = 0
     max_batch_size: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 def drive(
@@ -26,37 +29,50 @@ def drive(
     requests: list[NewRequest],
     chunk_size: int | None = None,
     arrival_steps: dict[str, int] | None = None,
+    draft_budget: int | Callable[[int, str], int] = 0,
     max_steps: int = 100_000,
 ) -> Run:
-    """Run requests to completion; `chunk_size` caps each prefill chunk (None = whole prompt)."""
+    """Run requests to completion.
+
+    chunk_size caps each prefill chunk (None = whole prompt); draft_budget is the
+    speculative budget of every decoding request, or a function (step, request id) → budget.
+    """
     arrival_steps = arrival_steps or {}
+    budget_of = draft_budget if callable(draft_budget) else (lambda step, request_id: draft_budget)
     waiting = sorted(requests, key=lambda r: arrival_steps.get(r.request_id, 0))
     run = Run()
-    running: dict[str, int] = {}  # request id -> tokens not yet in KV
+    known: dict[str, int] = {}  # request id -> prompt + output tokens
+    computed: dict[str, int] = {}  # request id -> tokens in KV
     step = 0
-    while waiting or running:
+    while waiting or known:
         if step >= max_steps:
             raise RuntimeError(f"requests still running after {max_steps} steps")
         new = []
         while waiting and arrival_steps.get(waiting[0].request_id, 0) <= step:
             request = waiting.pop(0)
             new.append(request)
-            running[request.request_id] = len(request.prompt_token_ids)
+            known[request.request_id] = len(request.prompt_token_ids)
+            computed[request.request_id] = 0
             run.tokens[request.request_id] = []
             run.logprobs[request.request_id] = []
-        scheduled = [
-            ScheduledRequest(request_id, min(pending, chunk_size or pending)) for request_id, pending in running.items()
-        ]
+        scheduled = []
+        for request_id in known:
+            pending = known[request_id] - computed[request_id]
+            budget = budget_of(step, request_id) if pending == 1 else 0
+            scheduled.append(ScheduledRequest(request_id, min(pending, chunk_size or pending), budget))
         run.max_batch_size = max(run.max_batch_size, len(scheduled))
         result = engine.step(StepPlan(scheduled=scheduled, new_requests=new))
         for out in result.outputs:
-            running[out.request_id] -= next(s.num_tokens for s in scheduled if s.request_id == out.request_id)
-            run.tokens[out.request_id].extend(out.new_token_ids)
-            run.logprobs[out.request_id].extend(out.logprobs)
-            running[out.request_id] += len(out.new_token_ids)
+            rid = out.request_id
+            run.tokens[rid].extend(out.new_token_ids)
+            run.logprobs[rid].extend(out.logprobs)
+            run.num_drafted += out.num_drafted_tokens
+            run.num_accepted += out.num_accepted_tokens
+            known[rid] += len(out.new_token_ids)
+            computed[rid] = out.num_computed_tokens
             if out.finish_reason is not None:
-                run.finish_reasons[out.request_id] = out.finish_reason
-                del running[out.request_id]
+                run.finish_reasons[rid] = out.finish_reason
+                del known[rid], computed[rid]
         step += 1
     run.num_steps = step
     return run

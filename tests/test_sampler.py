@@ -8,8 +8,16 @@ import math
 import pytest
 import torch
 
-from executor_svc.sampler import SampleSpec, draw, sample, token_probabilities, uniform
+from executor_svc.sampler import SampleSpec, draw, token_logprobs, token_probabilities, uniform
 from executor_svc.sampling_params import SamplingParams
+from executor_svc.verifier import verify
+
+
+def sample_one(logits_row, params, seed=0, output_index=0):
+    """What a step with no drafts emits for a request with these logits."""
+    emitted, num_accepted = verify(logits_row[None], [int(logits_row.argmax())], [], SampleSpec(params, seed, output_index))
+    assert num_accepted == 0 and len(emitted) == 1
+    return emitted[0]
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -58,29 +66,27 @@ def test_draw_never_returns_a_filtered_token():
 def test_seed_and_output_index_determine_the_draw():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0)
-    specs = [SampleSpec(params, seed=42, output_index=i) for i in range(3)]
-    first = [t.token_id for t in sample(logits, specs)]
-    again = [t.token_id for t in sample(logits, specs)]
+    first = [sample_one(logits[i], params, seed=42, output_index=i) for i in range(3)]
+    again = [sample_one(logits[i], params, seed=42, output_index=i) for i in range(3)]
     assert first == again
     # Different seeds give different streams.
-    others = {tuple(t.token_id for t in sample(logits, [SampleSpec(params, seed=s, output_index=i) for i in range(3)])) for s in range(20)}
+    others = {tuple(sample_one(logits[i], params, seed=s, output_index=i) for i in range(3)) for s in range(20)}
     assert len(others) > 5
 
 
 def test_greedy_is_argmax_with_lowest_index_on_ties():
-    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
-    (token,) = sample(logits, [SampleSpec(SamplingParams(), 0, 0)])
-    assert token.token_id == 1 and token.logprob is None
+    logits = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    assert sample_one(logits, SamplingParams()) == 1
 
 
 def test_logprobs_are_the_raw_model_distribution():
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    (token,) = sample(logits, [SampleSpec(SamplingParams(num_logprobs=2), 0, 0)])
-    reference = torch.log_softmax(logits[0], -1)
-    assert token.token_id == 0
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    token = token_logprobs(logits, 0, 2)
+    reference = torch.log_softmax(logits, -1)
     assert math.isclose(token.logprob, float(reference[0]), rel_tol=1e-6)
     assert [i for i, _ in token.top_logprobs] == [0, 1]
     assert math.isclose(token.top_logprobs[1][1], float(reference[1]), rel_tol=1e-6)
+    assert token_logprobs(logits, 0, 0).logprob is None
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1), (5, 0.8, 0.05)])
@@ -89,5 +95,4 @@ def test_sampled_tokens_respect_every_filter(top_k, top_p, min_p):
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
     allowed = set(torch.nonzero(token_probabilities(logits, params)).squeeze(1).tolist())
     for i in range(300):
-        (token,) = sample(logits[None], [SampleSpec(params, seed=9, output_index=i)])
-        assert token.token_id in allowed
+        assert sample_one(logits, params, seed=9, output_index=i) in allowed

@@ -1,0 +1,108 @@
+"""Per-request acceptance estimates: how likely a request's next draft token is accepted.
+
+The goodput draft policy prices a request's j-th draft token at α^j (a linear
+draft is accepted up to its first miss), so it needs α per request, and it
+needs it from the first step: agents differ a lot (one copies a file from its
+context, another reasons in fresh prose), and a request's copying phases come
+and go, so the estimate decays.
+
+Model: each draft token is accepted with probability α given the previous one
+was. A step that drafted k tokens and accepted a of them observed a successes
+and, if a < k, one failure (the first rejected token; the ones after it were
+never tested). The estimate is successes / (successes + failures), both counts
+decayed by `decay` per observation, with `prior_strength` pseudo-observations
+at the swarm-wide rate, itself a slower EWMA over every request's
+observations that starts at `prior_acceptance`. A new request therefore starts
+at what the swarm currently achieves, and its own history takes over within a
+few steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    prior_acceptance: float = 0.5  # the swarm-wide rate before anyone has drafted
+    prior_strength: float = 1.0  # pseudo-observations of the swarm rate in every request's estimate
+    decay: float = 0.9  # per observation, a request's own counts (memory of ~10 drafting steps)
+    swarm_decay: float = 0.98  # per observation, the swarm-wide counts (memory of ~50 steps)
+    # A request that never missed still may: capping keeps goodput from treating long drafts as certain.
+    max_acceptance: float = 0.98
+
+    def __post_init__(self) -> None:
+        for name in ("prior_acceptance", "max_acceptance"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        for name in ("decay", "swarm_decay"):
+            value = getattr(self, name)
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {value}")
+        if not (math.isfinite(self.prior_strength) and self.prior_strength > 0):
+            raise ValueError(f"prior_strength must be positive, got {self.prior_strength}")
+
+
+@dataclass
+class _Counts:
+    """Decayed successes and failures."""
+
+    num_successes: float = 0.0
+    num_failures: float = 0.0
+
+    def add(self, num_successes: int, num_failures: int, decay: float) -> None:
+        self.num_successes = decay * self.num_successes + num_successes
+        self.num_failures = decay * self.num_failures + num_failures
+
+
+class AcceptanceTracker:
+    """α_i per request id, with the swarm-wide rate as the prior."""
+
+    def __init__(self, config: AcceptanceConfig | None = None) -> None:
+        self.config = config or AcceptanceConfig()
+        self._requests: dict[str, _Counts] = {}
+        self._swarm = _Counts()
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """Fold in one step's verification of a request's drafts; a step without drafts tells nothing."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(
+                f"request {request_id!r}: need 0 <= num_accepted <= num_drafted, got {num_accepted} of {num_drafted}"
+            )
+        if num_drafted == 0:
+            return
+        num_failures = 1 if num_accepted < num_drafted else 0
+        self._requests.setdefault(request_id, _Counts()).add(num_accepted, num_failures, self.config.decay)
+        self._swarm.add(num_accepted, num_failures, self.config.swarm_decay)
+
+    @property
+    def swarm_acceptance(self) -> float:
+        """The swarm-wide rate: the prior of every request with little history of its own."""
+        c = self.config
+        return _rate(self._swarm, c.prior_acceptance, c.prior_strength, c.max_acceptance)
+
+    def estimate(self, request_id: str) -> float:
+        """α for this request, in [0, max_acceptance]."""
+        c = self.config
+        prior = self.swarm_acceptance
+        counts = self._requests.get(request_id)
+        if counts is None:
+            return prior
+        return _rate(counts, prior, c.prior_strength, c.max_acceptance)
+
+    def forget(self, request_id: str) -> None:
+        """The request is finished: drop its history (the swarm rate keeps what it taught)."""
+        self._requests.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+
+def _rate(counts: _Counts, prior: float, prior_strength: float, max_acceptance: float) -> float:
+    rate = (counts.num_successes + prior_strength * prior) / (
+        counts.num_successes + counts.num_failures + prior_strength
+    )
+    return min(rate, max_acceptance)

@@ -1,0 +1,297 @@
+"""Draft budgets: how many speculative tokens each decoding request may verify next step.
+
+Batching and speculation spend the same compute slack (DESIGN.md, "Cost model
+and the speculation budget"): a step of B decodes already commits B tokens, so
+the drafts worth adding shrink as the batch grows. A constant draft length is
+wrong at every batch size but one. Four policies, selectable with
+`--spec off|fixed:K|seed|goodput` so they can be compared:
+
+- `off`: no drafts.
+- `fixed:K`: K drafts for every request that has them (the baseline to beat).
+- `seed`: the seeds' rule. S = the free-token budget at this step's KV; the
+  step's other tokens (one committed token per decode, plus prefill chunks)
+  come out of S first, and what is left is split evenly over the requests that
+  can draft, so Σ(1 + k_i) + prefill ≤ S whenever the step fits in S at all.
+- `goodput` (default): add draft tokens one at a time to the request whose next
+  token is most likely accepted (α_i^(k_i+1) for a linear draft), while the
+  expected tokens per predicted second still rises.
+
+Every policy returns only budgets; the executor's index may draft fewer. No
+policy drafts for a request whose index has nothing to propose (d_i = 0).
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from scheduler_svc.cost_model import CostModel
+
+DRAFT_POLICY_CHOICES = "off|fixed:K|seed|goodput"
+DEFAULT_DRAFT_POLICY = "goodput"
+FREE_TOKEN_TOLERANCE = 0.05  # S counts a step as free within 5% of a one-token step
+# The executor's paged attention reads a request's KV once per tile of this many query tokens
+# (executor_svc/kernels/paged_attention.py), so drafts riding in the decode token's tile read no extra KV.
+DEFAULT_QUERY_TILE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """One decoding request as the policy sees it."""
+
+    request_id: str
+    num_draftable_tokens: int  # d_i: what the executor's index can propose next step (0 = none)
+    acceptance: float  # α_i: probability a draft token is accepted given the previous one was
+    num_context_tokens: int  # KV tokens the request reads this step
+
+    def __post_init__(self) -> None:
+        if self.num_draftable_tokens < 0:
+            raise ValueError(f"{self.request_id!r}: num_draftable_tokens must be >= 0, got {self.num_draftable_tokens}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"{self.request_id!r}: acceptance must be in [0, 1], got {self.acceptance}")
+        if self.num_context_tokens < 0:
+            raise ValueError(f"{self.request_id!r}: num_context_tokens must be >= 0, got {self.num_context_tokens}")
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The rest of the step the drafts join."""
+
+    num_other_tokens: int  # one committed token per decoding request (B) + the step's prefill chunk tokens
+    num_kv_tokens: int  # KV tokens the step reads without drafts (the executor's definition: Σ context lengths)
+    num_prefill_output_tokens: int = 0  # tokens the prefill chunks emit (1 per chunk that ends its prompt)
+    max_num_draft_tokens: int | None = None  # what the step's token/KV budget leaves for drafts; None = no cap
+    query_tile_tokens: int = DEFAULT_QUERY_TILE_TOKENS  # 1 = the attention reads KV once per query token
+
+    def __post_init__(self) -> None:
+        for name in ("num_other_tokens", "num_kv_tokens", "num_prefill_output_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_draft_tokens is not None and self.max_num_draft_tokens < 0:
+            raise ValueError(f"max_num_draft_tokens must be >= 0 or None, got {self.max_num_draft_tokens}")
+        if self.query_tile_tokens < 1:
+            raise ValueError(f"query_tile_tokens must be >= 1, got {self.query_tile_tokens}")
+
+
+@dataclass(frozen=True)
+class DraftAllocation:
+    """Budgets plus what the policy believed, for the step's trace span."""
+
+    draft_budgets: dict[str, int]  # request id -> k_i
+    num_free_tokens: int  # S at this step's KV
+    num_expected_tokens: float  # tokens the step is expected to emit: B + prefill outputs + Σ_i Σ_j≤k_i α_i^j
+    predicted_step_s: float  # the cost model's time for the step with these drafts
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.draft_budgets.values())
+
+
+def draft_kv_tokens(num_context_tokens: int, num_draft_tokens: int, query_tile_tokens: int) -> int:
+    """Extra KV tokens a request's drafts add to the step's KV read.
+
+    Each draft writes its own slot (+1). A request's query rows are attended in
+    tiles of `query_tile_tokens`; each tile beyond the first reads the
+    request's context again. Example: context 1000, tiles of 16: 15 drafts add
+    15; a 16th starts a second tile and adds 1000 + 16.
+    """
+    num_tiles = -(-(1 + num_draft_tokens) // query_tile_tokens)
+    return num_draft_tokens + (num_tiles - 1) * num_context_tokens
+
+
+class DraftPolicy(ABC):
+    name: ClassVar[str]  # as `--spec` spells it, for traces
+
+    @abstractmethod
+    def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
+        """k_i per candidate, 0 <= k_i <= d_i."""
+
+    def allocate(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> DraftAllocation:
+        """Budgets for this step's decoding requests, with S, expected tokens and predicted time."""
+        ids = [c.request_id for c in candidates]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate request ids among draft candidates: {sorted(ids)}")
+        if step.num_other_tokens < len(candidates):
+            raise ValueError(
+                f"num_other_tokens ({step.num_other_tokens}) must count one committed token for each of the "
+                f"{len(candidates)} decoding requests"
+            )
+        budgets = self.budgets(candidates, step, cost_model) if candidates else {}
+        num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+        expected = float(len(candidates) + step.num_prefill_output_tokens)
+        for c in candidates:
+            k = budgets[c.request_id]
+            num_tokens += k
+            num_kv_tokens += draft_kv_tokens(c.num_context_tokens, k, step.query_tile_tokens)
+            expected += _expected_accepted(c.acceptance, k)
+        return DraftAllocation(
+            draft_budgets=budgets,
+            num_free_tokens=cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE),
+            num_expected_tokens=expected,
+            predicted_step_s=cost_model.predict(num_tokens, num_kv_tokens),
+        )
+
+
+def _expected_accepted(acceptance: float, num_draft_tokens: int) -> float:
+    """Σ_{j=1..k} α^j: the expected accepted length of a linear draft of k tokens."""
+    return sum(acceptance**j for j in range(1, num_draft_tokens + 1))
+
+
+def _cap_total(caps: dict[str, int], max_total: int | None, order: Sequence[str]) -> dict[str, int]:
+    """Water-fill: k_i = min(cap_i, L) at the highest level L whose total fits, the remainder +1 in `order`.
+
+    Requests capped below L give their unused share to the others. Example:
+    caps {a: 1, b: 9, c: 9}, total 8 → L = 3 leaves 1 → {a: 1, b: 4, c: 3} in order b, c.
+    """
+    if max_total is None or sum(caps.values()) <= max_total:
+        return dict(caps)
+    low, high = 0, max(caps.values())
+    while low < high:  # the largest level L with Σ min(cap, L) <= max_total
+        mid = (low + high + 1) // 2
+        if sum(min(cap, mid) for cap in caps.values()) <= max_total:
+            low = mid
+        else:
+            high = mid - 1
+    budgets = {request_id: min(cap, low) for request_id, cap in caps.items()}
+    left = max_total - sum(budgets.values())
+    for request_id in order:
+        if left == 0:
+            break
+        if caps[request_id] > budgets[request_id]:
+            budgets[request_id] += 1
+            left -= 1
+    return budgets
+
+
+def _by_acceptance(candidates: Sequence[DraftCandidate]) -> list[str]:
+    """Request ids, most likely accepted first; ties by request id so every run splits the same way."""
+    return [c.request_id for c in sorted(candidates, key=lambda c: (-c.acceptance, c.request_id))]
+
+
+@dataclass(frozen=True)
+class OffPolicy(DraftPolicy):
+    name: ClassVar[str] = "off"
+
+    def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
+        return {c.request_id: 0 for c in candidates}
+
+
+@dataclass(frozen=True)
+class FixedPolicy(DraftPolicy):
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"fixed draft length must be at least 1, got {self.num_draft_tokens}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"fixed:{self.num_draft_tokens}"
+
+    def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
+        caps = {c.request_id: min(self.num_draft_tokens, c.num_draftable_tokens) for c in candidates}
+        return _cap_total(caps, step.max_num_draft_tokens, _by_acceptance(candidates))
+
+
+@dataclass(frozen=True)
+class SeedPolicy(DraftPolicy):
+    """The seeds' rule: what S leaves after the step's other tokens, split evenly.
+
+    S comes from the cost model at this step's KV. Prefill chunk tokens are
+    arithmetic like any other, so they spend S before drafts do: a step
+    carrying a large chunk gets no drafts. The split is a water-fill over the
+    requests that can draft: a request whose index has fewer tokens than its
+    share takes what it has and leaves the rest to the others; the last few
+    tokens that do not divide evenly go to the likeliest-accepted requests.
+    """
+
+    name: ClassVar[str] = "seed"
+
+    def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
+        num_free_tokens = cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE)
+        room = max(0, num_free_tokens - step.num_other_tokens)
+        if step.max_num_draft_tokens is not None:
+            room = min(room, step.max_num_draft_tokens)
+        caps = {c.request_id: c.num_draftable_tokens for c in candidates}
+        return _cap_total(caps, room, _by_acceptance(candidates))
+
+
+@dataclass(frozen=True)
+class GoodputPolicy(DraftPolicy):
+    """Greedy marginal goodput: each draft token goes where it is likeliest accepted, while it pays.
+
+    With k_i drafts, request i's next draft token is accepted with probability
+    α_i^(k_i+1) (a linear draft is accepted up to its first miss), so gains
+    only fall as a request's draft grows. The step's expected output is
+    E = B + prefill outputs + Σ_i Σ_{j≤k_i} α_i^j and its time
+    t = cost_model.predict(T, K), where each draft adds 1 to T and
+    `draft_kv_tokens` to K. The best candidate (gain g) is taken iff
+    (E + g) / t(T + 1, K + ΔK) > E / t(T, K), i.e. it raises expected tokens
+    per second; a candidate that does not is dropped and the next is tried
+    (its KV cost may be lower). Ties go to the smaller request id.
+
+    Two guards against trusting the model where it has no evidence: the step
+    never grows past the largest step the cost model has measured (it would
+    extrapolate), and no draft token with gain below `min_gain` is proposed (a
+    flat model prices it at zero, but verification and its KV slot are not free).
+    """
+
+    min_gain: float = 0.02
+    name: ClassVar[str] = "goodput"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_gain <= 1.0:
+            raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
+
+    def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
+        budgets = {c.request_id: 0 for c in candidates}
+        room = max(0, cost_model.max_observed_tokens - step.num_other_tokens)
+        if step.max_num_draft_tokens is not None:
+            room = min(room, step.max_num_draft_tokens)
+        # Max-heap on gain: (-gain, request_id, candidate).
+        heap = [(-c.acceptance, c.request_id, c) for c in candidates if c.num_draftable_tokens > 0 and c.acceptance > 0]
+        heapq.heapify(heap)
+        num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+        expected = float(len(candidates) + step.num_prefill_output_tokens)
+        step_s = cost_model.predict(num_tokens, num_kv_tokens)
+        while heap and room > 0:
+            negative_gain, request_id, c = heapq.heappop(heap)
+            gain = -negative_gain
+            if gain < self.min_gain:
+                break  # every later candidate gains less
+            k = budgets[request_id]
+            kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
+                c.num_context_tokens, k, step.query_tile_tokens
+            )
+            next_step_s = cost_model.predict(num_tokens + 1, num_kv_tokens + kv_step)
+            if not (expected + gain) * step_s > expected * next_step_s:
+                continue
+            budgets[request_id] = k + 1
+            num_tokens, num_kv_tokens, step_s = num_tokens + 1, num_kv_tokens + kv_step, next_step_s
+            expected += gain
+            room -= 1
+            if k + 1 < c.num_draftable_tokens:
+                heapq.heappush(heap, (-gain * c.acceptance, request_id, c))
+        return budgets
+
+
+def parse_draft_policy(text: str) -> DraftPolicy:
+    """The `--spec` flag: off | fixed:K | seed | goodput."""
+    value = text.strip().lower()
+    if value == "off":
+        return OffPolicy()
+    if value == "seed":
+        return SeedPolicy()
+    if value == "goodput":
+        return GoodputPolicy()
+    if value.startswith("fixed:"):
+        count = value.removeprefix("fixed:")
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
+            raise ValueError(f"--spec fixed:K needs K to be a positive integer (e.g. fixed:4), got {text!r}")
+        return FixedPolicy(int(count))
+    if value == "fixed":
+        raise ValueError(f"--spec fixed needs a draft length, e.g. fixed:4; got {text!r}")
+    raise ValueError(f"--spec must be one of {DRAFT_POLICY_CHOICES}, got {text!r}")

@@ -1,0 +1,264 @@
+"""The step-time model, on synthetic measurements with known answers: recovery of a, b, c,
+the roofline knee, S, outliers, degenerate data, recency, and the prefill chunk size."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost, StepTimeSample
+
+MS = 1e-3
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_KV = (512, 4096, 16384)
+
+
+def samples(step_time, noise=0.0, seed=0, tokens=CALIBRATION_TOKENS, kv=CALIBRATION_KV, repeats=1):
+    rng = np.random.default_rng(seed)
+    return [
+        StepTimeSample(t, k, step_time(t, k) * (1.0 + noise * rng.standard_normal()))
+        for _ in range(repeats)
+        for t in tokens
+        for k in kv
+    ]
+
+
+def linear(a, b, c):
+    return lambda t, k: a + b * t + c * k
+
+
+def roofline(floor_s, per_token_s, c=0.0):
+    """A memory-bound step: flat until the arithmetic outgrows the weight stream."""
+    return lambda t, k: max(floor_s, per_token_s * t) + c * k
+
+
+# ------------------------------------------------------------------- recovery
+
+
+def test_recovers_known_coefficients_from_noisy_samples():
+    a, b, c = 25 * MS, 1.04 * MS, 2e-7
+    model = CostModel(calibration=samples(linear(a, b, c), noise=0.01, repeats=2))
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        t, k = int(rng.integers(1, 65)), int(rng.integers(0, 20000))
+        model.observe(t, k, linear(a, b, c)(t, k) * (1 + 0.01 * rng.standard_normal()))
+    model.refit()
+    fit = model.coefficients
+    assert fit.fixed_s == pytest.approx(a, rel=0.05)
+    assert fit.per_token_s + fit.per_token_past_knee_s == pytest.approx(b, rel=0.05)
+    assert fit.per_kv_token_s == pytest.approx(c, rel=0.1)
+    for t in CALIBRATION_TOKENS:
+        assert model.predict(t, 4096) == pytest.approx(linear(a, b, c)(t, 4096), rel=0.02)
+
+
+def test_exact_linear_data_is_fitted_exactly_with_no_knee():
+    a, b, c = 25 * MS, 1.04 * MS, 1e-7
+    fit = CostModel(calibration=samples(linear(a, b, c))).coefficients
+    assert (fit.fixed_s, fit.per_token_s, fit.per_kv_token_s) == pytest.approx((a, b, c), rel=1e-4)
+    assert fit.per_token_past_knee_s == 0.0
+
+
+def test_coefficients_are_never_negative():
+    # Step time that falls with KV (noise, caching effects): c is clamped at 0, the others refit around it.
+    model = CostModel(calibration=samples(lambda t, k: 20 * MS + 0.5 * MS * t - 1e-8 * k))
+    fit = model.coefficients
+    assert min(fit.fixed_s, fit.per_token_s, fit.per_kv_token_s, fit.per_token_past_knee_s) >= 0
+    assert fit.per_kv_token_s == 0.0
+    assert model.predict(8, 4096) == pytest.approx(24 * MS, rel=0.02)
+
+
+# ------------------------------------------------------------------- S
+
+
+def free_tokens_by_definition(model: CostModel, kv: int, tolerance: float) -> int:
+    limit = (1 + tolerance) * model.predict(1, kv)
+    return max(n for n in range(1, model.max_observed_tokens + 1) if model.predict(n, kv) <= limit * (1 + 1e-12))
+
+
+def test_free_token_budget_of_a_linear_model():
+    # S = floor(1 + tol·(a + b + c·K) / b): 1 + 0.05 · 26.04 / 1.04 = 2.25 → 2. A line leaves almost nothing free.
+    a, b = 25 * MS, 1.04 * MS
+    model = CostModel(calibration=samples(linear(a, b, 0.0)))
+    assert model.free_token_budget(0) == math.floor(1 + 0.05 * (a + b) / b) == 2
+    # A cheaper token: 1 + 0.05 · 25.05 / 0.05 = 26.05 → 26.
+    model = CostModel(calibration=samples(linear(a, 0.05 * MS, 0.0)))
+    assert model.free_token_budget(0) == 26
+    # KV makes the one-token step slower, so 5% of it buys more tokens: 1 + 0.05 · (25.05 + 10) / 0.05 = 36.05.
+    model = CostModel(calibration=samples(linear(a, 0.05 * MS, 1e-6)))
+    assert model.free_token_budget(10_000) == 36
+    assert model.free_token_budget(10_000, tolerance=0.0) == 1
+
+
+def test_free_token_budget_of_a_roofline_is_the_seeds_two_dozen():
+    # The seeds' card: 25.2 ms floor, 1.04 ms per token of arithmetic → ~24 tokens hide under the stream.
+    model = CostModel(calibration=samples(roofline(25.2 * MS, 1.04 * MS), noise=0.01, repeats=2))
+    assert 22 <= model.free_token_budget(4096) <= 27
+    assert model.coefficients.knee_tokens == pytest.approx(24.2, abs=3)
+    for t in CALIBRATION_TOKENS:
+        assert model.predict(t, 4096) == pytest.approx(roofline(25.2 * MS, 1.04 * MS)(t, 4096), rel=0.05)
+    # A plain line through the same points would claim almost nothing is free: why the model has a knee.
+    tokens = np.array(CALIBRATION_TOKENS, dtype=float)
+    slope, intercept = np.polyfit(tokens, [roofline(25.2 * MS, 1.04 * MS)(t, 0) for t in tokens], 1)
+    assert 1 + 0.05 * (intercept + slope) / slope < 3
+
+
+def test_free_token_budget_never_claims_past_the_largest_measured_step():
+    flat = CostModel(calibration=samples(linear(25 * MS, 0.0, 0.0), tokens=(1, 2, 4, 8)))
+    assert flat.free_token_budget(0) == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    a=st.floats(1 * MS, 50 * MS),
+    b=st.floats(0.0, 2 * MS),
+    c=st.floats(0.0, 1e-6),
+    kv=st.integers(0, 100_000),
+    tolerance=st.floats(0.0, 0.5),
+)
+def test_free_token_budget_matches_its_definition(a, b, c, kv, tolerance):
+    model = CostModel(calibration=samples(linear(a, b, c)))
+    assert model.free_token_budget(kv, tolerance) == free_tokens_by_definition(model, kv, tolerance)
+
+
+# ------------------------------------------------------------------- robustness
+
+
+def test_a_few_outliers_do_not_drag_the_fit():
+    a, b, c = 25 * MS, 1.04 * MS, 2e-7
+    data = samples(linear(a, b, c), noise=0.005, repeats=2)  # 42 samples
+    for i in (3, 17, 30):  # a GC pause, a recompile, a noisy neighbour: 10× slower
+        data[i] = StepTimeSample(data[i].num_tokens, data[i].num_kv_tokens, 10 * data[i].step_s)
+    fit = CostModel(calibration=data).coefficients
+    assert fit.fixed_s == pytest.approx(a, rel=0.05)
+    assert fit.per_token_s + fit.per_token_past_knee_s == pytest.approx(b, rel=0.05)
+    assert fit.per_kv_token_s == pytest.approx(c, rel=0.1)
+
+
+def test_recent_steps_outweigh_old_ones():
+    model = CostModel(calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
+    rng = np.random.default_rng(2)
+    for _ in range(model.config.max_online_samples):  # the card got slower (thermal throttling, another process)
+        t = int(rng.integers(1, 65))
+        model.observe(t, 1000, linear(40 * MS, 1.0 * MS, 0.0)(t, 1000))
+    assert model.predict(8, 1000) == pytest.approx(48 * MS, rel=0.05)
+    assert model.predict(64, 1000) == pytest.approx(104 * MS, rel=0.05)
+
+
+def test_the_online_window_is_bounded_and_refits_happen_every_n_samples():
+    config = CostModelConfig(refit_every=4, max_online_samples=10)
+    model = CostModel(config, calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
+    before = model.coefficients
+    for _ in range(3):
+        model.observe(4, 100, 0.5)
+    assert model.coefficients is before
+    model.observe(4, 100, 0.5)
+    assert model.coefficients is not before
+    for _ in range(50):
+        model.observe(4, 100, 0.5)
+    assert model.num_samples == len(CALIBRATION_TOKENS) * len(CALIBRATION_KV) + 10
+
+
+def test_observe_is_cheap_enough_to_call_every_step():
+    model = CostModel(calibration=samples(roofline(25 * MS, 1.04 * MS), noise=0.01))
+    rng = np.random.default_rng(3)
+    steps = [(int(rng.integers(1, 65)), int(rng.integers(0, 20000))) for _ in range(512)]
+    for t, k in steps[:256]:  # fill the window
+        model.observe(t, k, 0.03)
+    start = time.perf_counter()
+    for t, k in steps[256:]:
+        model.observe(t, k, 0.03)
+        model.predict(t, k)
+    per_step = (time.perf_counter() - start) / 256
+    assert per_step < 1e-3, f"{per_step * 1e3:.3f} ms per step"
+
+
+# ------------------------------------------------------------------- degenerate data
+
+
+def test_no_samples_gives_the_prior():
+    model = CostModel()
+    assert model.coefficients == model.config.prior
+    assert model.free_token_budget(1000) == 1  # nothing measured, nothing claimed free
+    assert model.predict(1, 0) > 0
+
+
+@pytest.mark.parametrize("num_samples", [1, 2])
+def test_fewer_than_three_samples_keep_the_prior_slopes(num_samples):
+    prior = StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=1e-7)
+    model = CostModel(CostModelConfig(prior=prior))
+    for _ in range(num_samples):
+        model.observe(4, 1000, 0.05)
+    model.refit()
+    fit = model.coefficients
+    assert (fit.per_token_s, fit.per_kv_token_s) == (prior.per_token_s, prior.per_kv_token_s)
+    assert model.predict(4, 1000) == pytest.approx(0.05)
+
+
+def test_all_samples_at_one_token_count_hold_b_at_the_prior():
+    model = CostModel(calibration=samples(linear(25 * MS, 1 * MS, 1e-7), tokens=(1,)))
+    fit = model.coefficients
+    assert fit.per_token_s == model.config.prior.per_token_s
+    assert fit.per_token_past_knee_s == 0.0
+    assert fit.per_kv_token_s == pytest.approx(1e-7, rel=1e-3)
+    assert model.free_token_budget(1000) == 1
+
+
+def test_all_samples_at_one_kv_size_hold_c_at_the_prior():
+    model = CostModel(calibration=samples(linear(25 * MS, 1 * MS, 0.0), kv=(777,)))
+    fit = model.coefficients
+    assert fit.per_kv_token_s == model.config.prior.per_kv_token_s
+    assert fit.per_token_s == pytest.approx(1 * MS, rel=1e-4)
+
+
+def test_identical_samples_do_not_crash():
+    model = CostModel(calibration=[StepTimeSample(1, 0, 0.01)] * 5)
+    assert model.predict(1, 0) == pytest.approx(0.01)
+    assert model.free_token_budget(0) == 1
+    assert model.max_chunk_tokens(1, 0, 0.02, min_chunk=8) >= 8
+
+
+@pytest.mark.parametrize(
+    "sample", [dict(num_tokens=0, num_kv_tokens=0, step_s=0.01), dict(num_tokens=1, num_kv_tokens=-1, step_s=0.01),
+               dict(num_tokens=1, num_kv_tokens=0, step_s=0.0), dict(num_tokens=1, num_kv_tokens=0, step_s=math.nan)]
+)
+def test_invalid_samples_are_refused(sample):
+    with pytest.raises(ValueError):
+        StepTimeSample(**sample)
+
+
+def test_invalid_config_is_refused():
+    with pytest.raises(ValueError, match="refit_every"):
+        CostModelConfig(refit_every=0)
+    with pytest.raises(ValueError, match="fixed_s"):
+        StepCost(fixed_s=-1.0, per_token_s=0.0, per_kv_token_s=0.0)
+
+
+# ------------------------------------------------------------------- prefill chunk size
+
+
+def test_max_chunk_tokens_is_the_largest_chunk_within_the_target():
+    model = CostModel(calibration=samples(linear(20 * MS, 0.5 * MS, 1e-7)))
+    other, kv, target = 8, 8 * 2000, 40 * MS
+    chunk = model.max_chunk_tokens(other, kv, target, min_chunk=16)
+    assert model.predict(other + chunk, kv + chunk) <= target
+    assert model.predict(other + chunk + 1, kv + chunk + 1) > target
+    # (40 − 20 − 8·0.5 − 1.6) ms / (0.5 ms + 1e-4 ms) per chunk token → 28
+    assert chunk == 28
+
+
+def test_max_chunk_tokens_never_goes_below_the_floor():
+    model = CostModel(calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
+    assert model.max_chunk_tokens(16, 0, target_step_s=5 * MS, min_chunk=32) == 32  # decodes alone miss it
+    assert model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=1) == 2
+    with pytest.raises(ValueError, match="min_chunk"):
+        model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=0)
+
+
+def test_max_chunk_tokens_is_bounded_when_tokens_look_free():
+    model = CostModel(CostModelConfig(max_num_tokens=512), calibration=samples(linear(20 * MS, 0.0, 0.0)))
+    assert model.max_chunk_tokens(16, 0, target_step_s=30 * MS, min_chunk=8) == 512 - 16

@@ -1,0 +1,401 @@
+"""Draft budgets per policy, on cost models fitted to synthetic step times, and the acceptance
+estimates that feed them: budgets stay inside S and d_i, shrink as the batch grows, follow
+acceptance, and never draft where the index has nothing."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.acceptance import AcceptanceConfig, AcceptanceTracker
+from scheduler_svc.cost_model import CostModel, StepTimeSample
+from scheduler_svc.draft_policy import (
+    DraftCandidate,
+    DraftStep,
+    FixedPolicy,
+    GoodputPolicy,
+    OffPolicy,
+    SeedPolicy,
+    draft_kv_tokens,
+    parse_draft_policy,
+)
+
+MS = 1e-3
+CONTEXT = 1000  # KV tokens per request
+
+
+def fitted(step_time) -> CostModel:
+    tokens, kv_sizes = (1, 2, 4, 8, 16, 32, 64), (512, 4096, 16384)
+    return CostModel(calibration=[StepTimeSample(t, k, step_time(t, k)) for t in tokens for k in kv_sizes])
+
+
+# The seeds' card: a 25.2 ms weight stream hides ~24 tokens of 1.04 ms arithmetic (S = 25 at 5%).
+SEEDS_CARD = fitted(lambda t, k: max(25.2 * MS, 1.04 * MS * t) + 1e-8 * k)
+# A small slack: 8 tokens hide under an 8 ms stream; past that every token costs 1 ms.
+SMALL_SLACK = fitted(lambda t, k: max(8 * MS, 1.0 * MS * t) + 1e-8 * k)
+# No free region at all: every token costs 1 ms on a 20 ms step, so a draft must earn its price.
+LINEAR = fitted(lambda t, k: 20 * MS + 1.0 * MS * t + 1e-8 * k)
+
+ALL_POLICIES = [OffPolicy(), FixedPolicy(4), SeedPolicy(), GoodputPolicy()]
+
+
+def candidates(num_requests, draftable=32, acceptance=0.8, context=CONTEXT):
+    return [DraftCandidate(f"r{i:02d}", draftable, acceptance, context) for i in range(num_requests)]
+
+
+def decode_step(cands, num_prefill_tokens=0, **kwargs):
+    """A step of len(cands) decodes (one committed token each) plus a prefill chunk."""
+    num_kv = sum(c.num_context_tokens for c in cands) + num_prefill_tokens
+    return DraftStep(num_other_tokens=len(cands) + num_prefill_tokens, num_kv_tokens=num_kv, **kwargs)
+
+
+def allocate(policy, cands, cost_model, **step_kwargs):
+    return policy.allocate(cands, decode_step(cands, **step_kwargs), cost_model)
+
+
+# ------------------------------------------------------------------- every policy
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=lambda p: p.name)
+def test_no_drafts_where_the_index_has_none(policy):
+    cands = [DraftCandidate("a", 0, 0.95, CONTEXT), DraftCandidate("b", 6, 0.95, CONTEXT), DraftCandidate("c", 0, 0.5, 1)]
+    budgets = allocate(policy, cands, SEEDS_CARD).draft_budgets
+    assert budgets["a"] == budgets["c"] == 0
+    assert set(budgets) == {"a", "b", "c"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy=st.sampled_from(ALL_POLICIES),
+    cost_model=st.sampled_from([SEEDS_CARD, SMALL_SLACK, LINEAR]),
+    shapes=st.lists(
+        st.tuples(st.integers(0, 24), st.floats(0.0, 1.0), st.integers(0, 20_000)), min_size=1, max_size=16
+    ),
+    num_prefill_tokens=st.integers(0, 48),
+    max_num_draft_tokens=st.one_of(st.none(), st.integers(0, 64)),
+)
+def test_budgets_stay_within_draftable_tokens_the_step_cap_and_S(
+    policy, cost_model, shapes, num_prefill_tokens, max_num_draft_tokens
+):
+    cands = [DraftCandidate(f"r{i:02d}", d, alpha, ctx) for i, (d, alpha, ctx) in enumerate(shapes)]
+    step = decode_step(cands, num_prefill_tokens, max_num_draft_tokens=max_num_draft_tokens)
+    allocation = policy.allocate(cands, step, cost_model)
+    for c in cands:
+        assert 0 <= allocation.draft_budgets[c.request_id] <= c.num_draftable_tokens
+    if max_num_draft_tokens is not None:
+        assert allocation.num_draft_tokens <= max_num_draft_tokens
+    if isinstance(policy, SeedPolicy):
+        S = cost_model.free_token_budget(step.num_kv_tokens)
+        if S >= step.num_other_tokens:
+            assert sum(1 + k for k in allocation.draft_budgets.values()) + num_prefill_tokens <= S
+        else:
+            assert allocation.num_draft_tokens == 0
+
+
+def test_allocation_reports_S_expected_tokens_and_predicted_time():
+    cands = [DraftCandidate("a", 4, 0.5, 100), DraftCandidate("b", 4, 0.9, 300)]
+    step = DraftStep(num_other_tokens=2 + 16, num_kv_tokens=400 + 16, num_prefill_output_tokens=1)
+    allocation = FixedPolicy(3).allocate(cands, step, LINEAR)
+    assert allocation.draft_budgets == {"a": 3, "b": 3}
+    assert allocation.num_free_tokens == LINEAR.free_token_budget(416)
+    assert allocation.num_expected_tokens == pytest.approx(2 + 1 + (0.5 + 0.25 + 0.125) + (0.9 + 0.81 + 0.729))
+    assert allocation.predicted_step_s == pytest.approx(LINEAR.predict(18 + 6, 416 + 6))
+
+
+def test_an_empty_batch_gets_an_empty_allocation():
+    for policy in ALL_POLICIES:
+        allocation = policy.allocate([], DraftStep(num_other_tokens=32, num_kv_tokens=32), SEEDS_CARD)
+        assert allocation.draft_budgets == {} and allocation.num_expected_tokens == 0
+
+
+def test_inconsistent_steps_are_refused():
+    cands = candidates(4)
+    with pytest.raises(ValueError, match="one committed token"):
+        SeedPolicy().allocate(cands, DraftStep(num_other_tokens=3, num_kv_tokens=0), SEEDS_CARD)
+    with pytest.raises(ValueError, match="duplicate"):
+        SeedPolicy().allocate(cands + cands[:1], decode_step(cands + cands[:1]), SEEDS_CARD)
+    with pytest.raises(ValueError, match="acceptance"):
+        DraftCandidate("x", 4, 1.5, 0)
+    with pytest.raises(ValueError, match="num_draftable_tokens"):
+        DraftCandidate("x", -1, 0.5, 0)
+    with pytest.raises(ValueError, match="query_tile_tokens"):
+        DraftStep(num_other_tokens=1, num_kv_tokens=0, query_tile_tokens=0)
+
+
+# ------------------------------------------------------------------- off and fixed
+
+
+def test_off_drafts_nothing():
+    assert set(allocate(OffPolicy(), candidates(4), SEEDS_CARD).draft_budgets.values()) == {0}
+
+
+def test_fixed_caps_at_what_the_index_can_propose():
+    cands = [DraftCandidate("a", 2, 0.5, CONTEXT), DraftCandidate("b", 9, 0.5, CONTEXT)]
+    assert allocate(FixedPolicy(4), cands, SEEDS_CARD).draft_budgets == {"a": 2, "b": 4}
+    # It ignores the batch: 16 requests get 4 each, far past S (the baseline's flaw).
+    assert allocate(FixedPolicy(4), candidates(16), SEEDS_CARD).num_draft_tokens == 64
+
+
+# ------------------------------------------------------------------- seed
+
+
+def test_seed_splits_what_S_leaves_evenly():
+    S = SEEDS_CARD.free_token_budget(8 * CONTEXT)
+    assert 22 <= S <= 27
+    budgets = allocate(SeedPolicy(), candidates(8), SEEDS_CARD).draft_budgets
+    assert sum(budgets.values()) == S - 8
+    assert max(budgets.values()) - min(budgets.values()) <= 1  # ~2 each at eight agents, as the seeds say
+
+
+def test_seed_prefill_tokens_spend_the_budget_before_drafts():
+    cands = candidates(2)
+    S = SEEDS_CARD.free_token_budget(2 * CONTEXT + 10)
+    assert allocate(SeedPolicy(), cands, SEEDS_CARD, num_prefill_tokens=10).num_draft_tokens == S - 2 - 10
+    assert allocate(SeedPolicy(), cands, SEEDS_CARD, num_prefill_tokens=S).num_draft_tokens == 0
+
+
+def test_seed_gives_a_capped_request_s_unused_share_to_the_others():
+    cands = [DraftCandidate("a", 1, 0.5, CONTEXT)] + [DraftCandidate(r, 20, 0.5, CONTEXT) for r in "bcd"]
+    S = SEEDS_CARD.free_token_budget(4 * CONTEXT)
+    budgets = allocate(SeedPolicy(), cands, SEEDS_CARD).draft_budgets
+    assert budgets["a"] == 1
+    assert sum(budgets.values()) == S - 4
+    assert max(budgets[r] for r in "bcd") - min(budgets[r] for r in "bcd") <= 1
+
+
+def test_seed_leftover_tokens_go_to_the_likeliest_accepted():
+    cands = [DraftCandidate("a", 20, 0.3, CONTEXT), DraftCandidate("b", 20, 0.9, CONTEXT)]
+    budgets = allocate(SeedPolicy(), cands, SEEDS_CARD, max_num_draft_tokens=7).draft_budgets
+    assert budgets == {"a": 3, "b": 4}
+
+
+# ------------------------------------------------------------------- goodput
+
+
+def test_goodput_gives_more_drafts_to_requests_more_likely_accepted():
+    cands = [DraftCandidate("low", 16, 0.4, CONTEXT), DraftCandidate("mid", 16, 0.7, CONTEXT),
+             DraftCandidate("high", 16, 0.9, CONTEXT)]
+    budgets = allocate(GoodputPolicy(), cands, LINEAR).draft_budgets
+    assert budgets["high"] > budgets["mid"] > budgets["low"]
+
+
+@pytest.mark.parametrize("cost_model", [SEEDS_CARD, SMALL_SLACK, LINEAR], ids=["seeds-card", "small-slack", "linear"])
+def test_goodput_never_drafts_what_is_never_accepted(cost_model):
+    cands = [DraftCandidate("a", 16, 0.0, CONTEXT), DraftCandidate("b", 16, 0.0, 10)]
+    assert allocate(GoodputPolicy(min_gain=0.0), cands, cost_model).num_draft_tokens == 0
+
+
+def expected_tokens_per_second(cands, budgets, step, cost_model):
+    num_tokens = step.num_other_tokens + sum(budgets.values())
+    num_kv = step.num_kv_tokens + sum(
+        draft_kv_tokens(c.num_context_tokens, budgets[c.request_id], step.query_tile_tokens) for c in cands
+    )
+    expected = len(cands) + sum(c.acceptance**j for c in cands for j in range(1, budgets[c.request_id] + 1))
+    return expected / cost_model.predict(num_tokens, num_kv)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 8), st.floats(0.0, 0.99)), min_size=1, max_size=6),
+    fixed_ms=st.floats(1.0, 40.0),
+    per_token_ms=st.floats(0.05, 3.0),
+)
+def test_goodput_stops_where_expected_tokens_per_second_peaks(shapes, fixed_ms, per_token_ms):
+    """No single draft token more or less would raise E/t (exact for costs linear in T)."""
+    cost_model = fitted(lambda t, k: fixed_ms * MS + per_token_ms * MS * t)
+    cands = [DraftCandidate(f"r{i}", d, alpha, CONTEXT) for i, (d, alpha) in enumerate(shapes)]
+    step = decode_step(cands)
+    budgets = GoodputPolicy(min_gain=0.0).allocate(cands, step, cost_model).draft_budgets
+    best = expected_tokens_per_second(cands, budgets, step, cost_model)
+    for c in cands:
+        for delta in (-1, 1):
+            k = budgets[c.request_id] + delta
+            if 0 <= k <= c.num_draftable_tokens:
+                neighbour = {**budgets, c.request_id: k}
+                assert expected_tokens_per_second(cands, neighbour, step, cost_model) <= best * (1 + 1e-9)
+
+
+def test_goodput_is_deterministic_and_independent_of_candidate_order():
+    cands = candidates(8, draftable=6, acceptance=0.7) + [DraftCandidate("z", 6, 0.95, 50)]
+    expected = allocate(GoodputPolicy(), cands, SEEDS_CARD).draft_budgets
+    rng = random.Random(0)
+    for _ in range(5):
+        shuffled = cands[:]
+        rng.shuffle(shuffled)
+        assert allocate(GoodputPolicy(), shuffled, SEEDS_CARD).draft_budgets == expected
+    # Equal requests: a token that does not divide evenly goes to the smaller request id.
+    ties = allocate(GoodputPolicy(), candidates(16, acceptance=0.8), SEEDS_CARD).draft_budgets
+    assert list(ties.values()) == sorted(ties.values(), reverse=True)
+
+
+def test_goodput_charges_a_reread_of_the_context_when_drafts_start_a_new_query_tile():
+    kv_priced = fitted(lambda t, k: 20 * MS + 0.1 * MS * t + 1e-6 * k)
+    cands = [DraftCandidate("short", 12, 0.8, 100), DraftCandidate("long", 12, 0.8, 20_000)]
+    # Attention reading KV once per query token: every draft of the long request re-reads 20k tokens.
+    per_token = allocate(GoodputPolicy(), cands, kv_priced, query_tile_tokens=1).draft_budgets
+    assert per_token["short"] > per_token["long"]
+    # Tiles of 16 query tokens: drafts share their decode token's KV read, so context no longer matters.
+    per_tile = allocate(GoodputPolicy(), cands, kv_priced, query_tile_tokens=16).draft_budgets
+    assert per_tile["short"] == per_tile["long"] > per_token["long"]
+
+
+def test_draft_kv_tokens():
+    assert draft_kv_tokens(1000, 0, 16) == 0
+    assert draft_kv_tokens(1000, 15, 16) == 15  # one tile: 1 decode + 15 drafts
+    assert draft_kv_tokens(1000, 16, 16) == 16 + 1000  # a second tile re-reads the context
+    assert draft_kv_tokens(1000, 3, 1) == 3 + 3 * 1000
+
+
+def test_goodput_never_grows_the_step_past_what_was_measured():
+    flat = fitted(lambda t, k: 20 * MS)  # every measured size looks free; beyond 64 nobody knows
+    allocation = allocate(GoodputPolicy(), candidates(4, draftable=40, acceptance=0.95), flat)
+    assert 4 + allocation.num_draft_tokens <= flat.max_observed_tokens == 64
+
+
+# ------------------------------------------------------------------- the budget shrinks as the batch grows
+
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("policy", [SeedPolicy(), GoodputPolicy()], ids=lambda p: p.name)
+@pytest.mark.parametrize("cost_model", [SEEDS_CARD, SMALL_SLACK, LINEAR], ids=["seeds-card", "small-slack", "linear"])
+def test_per_request_drafts_shrink_as_the_batch_grows(policy, cost_model):
+    most, mean = [], []
+    for num_requests in BATCH_SIZES:
+        budgets = allocate(policy, candidates(num_requests), cost_model).draft_budgets
+        most.append(max(budgets.values()))
+        mean.append(sum(budgets.values()) / num_requests)
+    assert most == sorted(most, reverse=True), most
+    assert mean == sorted(mean, reverse=True), mean
+
+
+def test_seed_per_request_drafts_follow_the_seeds_table():
+    per_request = [allocate(SeedPolicy(), candidates(b), SEEDS_CARD).num_draft_tokens / b for b in BATCH_SIZES]
+    S = SEEDS_CARD.free_token_budget(CONTEXT)
+    assert per_request[0] == S - 1  # ~23 at one agent
+    assert per_request[3] == pytest.approx((S - 8) / 8)  # ~2 each at eight agents
+    assert per_request[4] < 1  # almost nothing at sixteen
+
+
+def test_goodput_drafts_several_tokens_alone_and_none_once_the_batch_fills_the_slack():
+    per_request = [allocate(GoodputPolicy(), candidates(b, acceptance=0.8), SMALL_SLACK).num_draft_tokens / b
+                   for b in BATCH_SIZES]
+    assert per_request[0] >= 5
+    assert per_request[-1] == 0  # 16 decodes are past the 8-token slack: a 1 ms draft earns 0.8 token < E/t
+
+
+# ------------------------------------------------------------------- parsing --spec
+
+
+@pytest.mark.parametrize(
+    "text, policy",
+    [("off", OffPolicy()), ("seed", SeedPolicy()), ("goodput", GoodputPolicy()), ("fixed:4", FixedPolicy(4)),
+     (" Fixed:12 ", FixedPolicy(12))],
+)
+def test_parse_draft_policy(text, policy):
+    parsed = parse_draft_policy(text)
+    assert parsed == policy
+    assert parse_draft_policy(parsed.name) == parsed
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("fixed:0", "positive integer"), ("fixed:x", "positive integer"), ("fixed:-2", "positive integer"),
+     ("fixed:", "positive integer"), ("fixed", "draft length"), ("bogus", "off|fixed:K|seed|goodput"),
+     ("", "off|fixed:K|seed|goodput")],
+)
+def test_parse_draft_policy_errors_name_the_flag(text, message):
+    with pytest.raises(ValueError, match="--spec") as info:
+        parse_draft_policy(text)
+    assert message in str(info.value)
+
+
+# ------------------------------------------------------------------- acceptance estimates
+
+
+def simulate_drafts(rng, acceptance, num_drafted):
+    """Accepted length of a linear draft: each token accepted with probability α given the previous one was."""
+    num_accepted = 0
+    while num_accepted < num_drafted and rng.random() < acceptance:
+        num_accepted += 1
+    return num_accepted
+
+
+@pytest.mark.parametrize("true_acceptance", [0.2, 0.5, 0.8, 0.95])
+def test_acceptance_converges_to_the_true_rate(true_acceptance):
+    rng = np.random.default_rng(0)
+    tracker = AcceptanceTracker()
+    slow = AcceptanceTracker(AcceptanceConfig(decay=0.995))
+    estimates = []
+    for step in range(3000):
+        num_drafted = int(rng.integers(1, 9))
+        num_accepted = simulate_drafts(rng, true_acceptance, num_drafted)
+        tracker.observe("r", num_drafted, num_accepted)
+        slow.observe("r", num_drafted, num_accepted)
+        if step >= 1000:
+            estimates.append(tracker.estimate("r"))
+    assert np.mean(estimates) == pytest.approx(true_acceptance, abs=0.04)
+    assert slow.estimate("r") == pytest.approx(true_acceptance, abs=0.04)
+
+
+def test_acceptance_follows_a_request_that_changes_phase():
+    rng = np.random.default_rng(1)
+    tracker = AcceptanceTracker()
+    for _ in range(200):  # copying a file from its context
+        tracker.observe("r", 8, simulate_drafts(rng, 0.95, 8))
+    assert tracker.estimate("r") > 0.85
+    for _ in range(60):  # now writing fresh prose
+        tracker.observe("r", 4, simulate_drafts(rng, 0.2, 4))
+    assert tracker.estimate("r") < 0.4
+
+
+def test_new_requests_start_at_the_prior_then_at_the_swarm_rate():
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_acceptance=0.5))
+    assert tracker.estimate("new") == 0.5
+    rng = np.random.default_rng(2)
+    for step in range(500):
+        tracker.observe(f"agent{step % 8}", 6, simulate_drafts(rng, 0.85, 6))
+    assert tracker.swarm_acceptance == pytest.approx(0.85, abs=0.05)
+    assert tracker.estimate("another-new") == tracker.swarm_acceptance
+    tracker.forget("agent3")
+    assert tracker.estimate("agent3") == tracker.swarm_acceptance
+    assert tracker.num_requests == 7
+
+
+def test_acceptance_observation_semantics():
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_acceptance=0.5, prior_strength=2.0))
+    tracker.observe("r", 0, 0)  # nothing drafted, nothing learned
+    assert tracker.num_requests == 0
+    tracker.observe("r", 4, 4)  # all accepted: 4 successes, no failure (the 5th was never tried)
+    assert tracker.estimate("r") > 0.5
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_acceptance=0.5, prior_strength=2.0))
+    tracker.observe("r", 4, 0)  # first token rejected: one failure, and the rest were never tested
+    # Swarm: (0 + 1) / (0 + 1 + 2) = 1/3; request: (0 + 2·1/3) / (1 + 2) = 2/9.
+    assert tracker.estimate("r") == pytest.approx(2 / 9)
+    with pytest.raises(ValueError, match="num_accepted"):
+        tracker.observe("r", 2, 3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 16), st.integers(0, 16)), max_size=50))
+def test_acceptance_estimate_is_a_probability_below_one(observations):
+    tracker = AcceptanceTracker()
+    for num_drafted, num_accepted in observations:
+        tracker.observe("r", num_drafted, min(num_accepted, num_drafted))
+        assert 0.0 <= tracker.estimate("r") <= tracker.config.max_acceptance < 1.0
+
+
+def test_tracked_acceptance_steers_goodput():
+    rng = np.random.default_rng(3)
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.observe("copying", 8, simulate_drafts(rng, 0.95, 8))
+        tracker.observe("reasoning", 4, simulate_drafts(rng, 0.3, 4))
+    cands = [DraftCandidate(r, 16, tracker.estimate(r), CONTEXT) for r in ("copying", "reasoning", "newcomer")]
+    budgets = allocate(GoodputPolicy(), cands, LINEAR).draft_budgets
+    assert budgets["copying"] > budgets["newcomer"] > budgets["reasoning"]

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+from clients.bench import batching as bench_batching
 from clients.cli_output import completion_to_json, format_error, format_serve_banner, format_summary
 from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.completion import Completion, collect_completion
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print the scheduler's GetServerInfo as JSON")
     _add_connection_flags(info)
     info.set_defaults(run=_run_info)
+
+    bench = commands.add_parser("bench", help="benchmarks that start their own services")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    batching = benches.add_parser("batching", help="the seeds' swarm workload: static vs continuous batching")
+    bench_batching.add_arguments(batching)
+    batching.set_defaults(run=bench_batching.run)
 
     serve = commands.add_parser("serve", help="start the executor and the scheduler and supervise them until Ctrl-C")
     defaults = ServeConfig()

@@ -191,9 +191,10 @@ async def _finish(tasks: list[asyncio.Future]) -> None:
 class Supervisor:
     """start() -> wait() -> stop(); request_stop() (e.g. from a signal handler) ends start or wait early."""
 
-    def __init__(self, config: ServeConfig, *, python: str = sys.executable) -> None:
+    def __init__(self, config: ServeConfig, *, python: str = sys.executable, log_file=None) -> None:
         self.config = config
         self._python = python
+        self._log_file = log_file  # children's output; None shares this process's stdout/stderr
         self._children: dict[str, asyncio.subprocess.Process] = {}  # in start order
         self._stop_requested = asyncio.Event()
 
@@ -219,7 +220,7 @@ class Supervisor:
         )
         for name, command, address in steps:
             self._children[name] = await asyncio.create_subprocess_exec(
-                *command, stdin=subprocess.DEVNULL, process_group=0
+                *command, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=self._log_file, process_group=0
             )
             if not await self._wait_serving(name, address):
                 return None

@@ -23,6 +23,8 @@ class ServerInfo:
     num_kv_blocks: int
     kv_block_size: int
     chat_template: str
+    num_steps: int = 0
+    num_generated_tokens: int = 0
 
     @classmethod
     def from_pb(cls, info: pb.GetServerInfoResponse) -> ServerInfo:
@@ -41,4 +43,6 @@ class ServerInfo:
             num_kv_blocks=info.num_kv_blocks,
             kv_block_size=info.kv_block_size,
             chat_template=info.chat_template,
+            num_steps=info.num_steps,
+            num_generated_tokens=info.num_generated_tokens,
         )

@@ -103,6 +103,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             num_kv_blocks=planner.num_kv_blocks if planner else 0,
             kv_block_size=planner.block_size if planner else 0,
             chat_template=info.chat_template if info else "",
+            num_steps=loop.num_steps,
+            num_generated_tokens=loop.num_generated_tokens,
         )
 
 

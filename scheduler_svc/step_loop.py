@@ -70,6 +70,8 @@ class StepLoop:
         self.planner: Planner | None = None
         self.streams: dict[str, RequestStream] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
         self.last_connect_error = ""
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
@@ -208,6 +210,8 @@ class StepLoop:
             )
             for r in response.results
         ]
+        self.num_steps += 1
+        self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
         for update in planner.apply(results, response.num_free_kv_blocks, end):
             stream = self.streams.get(update.request.request_id)
             if stream is None:

@@ -1,0 +1,1 @@
+"""Benchmarks that drive a running (or self-started) swarmserve over gRPC."""

@@ -1,0 +1,858 @@
+"""One-shot check of the Triton kernels on a real accelerator: correctness, speed, equivalence.
+
+    python -m executor_svc.kernels.gpu_check                    # CUDA/ROCm machine, < 8 minutes
+    python -m executor_svc.kernels.gpu_check --dry-run          # tiny sizes on CPU, interpreted
+    python -m executor_svc.kernels.gpu_check --only correct,invariant
+
+Sections, most important first (each check is guarded, so one failure keeps the
+rest; a time budget skips whatever is left when it runs out):
+
+- env        torch / triton / device.
+- roofline   device-to-device copy bandwidth and bf16 matmul rate: the yardsticks.
+- correct    every kernel against the torch reference (`TorchOps`) on fresh random
+             inputs at both model shapes: ‖out − ref‖ / ‖ref‖ per dtype.
+- invariant  the attention kernel's batch invariance, bit for bit, on the device.
+- greedy     a random-weight model of the small shape decoding a ragged batch for
+             ~32 steps in lockstep (both op sets are fed the torch path's greedy
+             tokens; every 8th step is a 3-token verify run): argmax mismatches, the
+             max logit difference, and the device epilogue against plain torch.
+- kernel     each kernel, Triton vs torch, for B = 1 .. 64 decode tokens at context
+             512 (bytes moved / time against the copy bandwidth); attention prefill
+             (flops / time against the matmul rate).
+- step       a whole decode step (`Transformer.forward`), TritonOps vs TorchOps.
+
+Progress goes to stderr with timestamps, ONE compact table to stdout at the end, and
+every measurement as JSON to $OUT/gpu_check.json when OUT is set (rewritten after
+each section, so a run cut short still leaves what it measured).
+
+Imports only torch, triton, numpy and this repository (the model modules import the
+`gguf` package only to read model files, which this script never does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+SMALL_MODEL = dict(  # the embedded model's shape (SmolLM2-135M)
+    name="small",
+    num_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+)
+BIG_MODEL = dict(  # an 8B-class layer shape, 8 layers
+    name="big",
+    num_layers=8,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+)
+TINY_MODEL = dict(  # --dry-run
+    name="tiny",
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=300,
+)
+BLOCK_SIZE = 16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# ‖out − ref‖ / ‖ref‖ bounds for "ok": float32 math throughout, inputs and outputs rounded per dtype.
+REL_TOLERANCE = {"fp32": 1e-5, "bf16": 1.6e-2, "fp16": 2e-3}
+SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    models: tuple[dict, ...]
+    batch_sizes: tuple[int, ...]
+    context: int  # tokens already cached per request in the decode timings
+    prefill_requests: int
+    prefill_len: int
+    greedy_steps: int
+    greedy_prompt_lens: tuple[int, ...]
+    copy_bytes: int
+    matmul_n: int
+    bench_warmup_ms: int
+    bench_rep_ms: int
+
+    @classmethod
+    def full(cls) -> "Sizes":
+        return cls(
+            models=(SMALL_MODEL, BIG_MODEL),
+            batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+            context=512,
+            prefill_requests=4,
+            prefill_len=512,
+            greedy_steps=32,
+            greedy_prompt_lens=(5, 17, 33, 64, 100, 150),
+            copy_bytes=1 << 30,
+            matmul_n=8192,
+            bench_warmup_ms=5,
+            bench_rep_ms=40,
+        )
+
+    @classmethod
+    def dry_run(cls) -> "Sizes":
+        return cls(
+            models=(TINY_MODEL,),
+            batch_sizes=(1, 4),
+            context=40,
+            prefill_requests=2,
+            prefill_len=24,
+            greedy_steps=9,
+            greedy_prompt_lens=(3, 17),
+            copy_bytes=1 << 22,
+            matmul_n=128,
+            bench_warmup_ms=0,
+            bench_rep_ms=0,
+        )
+
+
+class Report:
+    """Measurements, errors, the clock and the time budget; the JSON file and the final table."""
+
+    def __init__(self, budget_s: float, out_dir: str | None) -> None:
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.out_dir = out_dir
+        self.records: list[dict] = []
+        self.errors: list[dict] = []
+        self.env: dict = {}
+        self.yardsticks: dict = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def log(self, message: str) -> None:
+        sys.stderr.write(f"[{time.strftime('%H:%M:%S')} +{self.elapsed():6.1f}s] {message}\n")
+        sys.stderr.flush()
+
+    def add(self, section: str, name: str, model: str = "", dtype: str = "", size: str = "", **values) -> None:
+        record = dict(section=section, name=name, model=model, dtype=dtype, size=size, **values)
+        self.records.append(record)
+        shown = " ".join(f"{k}={_short(v)}" for k, v in values.items())
+        self.log(f"{section} {name} {model} {dtype} {size}: {shown}")
+
+    def run(self, section: str, label: str, fn, *args) -> None:
+        """fn(*args), guarded: an exception becomes an error entry and the run goes on."""
+        if self.over_budget():
+            self.errors.append(dict(section=section, name=label, error="skipped: time budget spent"))
+            self.log(f"{section} {label}: skipped (time budget)")
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a check reports every failure and carries on
+            first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+            error = f"{type(exc).__name__}: {first_line}"
+            self.errors.append(dict(section=section, name=label, error=error, traceback=traceback.format_exc()))
+            self.log(f"{section} {label}: FAILED\n{traceback.format_exc()}")
+            if torch.cuda.is_available():
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001 - a sticky CUDA error shows up in the next check too
+                    pass
+
+    def save(self) -> None:
+        if not self.out_dir:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        data = dict(
+            env=self.env, yardsticks=self.yardsticks, records=self.records, errors=self.errors, elapsed_s=self.elapsed()
+        )
+        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as f:
+            json.dump(data, f, indent=1, default=str)
+
+    def num_failed(self) -> int:
+        return sum(1 for r in self.records if r.get("ok") is False) + len(self.errors)
+
+    def table(self) -> str:
+        lines = [_format_row(row) for row in _summary_rows(self)]
+        widths = [max(len(row[i]) for row in lines) for i in range(3)]
+        text = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in lines]
+        text.insert(1, "-" * 100)
+        for error in self.errors:
+            text.append(f"ERROR {error['section']} / {error['name']}: {error['error']}")
+        failures = self.num_failed()
+        text.append(f"total {self.elapsed():.0f}s, {len(self.records)} measurements, {failures} failures or errors")
+        return "\n".join(text)
+
+
+def _short(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _format_row(row: tuple[str, str, str, str]) -> tuple[str, str, str, str]:
+    return tuple(str(cell) for cell in row)
+
+
+def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
+    """The table: one line per check (dtypes or batch sizes side by side)."""
+    rows = [("section", "check", "model", "result")]
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for r in report.records:
+        by_key[r["section"], r["name"], r["model"]].append(r)
+    for (section, name, model), records in by_key.items():
+        if section == "env":
+            result = ", ".join(f"{k}={v}" for k, v in report.env.items())
+        elif section == "roofline":
+            result = "; ".join(f"{r['value']:.0f} {r['unit']} ({r['size']})" for r in records)
+        elif section in ("correct", "invariant"):
+            result = "  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
+        elif section == "greedy":
+            result = "  |  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
+        elif section == "kernel" and name != "attention_prefill":
+            cells = [f"B{r['batch']}: {r['triton_us']:.1f}/{r['torch_us']:.1f}" for r in records]
+            last = records[-1]
+            share = f" = {100 * last['fraction_of_copy']:.0f}% of copy" if last.get("fraction_of_copy") else ""
+            result = "us triton/torch  " + "  ".join(cells) + f"  | B{last['batch']}: {last['gbps']:.0f} GB/s{share}"
+        elif section == "kernel":
+            r = records[-1]
+            share = f" = {100 * r['fraction_of_matmul']:.0f}% of matmul" if r.get("fraction_of_matmul") else ""
+            times = f"triton {r['triton_us']:.0f}us torch {r['torch_us']:.0f}us"
+            result = f"{r['size']}: {times}, {r['tflops']:.1f} TFLOP/s{share}"
+        elif section == "step":
+            cells = [f"B{r['batch']}: {r['triton_ms']:.2f}/{r['torch_ms']:.2f}" for r in records]
+            result = "ms triton/torch  " + "  ".join(cells)
+        else:
+            result = str(records)
+        rows.append((section, name, model, result))
+    return rows
+
+
+class Bench:
+    """Milliseconds per call: triton's do_bench (CUDA events, L2 flushed, median) on a device; a wall clock on CPU."""
+
+    def __init__(self, device: torch.device, sizes: Sizes) -> None:
+        self.device = device
+        self.sizes = sizes
+
+    def ms(self, fn) -> float:
+        if self.device.type != "cpu":
+            import triton.testing
+
+            warmup, rep = self.sizes.bench_warmup_ms, self.sizes.bench_rep_ms
+            return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(‖out − ref‖ / ‖ref‖, max |out − ref|), in float64."""
+    out, ref = out.double(), ref.double()
+    norm = float(ref.norm())
+    diff = float((out - ref).norm())
+    max_abs = float((out - ref).abs().max()) if out.numel() else 0.0
+    return (diff / norm if norm else diff), max_abs
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+class PagedInputs:
+    """A paged KV cache of random K/V for requests of given context lengths, in shuffled blocks."""
+
+    def __init__(self, shape: dict, context_lens: list[int], dtype, device, gen) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        hkv, d = shape["num_kv_heads"], shape["head_dim"]
+        blocks_per_request = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
+        num_blocks = 1 + sum(blocks_per_request) + 2
+        # [num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block
+        self.k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen, device=device).to(dtype)
+        self.v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen, device=device).to(dtype)
+        self.k_cache[0] = 0
+        self.v_cache[0] = 0
+        order = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+        self.tables = []
+        for count in blocks_per_request:
+            self.tables.append(order[:count])
+            order = order[count:]
+        # [requests, max_context, heads, head_dim]: one fixed query row per (request, position)
+        shape_q = (len(context_lens), max(context_lens), shape["num_heads"], d)
+        self.q_rows = torch.randn(*shape_q, generator=gen, device=device).to(dtype)
+
+    def batch(self, parts, row_multiple: int = 1):
+        """parts: (request, first position, query tokens) → (RaggedBatch, q [num_padded_tokens, heads, head_dim])."""
+        from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+
+        slices = [RequestSlice([0] * m, s, self.tables[r], num_logits=1) for r, s, m in parts]
+        batch = RaggedBatch.build(slices, BLOCK_SIZE, self.device, row_multiple=row_multiple)
+        q = torch.zeros(batch.num_padded_tokens, *self.q_rows.shape[2:], dtype=self.dtype, device=self.device)
+        for (r, s, m), q0 in zip(parts, batch.query_starts):
+            q[q0 : q0 + m] = self.q_rows[r, s : s + m]
+        return batch, q
+
+
+def _dims(shape: dict) -> tuple[int, int, int, int, int]:
+    """(hidden, head_dim, heads, kv_heads, intermediate)"""
+    return tuple(shape[k] for k in ("hidden_size", "head_dim", "num_heads", "num_kv_heads", "intermediate_size"))
+
+
+def _ops():
+    from executor_svc.kernels.triton_ops import TritonOps
+    from executor_svc.torch_ops import TorchOps
+
+    return TritonOps(), TorchOps()
+
+
+# ----------------------------------------------------------------------------- env, roofline
+
+
+def section_env(report: Report, device: torch.device) -> None:
+    import triton
+
+    from executor_svc.kernels import triton_available
+
+    report.env = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        device=str(device),
+        triton_available=triton_available(),
+        interpreter=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        report.env.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=capability)
+    report.add("env", "versions")
+
+
+def section_roofline(report: Report, bench: Bench, sizes: Sizes, device: torch.device) -> None:
+    src = torch.empty(sizes.copy_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = bench.ms(lambda: dst.copy_(src))
+    gbps = 2 * sizes.copy_bytes / ms / 1e6  # read + write
+    report.yardsticks["copy_gbps"] = gbps
+    size = f"{sizes.copy_bytes >> 20} MiB"
+    report.add("roofline", "d2d_copy", dtype="bf16", size=size, value=gbps, unit="GB/s", ms=ms)
+    del src, dst
+    n = sizes.matmul_n
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    ms = bench.ms(lambda: torch.matmul(a, b, out=c))
+    tflops = 2 * n**3 / ms / 1e9
+    report.yardsticks["matmul_tflops"] = tflops
+    report.add("roofline", "bf16_matmul", dtype="bf16", size=f"{n}^3", value=tflops, unit="TFLOP/s", ms=ms)
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def _compare(report: Report, name: str, shape: dict, dtype_name: str, size: str, out, ref) -> None:
+    rel, max_abs = relative_error(out.float(), ref.float())
+    ok = rel <= REL_TOLERANCE[dtype_name]
+    summary = f"{rel:.1e}" + ("" if ok else " FAIL")
+    report.add("correct", name, shape["name"], dtype_name, size, rel_err=rel, max_abs=max_abs, ok=ok, summary=summary)
+
+
+def section_correct_small_kernels(report: Report, shape: dict, dtype_name: str, device, sizes: Sizes) -> None:
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(12)
+    t = 4 * max(sizes.batch_sizes)  # tokens
+    h, hd, nh, nkv, inter = _dims(shape)
+    triton_ops, torch_ops = _ops()
+    eps = 1e-5
+
+    def randn(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=gen, device=device)).to(dtype)
+
+    def near_one(n):
+        return (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
+
+    x, residual, weight = randn(t, h), randn(t, h, scale=4.0), near_one(h)
+    qkv = randn(t, (nh + 2 * nkv) * hd)
+    q = qkv[:, : nh * hd].view(t, nh, hd)  # a strided view, as the model passes it
+    k = qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+    head_weight = near_one(hd)
+    positions = torch.randint(0, 4096, (t,), generator=gen, device=device).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    cos, sin = (positions[:, None] * inv_freq[None, :]).cos(), (positions[:, None] * inv_freq[None, :]).sin()
+    gate_up = randn(t, 2 * inter, scale=2.0)
+
+    def both(method, *args):
+        return getattr(triton_ops, method)(*args), getattr(torch_ops, method)(*args)
+
+    def check_rms_norm():
+        _compare(report, "rms_norm", shape, dtype_name, f"T={t} n={h}", *both("rms_norm", x, weight, eps))
+
+    def check_add_rms_norm():
+        ours, ref = both("add_rms_norm", x, residual, weight, eps)
+        _compare(report, "add_rms_norm", shape, dtype_name, f"T={t} n={h}", torch.cat(ours), torch.cat(ref))
+
+    def check_per_head_norm():
+        ours, ref = both("rms_norm", q, head_weight, eps)
+        _compare(report, "rms_norm_per_head", shape, dtype_name, f"T={t} q view", ours, ref)
+
+    def check_rope(interleaved):
+        name = "rope_interleaved" if interleaved else "rope_half_split"
+        _compare(report, name, shape, dtype_name, f"T={t} q view", *both("rope", q, cos, sin, interleaved))
+
+    def check_silu_mul():
+        _compare(report, "silu_mul", shape, dtype_name, f"T={t} I={inter}", *both("silu_mul", gate_up))
+
+    def check_write_kv():
+        num_blocks = t // BLOCK_SIZE + 4
+        caches = [torch.zeros(num_blocks, BLOCK_SIZE, nkv, hd, dtype=dtype, device=device) for _ in range(4)]
+        slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen, device=device)[:t] + BLOCK_SIZE
+        triton_ops.write_kv(k, v, caches[0], caches[1], slots)
+        torch_ops.write_kv(k, v.contiguous(), caches[2], caches[3], slots)
+        ok = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        report.add("correct", "write_kv", shape["name"], dtype_name, f"T={t}", ok=ok, summary="exact" if ok else "FAIL")
+
+    checks = [
+        ("rms_norm", check_rms_norm),
+        ("add_rms_norm", check_add_rms_norm),
+        ("rms_norm_per_head", check_per_head_norm),
+        ("rope_half_split", lambda: check_rope(False)),
+        ("rope_interleaved", lambda: check_rope(True)),
+        ("silu_mul", check_silu_mul),
+        ("write_kv", check_write_kv),
+    ]
+    for name, check in checks:
+        report.run("correct", f"{name} {shape['name']} {dtype_name}", check)
+
+
+def section_correct_epilogue(report: Report, device, vocab_size: int) -> None:
+    triton_ops, _ = _ops()
+    gen = torch.Generator(device=device).manual_seed(13)
+    rows = [1, 4, 4, 1, 6, 1]  # rows per request
+    num_rows = sum(rows)
+    logits = torch.randn(num_rows, vocab_size, generator=gen, device=device)
+    logits[0, [5, vocab_size - 7]] = 100.0  # a tie: the lowest index wins
+    best = torch.argmax(logits, dim=-1)
+    row_starts = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    drafts = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    drafts[1:4] = best[1:4]  # request 1: all 3 accepted
+    drafts[5:8] = best[5:8]
+    drafts[6] = (best[6] + 1) % vocab_size  # request 2: 1 accepted
+    drafts[10:15] = best[10:15]
+    drafts[10] = (best[10] + 1) % vocab_size  # request 4: 0 accepted
+    expected = [0, 3, 1, 0, 0, 0]
+    for dtype_name in ("fp32", "bf16"):
+        typed = logits.to(DTYPES[dtype_name])
+        argmax_ids, num_accepted = triton_ops.greedy_verify(typed, drafts, row_starts)
+        ok = torch.equal(argmax_ids, torch.argmax(typed, dim=-1)) and num_accepted.tolist() == expected
+        summary = "exact" if ok else f"FAIL accepted {num_accepted.tolist()} != {expected}"
+        report.add("correct", "greedy_verify", "", dtype_name, f"S={num_rows} V={vocab_size}", ok=ok, summary=summary)
+
+
+def section_correct_attention(report: Report, shape: dict, dtype_name: str, device, sizes: Sizes) -> None:
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(11)
+    c = sizes.context
+    contexts = [1, 16, c - 1, c, 2 * c, 4 * c, 300 % (2 * c) + 1, 129]
+    parts = [
+        (0, 0, 1),  # one-token prompt: empty KV
+        (1, 15, 1),  # decode ending on a block boundary
+        (2, c - 2, 1),  # decode
+        (3, c - 4, 4),  # verify run
+        (4, c + 3, c - 3),  # prefill chunk on top of cached KV
+        (5, 3 * c, c),  # long chunk
+        (6, 0, contexts[6]),  # whole prompt from empty KV
+        (7, 120, 9),  # crossing a block boundary
+    ]
+    inputs = PagedInputs(shape, contexts, dtype, device, gen)
+    batch, q = inputs.batch(parts, row_multiple=8)
+    scale = shape["head_dim"] ** -0.5
+    triton_ops, torch_ops = _ops()
+    out = triton_ops.attention(q, inputs.k_cache, inputs.v_cache, triton_ops.prepare(batch, BLOCK_SIZE), scale)
+    ref = torch_ops.attention(q, inputs.k_cache, inputs.v_cache, torch_ops.prepare(batch, BLOCK_SIZE), scale)
+    _compare(report, "attention_mixed", shape, dtype_name, f"T={batch.num_tokens}", out, ref)
+    if torch.count_nonzero(out[batch.num_tokens :]):
+        summary = "FAIL: padding rows not zero"
+        report.add("correct", "attention_padding", shape["name"], dtype_name, ok=False, summary=summary)
+
+
+def section_invariance(report: Report, shape: dict, dtype_name: str, device, sizes: Sizes) -> None:
+    """A row's output, bit for bit, alone and inside very different batches."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(14)
+    c = sizes.context
+    target, position = 0, c + c // 2 + 3
+    inputs = PagedInputs(shape, [position + 64, 50, c + 7, 9, c], dtype, device, gen)
+    ops, _ = _ops()
+
+    def row_of(parts):
+        batch, q = inputs.batch(parts, row_multiple=8)
+        metadata = ops.prepare(batch, BLOCK_SIZE)
+        out = ops.attention(q, inputs.k_cache, inputs.v_cache, metadata, shape["head_dim"] ** -0.5)
+        index = [p[0] for p in parts].index(target)
+        return out[batch.query_starts[index] + position - parts[index][1]]
+
+    solo = row_of([(target, position, 1)])
+    layouts = [
+        [(target, position - 3, 4)],  # last row of a verify run
+        [(target, position - 10, 11)],
+        [(target, position - 40, 64)],  # mid chunk
+        [(target, 0, position + 1)],  # the whole prompt
+        [(1, 49, 1), (target, position - 2, 5), (2, c - 30, 30), (3, 0, 9)],
+        [(4, c - 1, 1), (2, c + 6, 1), (target, position, 1), (1, 10, 40)],
+        [(3, 8, 1), (4, 0, c), (target, position - 1, 2)],
+    ]
+    max_diff = max(float((row_of(parts).float() - solo.float()).abs().max()) for parts in layouts)
+    ok = max_diff == 0.0
+    summary = "bitwise equal" if ok else f"FAIL max diff {max_diff:.1e}"
+    size = f"{len(layouts)} layouts"
+    report.add("invariant", "attention_row", shape["name"], dtype_name, size, ok=ok, max_diff=max_diff, summary=summary)
+
+
+# ----------------------------------------------------------------------------- greedy equivalence
+
+
+def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
+    """Lockstep greedy decoding: both op sets get the torch path's tokens; every scored row is compared."""
+    from executor_svc.kernels.random_model import model_config, random_weights
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.model import Transformer
+    from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+
+    dtype = DTYPES[dtype_name]
+    shape = sizes.models[0]
+    config = model_config(**shape, context_length=4096)
+    weights = random_weights(config, dtype, device, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in sizes.greedy_prompt_lens]
+    tables, next_block = [], 1
+    for n in sizes.greedy_prompt_lens:
+        count = math.ceil((n + 3 * sizes.greedy_steps + 1) / BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    triton_ops, torch_ops = _ops()
+    runs = {
+        ops.name: (
+            Transformer(config, weights, device, ops=ops),
+            KVCache(config, num_blocks=next_block, block_size=BLOCK_SIZE, dtype=dtype, device=device),
+        )
+        for ops in (torch_ops, triton_ops)
+    }
+    pending = [list(p) for p in prompts]  # tokens each request computes next step
+    positions = [0] * len(prompts)
+    rows = mismatches = epilogue_disagreements = 0
+    max_logit_diff = 0.0
+    for step in range(sizes.greedy_steps + 1):
+        is_verify = any(len(p) > 1 for p in pending) and step > 0
+        slices = [
+            RequestSlice(pending[r], positions[r], tables[r], num_logits=len(pending[r]) if is_verify else 1)
+            for r in range(len(prompts))
+        ]
+        batch = RaggedBatch.build(slices, BLOCK_SIZE, device)
+        logits = {name: model.forward(batch, kv_cache) for name, (model, kv_cache) in runs.items()}
+        ref, ours = logits["torch"], logits["triton"]
+        ref_ids, our_ids = torch.argmax(ref, dim=-1), torch.argmax(ours, dim=-1)
+        rows += ref.shape[0]
+        mismatches += int((ref_ids != our_ids).sum())
+        max_logit_diff = max(max_logit_diff, float((ours - ref).abs().max()))
+
+        # The device epilogue on the same logits against plain torch: argmax and accept counts.
+        row_counts = [s.num_logits for s in slices]
+        starts = [0] + torch.tensor(row_counts).cumsum(0).tolist()
+        drafts = torch.full((ours.shape[0],), -1, dtype=torch.int64)
+        if is_verify:
+            for r in range(len(prompts)):
+                drafts[starts[r] : starts[r + 1] - 1] = torch.tensor(pending[r][1:])
+        row_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+        epilogue_ids, num_accepted = triton_ops.greedy_verify(ours, drafts.to(device), row_starts)
+        epilogue_disagreements += int((epilogue_ids != our_ids).sum())
+        our_list = our_ids.tolist()
+        for r in range(len(prompts)):
+            n = 0
+            while drafts[starts[r] + n] >= 0 and int(drafts[starts[r] + n]) == our_list[starts[r] + n]:
+                n += 1
+            epilogue_disagreements += int(n != int(num_accepted[r]))
+
+        for r in range(len(prompts)):
+            positions[r] += len(pending[r])
+            token = int(ref_ids[starts[r + 1] - 1])
+            # Before every 8th step: a 3-token run, the greedy token and two arbitrary drafts to verify.
+            extra = torch.randint(0, config.vocab_size, (2,), generator=gen).tolist() if (step + 1) % 8 == 0 else []
+            pending[r] = [token] + extra
+    summary = (
+        f"argmax mismatches {mismatches}/{rows}, max |dlogit| {max_logit_diff:.1e}, "
+        f"epilogue disagreements {epilogue_disagreements}"
+    )
+    report.add(
+        "greedy",
+        "lockstep_decode",
+        shape["name"],
+        dtype_name,
+        f"{len(prompts)} req x {sizes.greedy_steps} steps",
+        mismatches=mismatches,
+        rows=rows,
+        max_logit_diff=max_logit_diff,
+        epilogue_disagreements=epilogue_disagreements,
+        ok=epilogue_disagreements == 0,
+        summary=summary,
+    )
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def section_kernel_timings(report: Report, bench: Bench, shape: dict, device, sizes: Sizes) -> None:
+    """Each kernel in bf16 at B decode tokens: Triton vs torch, and bytes moved / time."""
+    dtype, elt = torch.bfloat16, 2
+    gen = torch.Generator(device=device).manual_seed(15)
+    h, hd, nh, nkv, inter = _dims(shape)
+    triton_ops, torch_ops = _ops()
+    copy_gbps = report.yardsticks.get("copy_gbps")
+    c = sizes.context
+    cache = PagedInputs(shape, [c + 1] * max(sizes.batch_sizes), dtype, device, gen)
+
+    def record(name, b, size, triton_fn, torch_fn, bytes_moved):
+        triton_ms, torch_ms = bench.ms(triton_fn), bench.ms(torch_fn)
+        gbps = bytes_moved / triton_ms / 1e6
+        report.add(
+            "kernel",
+            name,
+            shape["name"],
+            "bf16",
+            size,
+            batch=b,
+            triton_us=1e3 * triton_ms,
+            torch_us=1e3 * torch_ms,
+            bytes=bytes_moved,
+            gbps=gbps,
+            fraction_of_copy=gbps / copy_gbps if copy_gbps else None,
+        )
+
+    for b in sizes.batch_sizes:
+        if report.over_budget():
+            break
+        batch, q = cache.batch([(r, c, 1) for r in range(b)])
+        scale = hd**-0.5
+        meta_triton, meta_torch = triton_ops.prepare(batch, BLOCK_SIZE), torch_ops.prepare(batch, BLOCK_SIZE)
+        x = torch.randn(b, h, generator=gen, device=device).to(dtype)
+        residual = torch.randn(b, h, generator=gen, device=device).to(dtype)
+        weight = torch.ones(h, device=device, dtype=dtype)
+        qkv = torch.randn(b, (nh + 2 * nkv) * hd, generator=gen, device=device).to(dtype)
+        qv = qkv[:, : nh * hd].view(b, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(b, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd).contiguous()
+        cos = torch.rand(b, hd // 2, generator=gen, device=device)
+        sin = torch.rand(b, hd // 2, generator=gen, device=device)
+        gate_up = torch.randn(b, 2 * inter, generator=gen, device=device).to(dtype)
+        logits = torch.randn(b, shape["vocab_size"], generator=gen, device=device)
+        drafts = torch.full((b,), -1, dtype=torch.int64, device=device)
+        row_starts = torch.arange(b + 1, dtype=torch.int32, device=device)
+        k_cache, v_cache, slots = cache.k_cache, cache.v_cache, batch.slot_mapping
+        timings = [
+            (
+                "attention_decode",
+                f"B={b} ctx={c}",
+                lambda: triton_ops.attention(q, k_cache, v_cache, meta_triton, scale),
+                lambda: torch_ops.attention(q, k_cache, v_cache, meta_torch, scale),
+                b * (c + 1) * nkv * hd * 2 * elt + 2 * q.numel() * elt,  # K and V of every request, q in, out
+            ),
+            (
+                "rms_norm",
+                f"B={b}",
+                lambda: triton_ops.rms_norm(x, weight, 1e-5),
+                lambda: torch_ops.rms_norm(x, weight, 1e-5),
+                2 * x.numel() * elt,
+            ),
+            (
+                "add_rms_norm",
+                f"B={b}",
+                lambda: triton_ops.add_rms_norm(x, residual, weight, 1e-5),
+                lambda: torch_ops.add_rms_norm(x, residual, weight, 1e-5),
+                4 * x.numel() * elt,
+            ),
+            (
+                "rope_q",
+                f"B={b}",
+                lambda: triton_ops.rope(qv, cos, sin),
+                lambda: torch_ops.rope(qv, cos, sin),
+                2 * qv.numel() * elt + 2 * cos.numel() * 4,
+            ),
+            (
+                "silu_mul",
+                f"B={b}",
+                lambda: triton_ops.silu_mul(gate_up),
+                lambda: torch_ops.silu_mul(gate_up),
+                3 * b * inter * elt,
+            ),
+            (
+                "write_kv",
+                f"B={b}",
+                lambda: triton_ops.write_kv(k, v, k_cache, v_cache, slots),
+                lambda: torch_ops.write_kv(k, v, k_cache, v_cache, slots),
+                4 * k.numel() * elt,
+            ),
+            (
+                "argmax_epilogue",
+                f"B={b} V={shape['vocab_size']}",
+                lambda: triton_ops.greedy_verify(logits, drafts, row_starts),
+                lambda: torch.argmax(logits, dim=-1),  # the torch path copies the logits to the host after
+                logits.numel() * 4,
+            ),
+        ]
+        for name, size, triton_fn, torch_fn, bytes_moved in timings:
+            label = f"{name} {shape['name']} B={b}"
+            report.run("kernel", label, record, name, b, size, triton_fn, torch_fn, bytes_moved)
+
+
+def section_prefill_timing(report: Report, bench: Bench, shape: dict, device, sizes: Sizes) -> None:
+    """Attention over whole prompts: causal flops / time against the matmul rate."""
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(16)
+    _, hd, nh, _, _ = _dims(shape)
+    n, m = sizes.prefill_requests, sizes.prefill_len
+    triton_ops, torch_ops = _ops()
+    inputs = PagedInputs(shape, [m] * n, dtype, device, gen)
+    batch, q = inputs.batch([(r, 0, m) for r in range(n)])
+    meta_triton, meta_torch = triton_ops.prepare(batch, BLOCK_SIZE), torch_ops.prepare(batch, BLOCK_SIZE)
+    scale = hd**-0.5
+    triton_ms = bench.ms(lambda: triton_ops.attention(q, inputs.k_cache, inputs.v_cache, meta_triton, scale))
+    torch_ms = bench.ms(lambda: torch_ops.attention(q, inputs.k_cache, inputs.v_cache, meta_torch, scale))
+    flops = 4 * nh * hd * n * (m * (m + 1) // 2)  # QK^T and PV over the causal pairs
+    tflops = flops / triton_ms / 1e9
+    rate = report.yardsticks.get("matmul_tflops")
+    report.add(
+        "kernel",
+        "attention_prefill",
+        shape["name"],
+        "bf16",
+        f"{n}x{m} tokens",
+        triton_us=1e3 * triton_ms,
+        torch_us=1e3 * torch_ms,
+        tflops=tflops,
+        fraction_of_matmul=tflops / rate if rate else None,
+    )
+
+
+def section_step_timings(report: Report, bench: Bench, shape: dict, device, sizes: Sizes) -> None:
+    """A whole decode step, host work included (prepare, launches): what a serving step costs."""
+    from executor_svc.kernels.random_model import model_config, random_weights
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.model import Transformer
+    from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+
+    dtype = torch.bfloat16
+    config = model_config(**shape, context_length=4096)
+    weights = random_weights(config, dtype, device, seed=3)
+    c = sizes.context
+    blocks_per_request = math.ceil((c + 1) / BLOCK_SIZE)
+    num_blocks = 1 + max(sizes.batch_sizes) * blocks_per_request
+    kv_cache = KVCache(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+    kv_cache.tensor.normal_()
+    models = {ops.name: Transformer(config, weights, device, ops=ops) for ops in _ops()}
+    for b in sizes.batch_sizes:
+        if report.over_budget():
+            break
+        tables = [list(range(1 + r * blocks_per_request, 1 + (r + 1) * blocks_per_request)) for r in range(b)]
+        batch = RaggedBatch.build([RequestSlice([7], c, tables[r], 1) for r in range(b)], BLOCK_SIZE, device)
+        times = {name: bench.ms(lambda model=model: model.forward(batch, kv_cache)) for name, model in models.items()}
+        report.add(
+            "step",
+            "decode_forward",
+            shape["name"],
+            "bf16",
+            f"B={b} ctx={c} L={config.num_layers}",
+            batch=b,
+            triton_ms=times["triton"],
+            torch_ms=times["torch"],
+            tokens_per_s=b / times["triton"] * 1e3,
+        )
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--device", default=None, help="cuda (the default when there is one) or cpu")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, out of {','.join(SECTIONS)}")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(only - set(SECTIONS))}")
+
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        sys.stderr.write("on CPU the kernels run only under TRITON_INTERPRET=1 (or pass --dry-run)\n")
+        return 2
+    sizes = Sizes.full() if device.type != "cpu" else Sizes.dry_run()
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference stays float32
+    report = Report(args.budget_s, os.environ.get("OUT"))
+    bench = Bench(device, sizes)
+    kind = "full" if device.type != "cpu" else "dry-run"
+    report.log(f"gpu_check on {device}, {kind} sizes, budget {args.budget_s:.0f}s")
+
+    plan = [
+        ("env", "env", section_env, (report, device)),
+        ("roofline", "copy and matmul", section_roofline, (report, bench, sizes, device)),
+    ]
+    models = sizes.models
+    for shape in models:
+        for dtype_name in DTYPES:
+            args_ = (report, shape, dtype_name, device, sizes)
+            label = f"small kernels {shape['name']} {dtype_name}"
+            plan.append(("correct", label, section_correct_small_kernels, args_))
+    plan.append(("correct", "greedy_verify", section_correct_epilogue, (report, device, models[0]["vocab_size"])))
+    for shape in models:
+        for dtype_name in DTYPES:
+            args_ = (report, shape, dtype_name, device, sizes)
+            plan.append(("correct", f"attention {shape['name']} {dtype_name}", section_correct_attention, args_))
+    for shape in models:
+        for dtype_name in ("bf16", "fp32"):
+            args_ = (report, shape, dtype_name, device, sizes)
+            plan.append(("invariant", f"attention {shape['name']} {dtype_name}", section_invariance, args_))
+    for dtype_name in ("fp32", "bf16"):
+        plan.append(("greedy", f"lockstep {dtype_name}", section_greedy, (report, dtype_name, device, sizes)))
+    for shape in models:
+        args_ = (report, bench, shape, device, sizes)
+        plan.append(("kernel", f"decode kernels {shape['name']}", section_kernel_timings, args_))
+        plan.append(("kernel", f"prefill attention {shape['name']}", section_prefill_timing, args_))
+    for shape in models:
+        args_ = (report, bench, shape, device, sizes)
+        plan.append(("step", f"decode step {shape['name']}", section_step_timings, args_))
+
+    for section, label, fn, fn_args in plan:
+        if section in only:
+            report.run(section, label, fn, *fn_args)
+            report.save()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    table = report.table()
+    sys.stdout.write(table + "\n")
+    sys.stdout.flush()
+    if report.out_dir:
+        with open(os.path.join(report.out_dir, "gpu_check.txt"), "w") as f:
+            f.write(table + "\n")
+    return 1 if report.num_failed() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

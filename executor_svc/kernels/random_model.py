@@ -1,0 +1,88 @@
+"""A model of a given shape with random weights: what the kernel checks run without a GGUF file.
+
+The weights are scaled so activations stay O(1) through any number of layers
+(linear weights ~ N(0, 1/fan_in), norm weights near 1), so logits are neither
+saturated nor all equal and greedy decoding is a meaningful comparison between
+two implementations of the same ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_weights import LayerWeights, ModelWeights
+
+
+def model_config(
+    name: str,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    context_length: int = 4096,
+    has_qk_norm: bool = False,
+    has_qkv_bias: bool = False,
+) -> ModelConfig:
+    return ModelConfig(
+        architecture="qwen3" if has_qk_norm else ("qwen2" if has_qkv_bias else "llama"),
+        name=name,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_linear_factor=1.0,
+        has_qkv_bias=has_qkv_bias,
+        has_qk_norm=has_qk_norm,
+        has_rope_freq_factors=False,
+        tie_word_embeddings=False,
+    )
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        w = torch.randn(out_features, in_features, generator=gen, device=device, dtype=torch.float32)
+        return (w * in_features**-0.5).to(dtype)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=gen, device=device, dtype=torch.float32)).to(dtype)
+
+    h, d = config.hidden_size, config.head_dim
+    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
+    def bias(n: int) -> torch.Tensor:
+        return (0.1 * torch.randn(n, generator=gen, device=device, dtype=torch.float32)).to(dtype)
+
+    layers = [
+        LayerWeights(
+            attn_norm=norm(h),
+            qkv=linear(qkv_rows, h),
+            qkv_bias=bias(qkv_rows) if config.has_qkv_bias else None,
+            q_norm=norm(d) if config.has_qk_norm else None,
+            k_norm=norm(d) if config.has_qk_norm else None,
+            o_proj=linear(h, config.num_heads * d),
+            ffn_norm=norm(h),
+            gate_up=linear(2 * config.intermediate_size, h),
+            down=linear(h, config.intermediate_size),
+        )
+        for _ in range(config.num_layers)
+    ]
+    embed = torch.randn(config.vocab_size, h, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    return ModelWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=norm(h),
+        lm_head=linear(config.vocab_size, h),
+        rope_freq_factors=None,
+    )

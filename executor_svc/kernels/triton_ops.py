@@ -1,0 +1,86 @@
+"""`TorchOps`' interface on the Triton kernels: a drop-in `ops=` for `Transformer`.
+
+Every method takes and returns what the `TorchOps` method of the same name does
+(shapes, dtypes, in-place writes), so the model code does not know which it runs.
+`greedy_verify` is extra: the device-side sampling epilogue.
+
+The attention kernel's tile sizes are fixed per instance (and, where left to the
+default, by the model's dtype and head_dim): they decide the order of the softmax
+reduction, so keeping them fixed for a model is what makes a request's result
+independent of the batch it runs in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.kernels.kv_store import write_kv
+from executor_svc.kernels.paged_attention import AttentionMetadata, build_attention_metadata, paged_attention
+from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
+from executor_svc.kernels.rope import apply_rope
+from executor_svc.kernels.sampling_epilogue import greedy_verify
+from executor_svc.kernels.silu_mul import silu_mul
+from executor_svc.ragged_batch import RaggedBatch
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self, query_tile_tokens: int = 16, kv_tile_keys: int | None = None) -> None:
+        """query_tile_tokens: tokens of one request per attention program (times the GQA group
+        gives its rows); kv_tile_keys: keys per step of the online softmax (None: chosen from
+        the dtype and head_dim, see `default_kv_tile_keys`). Powers of two."""
+        if query_tile_tokens < 1 or query_tile_tokens & (query_tile_tokens - 1):
+            raise ValueError(f"query_tile_tokens must be a power of two, got {query_tile_tokens}")
+        if kv_tile_keys is not None and (kv_tile_keys < 16 or kv_tile_keys & (kv_tile_keys - 1)):
+            raise ValueError(f"kv_tile_keys must be a power of two >= 16, got {kv_tile_keys}")
+        self.query_tile_tokens = query_tile_tokens
+        self.kv_tile_keys = kv_tile_keys
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> AttentionMetadata:
+        """Per-step attention metadata (the query tiles), built once and passed to every layer's `attention`."""
+        return build_attention_metadata(batch, block_size, self.query_tile_tokens)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., n] → weight · x / rms(x), computed in float32, returned in x's dtype (promoted with weight's)."""
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual add fused with the next norm."""
+        return add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+        """Rotary embedding into a new tensor. x [T, heads, head_dim]; cos/sin [T, head_dim // 2] float32."""
+        return apply_rope(x, cos, sin, interleaved)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * I] (gate then up) → silu(gate) · up [T, I]."""
+        return silu_mul(gate_up)
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [num_padded_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, metadata, scale, kv_tile_keys=self.kv_tile_keys)
+
+    def greedy_verify(
+        self, logits: torch.Tensor, draft_token_ids: torch.Tensor, row_starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax_ids [S] int64, num_accepted [R] int32); see `sampling_epilogue`."""
+        return greedy_verify(logits, draft_token_ids, row_starts)

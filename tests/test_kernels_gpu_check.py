@@ -1,0 +1,37 @@
+"""The GPU check script, run in its --dry-run mode (tiny sizes, CPU, interpreter), without gguf.
+
+The real run gets one short slot on an accelerator; this catches a broken script before then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# As on the GPU machine: no gguf package (nothing here may need it), kernels interpreted.
+RUN_WITHOUT_GGUF = (
+    "import sys; sys.modules['gguf'] = None; "
+    "from executor_svc.kernels.gpu_check import main; sys.exit(main(['--dry-run']))"
+)
+
+
+def test_dry_run_passes_every_check_and_writes_json(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_GGUF], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["errors"] == []
+    sections = {record["section"] for record in results["records"]}
+    assert sections == {"env", "roofline", "correct", "invariant", "greedy", "kernel", "step"}
+    assert all(record.get("ok", True) for record in results["records"])
+    assert "total" in done.stdout.splitlines()[-1]

@@ -31,16 +31,43 @@ from executor_svc.request_state import FinishReason, NewRequest, RequestState
 from executor_svc.drafter import Drafter
 from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.tokenizer import load_tokenizer
+from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "triton", "torch")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA/ROCm device")
+    return device
+
+
+def resolve_ops(kernels: str, device: torch.device):
+    """The hot-path ops: Triton kernels on a GPU, plain torch on the CPU (and when asked)."""
+    from executor_svc.kernels import triton_available
+
+    use_triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if not use_triton:
+        return TorchOps()
+    if not triton_available():
+        raise ValueError("kernels='triton' needs triton and a CUDA/ROCm device (or TRITON_INTERPRET=1)")
+    from executor_svc.kernels.triton_ops import TritonOps
+
+    return TritonOps()
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"  # "default" (the embedded SmolLM2) or a path to a .gguf
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
+    kernels: str = "auto"  # auto | triton | torch: auto is triton on a GPU, torch on the CPU
     kv_cache_bytes: int = 1 << 30
     block_size: int = 16
     max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan
@@ -50,6 +77,10 @@ class EngineConfig:
     use_swarm_index: bool = False  # also draft from other requests' outputs
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -94,6 +125,13 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class CostSample:
+    num_tokens: int  # tokens computed
+    num_kv_tokens: int  # KV tokens read
+    forward_s: float
+
+
+@dataclass(frozen=True)
 class StepTimings:
     prepare_s: float
     forward_s: float
@@ -115,19 +153,21 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.model_path = resolve_model_path(config.model)
         gguf = open_gguf(self.model_path)
         self.model_config = ModelConfig.from_gguf(gguf)
         self.tokenizer = load_tokenizer(gguf)
         weights = load_weights(gguf, self.model_config, config.torch_dtype, self.device)
-        self.model = Transformer(self.model_config, weights, self.device)
+        self.ops = resolve_ops(config.kernels, self.device)
+        self.model = Transformer(self.model_config, weights, self.device, self.ops)
         self.kv_cache = KVCache.from_memory_budget(
             self.model_config, config.kv_cache_bytes, config.block_size, config.torch_dtype, self.device
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
-        self._row_multiple = 4 if config.batch_invariant else 1
+        # fp32 CPU GEMMs group rows in fours (see ragged_batch.py); on a GPU padding buys nothing.
+        self._row_multiple = 4 if config.batch_invariant and self.device.type == "cpu" else 1
         self._requests: dict[str, RequestState] = {}
 
     # ----------------------------------------------------------------- requests
@@ -202,6 +242,39 @@ class Engine:
         self.kv_cache.release(state.block_ids)
         state.num_computed_tokens = 0
         state.num_preemptions += 1
+
+    # -------------------------------------------------------------- calibration
+
+    def calibrate(
+        self, token_counts: tuple[int, ...] = (1, 4, 8, 16, 32, 64), context_lens: tuple[int, ...] = (0, 512), reps: int = 1
+    ) -> list[CostSample]:
+        """Time forward passes of a scratch request over a grid of step shapes.
+
+        The scheduler's cost model starts from these before any real step has run.
+        Uses free KV blocks and gives them back; call it while no request runs.
+        """
+        samples = []
+        max_context = self.model_config.context_length - max(token_counts)
+        for context_len in context_lens:
+            context_len = min(context_len, max_context)
+            block_ids: list[int] = []
+            needed = self.kv_cache.num_blocks_for(context_len + max(token_counts))
+            if needed > self.kv_cache.num_free_blocks:
+                continue
+            self.kv_cache.grow(block_ids, context_len + max(token_counts))
+            try:
+                for num_tokens in token_counts:
+                    piece = RequestSlice([0] * num_tokens, context_len, block_ids, 1)
+                    times = []
+                    for _ in range(reps + 1):  # the first pass warms up
+                        batch = RaggedBatch.build([piece], self.kv_cache.block_size, self.device, self._row_multiple)
+                        t0 = time.perf_counter()
+                        self.model.forward(batch, self.kv_cache)
+                        times.append(time.perf_counter() - t0)
+                    samples.append(CostSample(num_tokens, context_len + num_tokens, min(times[1:])))
+            finally:
+                self.kv_cache.release(block_ids)
+        return samples
 
     # -------------------------------------------------------------------- steps
 

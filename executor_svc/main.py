@@ -8,7 +8,7 @@ import signal
 
 import structlog
 
-from executor_svc.engine import DTYPES, Engine, EngineConfig
+from executor_svc.engine import DTYPES, KERNELS, Engine, EngineConfig
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
 from executor_svc.server import serve
 
@@ -20,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default %(default)s)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)")
+    p.add_argument(
+        "--kernels", default="auto", choices=KERNELS, help="auto: triton on a GPU, torch on the CPU (default %(default)s)"
+    )
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache in GiB (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens one step may compute")
@@ -30,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="let batch composition change results in the last bits (slightly faster at batch size 1)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--max-draft-tokens", type=int, default=16, help="most draft tokens one request verifies per step")
+    p.add_argument("--swarm-index", action="store_true", help="also draft from other requests' outputs")
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="skip timing forward passes at start-up (the scheduler's cost model then starts from a prior)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     return p
@@ -40,17 +50,22 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        kernels=args.kernels,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         batch_invariant=not args.no_batch_invariant,
         num_threads=args.threads,
+        max_draft_tokens=args.max_draft_tokens,
+        use_swarm_index=args.swarm_index,
     )
 
 
 async def run(args: argparse.Namespace) -> None:
     engine = Engine(config_from_args(args))
-    server = await serve(engine, args.listen)
+    calibration = [] if args.no_calibration else engine.calibrate()
+    log.info("calibrated", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
+    server = await serve(engine, args.listen, calibration)
     log.info(
         "executor_listening",
         address=args.listen,

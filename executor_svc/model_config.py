@@ -6,9 +6,12 @@ Keys follow llama.cpp's naming: `{arch}.block_count`, `{arch}.attention.head_cou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # reading GGUF files needs the gguf package; the shapes alone do not
+    from executor_svc.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

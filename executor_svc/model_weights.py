@@ -15,13 +15,16 @@ architecture:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.gguf_file import GGUFFile
 from executor_svc.model_config import ModelConfig
+
+if TYPE_CHECKING:  # reading GGUF files needs the gguf package; the shapes alone do not
+    from executor_svc.gguf_file import GGUFFile
 
 
 @dataclass

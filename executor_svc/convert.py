@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarmserve.executor.v1 import executor_pb2 as pb
 
-from executor_svc.engine import RequestOutput, ScheduledRequest, StepOutput, StepPlan
+from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
 from executor_svc.request_state import FinishReason, NewRequest
 from executor_svc.sampler import SampledToken
 from executor_svc.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
 
 def plan_from_pb(msg: pb.StepRequest) -> StepPlan:
     return StepPlan(
-        scheduled=[ScheduledRequest(s.request_id, s.num_tokens) for s in msg.scheduled],
+        scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in msg.scheduled],
         new_requests=[new_request_from_pb(r) for r in msg.new_requests],
         released=list(msg.released),
         preempted=list(msg.preempted),
@@ -63,6 +63,9 @@ def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
         new_token_ids=out.new_token_ids,
         finish_reason=FINISH_REASON_TO_PB[out.finish_reason],
         num_computed_tokens=out.num_computed_tokens,
+        num_drafted_tokens=out.num_drafted_tokens,
+        num_accepted_tokens=out.num_accepted_tokens,
+        num_draftable_tokens=out.num_draftable_tokens,
         logprobs=[_logprob_to_pb(t) for t in out.logprobs],
     )
 
@@ -74,7 +77,12 @@ def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
         num_free_kv_blocks=out.num_free_blocks,
         num_total_kv_blocks=out.num_total_blocks,
         num_computed_tokens=out.num_computed_tokens,
+        num_kv_tokens=out.num_kv_tokens,
         timings=pb.StepTimings(
             prepare_s=out.timings.prepare_s, forward_s=out.timings.forward_s, sample_s=out.timings.sample_s
         ),
     )
+
+
+def cost_samples_to_pb(samples: list[CostSample]) -> list[pb.CostSample]:
+    return [pb.CostSample(num_tokens=c.num_tokens, num_kv_tokens=c.num_kv_tokens, forward_s=c.forward_s) for c in samples]

@@ -22,8 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.convert import plan_from_pb, step_output_to_pb
-from executor_svc.engine import Engine
+from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
+from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
 
 log = structlog.get_logger()
@@ -32,8 +32,9 @@ SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, calibration: list[CostSample] = ()) -> None:
         self.engine = engine
+        self.calibration = cost_samples_to_pb(list(calibration))
         self.executor_id = uuid.uuid4().hex
         self._scheduler_id = ""
         self._retired_scheduler_ids: set[str] = set()
@@ -84,6 +85,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             device=str(engine.device),
             executor_id=self.executor_id,
             num_released_requests=released,
+            max_draft_tokens=engine.config.max_draft_tokens,
+            calibration=self.calibration,
         )
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
@@ -106,7 +109,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return step_output_to_pb(request.step_id, output)
 
 
-async def serve(engine: Engine, listen: str) -> grpc.aio.Server:
+async def serve(engine: Engine, listen: str, calibration: list[CostSample] = ()) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it."""
     server = grpc.aio.server(
         options=[
@@ -115,7 +118,7 @@ async def serve(engine: Engine, listen: str) -> grpc.aio.Server:
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
         ]
     )
-    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine), server)
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(listen)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.draft_policy import parse_draft_policy
+
 BATCHING_MODES = ("continuous", "static")
 
 
@@ -19,6 +21,9 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
     executor_timeout_s: float = 60.0  # one Step RPC
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
+    spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
+    decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
+    min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -26,5 +31,10 @@ class SchedulerConfig:
         for name in ("max_running_requests", "max_queued_requests", "max_num_batched_tokens", "default_max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
+        if self.decode_latency_target_s is not None and self.decode_latency_target_s <= 0:
+            raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
+        if self.min_prefill_chunk <= 0:
+            raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

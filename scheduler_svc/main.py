@@ -10,9 +10,18 @@ import structlog
 
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
 from scheduler_svc.config import BATCHING_MODES, SchedulerConfig
+from scheduler_svc.draft_policy import parse_draft_policy
 from scheduler_svc.server import serve
 
 log = structlog.get_logger()
+
+
+def _draft_policy_text(text: str) -> str:
+    try:
+        parse_draft_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batching", default=defaults.batching, choices=BATCHING_MODES)
     p.add_argument("--default-max-new-tokens", type=int, default=defaults.default_max_new_tokens)
+    p.add_argument(
+        "--spec",
+        type=_draft_policy_text,
+        default=defaults.spec,
+        help="speculative draft budgets: off | fixed:K | seed | goodput (default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-latency-target-ms",
+        type=float,
+        default=None,
+        help="cap prefill chunks so the cost model predicts each step within this many ms",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     return p
@@ -44,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         batching=args.batching,
         default_max_new_tokens=args.default_max_new_tokens,
+        spec=args.spec,
+        decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
     )
 
 

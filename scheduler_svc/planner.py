@@ -15,6 +15,12 @@ Each step, under one token budget (`max_num_batched_tokens`):
 3. **Admission.** Waiting requests join in FIFO order while the batch has room,
    budget is left, and the KV cache can hold the whole prompt plus a watermark
    (KV-aware admission: a request is only admitted if it can finish its prefill).
+4. **Draft budgets.** What budget and KV remain go to speculative drafts of the
+   decoding requests, as the draft policy decides from the cost model, each
+   request's acceptance estimate and what its drafter can propose.
+
+With a decode-latency target, prefill chunks (2 and 3) are also capped so the
+cost model predicts the step within the target.
 
 `static` batching fixes the batch when it forms and admits no one until every
 member has finished: the naive baseline continuous batching is measured against.
@@ -26,7 +32,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from scheduler_svc.acceptance import AcceptanceTracker
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.cost_model import CostModel
+from scheduler_svc.draft_policy import DraftAllocation, DraftCandidate, DraftStep, parse_draft_policy
 from scheduler_svc.request import Request, RequestStatus
 
 
@@ -65,6 +74,7 @@ class StepResultView:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draftable_tokens: int = 0
     logprobs: list = field(default_factory=list)
 
 
@@ -83,8 +93,21 @@ class RequestFailure:
 
 
 class Planner:
-    def __init__(self, config: SchedulerConfig, block_size: int, num_kv_blocks: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_size: int,
+        num_kv_blocks: int,
+        max_num_batched_tokens: int,
+        cost_model: CostModel | None = None,
+        max_draft_tokens: int = 0,
+    ) -> None:
         self.config = config
+        self.cost_model = cost_model or CostModel()
+        self.draft_policy = parse_draft_policy(config.spec)
+        self.max_draft_tokens = max_draft_tokens
+        self.acceptance = AcceptanceTracker()
+        self.last_allocation: DraftAllocation | None = None
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.num_free_blocks = num_kv_blocks
@@ -131,6 +154,7 @@ class Planner:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        self.acceptance.forget(request.request_id)
         if request.is_known_to_executor:
             self._to_release.append(request.request_id)
             request.is_known_to_executor = False
@@ -191,26 +215,35 @@ class Planner:
             free -= need
             budget -= 1
 
+        prefill_budget = budget
+        if self.config.decode_latency_target_s is not None:
+            decode_kv = sum(self.requests[rid].num_computed_tokens + 1 for rid in scheduled)
+            cap = self.cost_model.max_chunk_tokens(
+                len(scheduled), decode_kv, self.config.decode_latency_target_s, self.config.min_prefill_chunk
+            )
+            prefill_budget = min(budget, cap)
+        budget -= prefill_budget  # what prefill leaves unused comes back for drafts below
+
         # 2. Prefill chunks of running requests, oldest first, cut to budget and free KV.
         for request in self.running:
-            if budget == 0:
+            if prefill_budget == 0:
                 break
             if request.request_id in scheduled or request.num_pending_tokens <= 1:
                 continue
             fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_computed_tokens
-            n = min(request.num_pending_tokens, budget, fits)
+            n = min(request.num_pending_tokens, prefill_budget, fits)
             if n <= 0:
                 continue
             scheduled[request.request_id] = n
             free -= request.num_new_blocks(n, self.block_size)
-            budget -= n
+            prefill_budget -= n
 
         # 3. Admission, FIFO, while there is room, budget and KV for the whole prompt.
         if self.config.batching == "static" and not self.running:
             self._static_batch.clear()
         forming_static_batch = self.config.batching == "static" and not self._static_batch
         admitted_static: list[str] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and prefill_budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             if self.config.batching == "static" and not forming_static_batch and request.request_id not in self._static_batch:
                 break
@@ -228,15 +261,59 @@ class Planner:
             if not request.is_known_to_executor:
                 plan.new_requests.append(request)
                 request.is_known_to_executor = True
-            n = min(request.num_pending_tokens, budget)
+            n = min(request.num_pending_tokens, prefill_budget)
             scheduled[request.request_id] = n
             free -= request.num_new_blocks(n, self.block_size)
-            budget -= n
+            prefill_budget -= n
         if forming_static_batch:
             self._static_batch.update(admitted_static)
+        budget += prefill_budget
 
-        plan.scheduled = [ScheduledTokens(request_id, n) for request_id, n in scheduled.items()]
+        # 4. Draft budgets for the decoding requests, within what budget and KV are left.
+        drafts = self._draft_budgets(scheduled, budget, free)
+        plan.scheduled = [ScheduledTokens(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
         return plan
+
+    def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> dict[str, int]:
+        decoding = [
+            r for r in self.running if scheduled.get(r.request_id) == 1 and r.num_pending_tokens == 1
+        ]
+        if not decoding or self.max_draft_tokens == 0 or self.draft_policy.name == "off":
+            self.last_allocation = None
+            return {}
+        candidates = [
+            DraftCandidate(
+                request_id=r.request_id,
+                num_draftable_tokens=max(
+                    0, min(r.num_draftable_tokens, self.max_draft_tokens, r.max_new_tokens - len(r.output_token_ids) - 1)
+                ),
+                acceptance=self.acceptance.estimate(r.request_id),
+                num_context_tokens=r.num_computed_tokens + 1,
+            )
+            for r in decoding
+        ]
+        num_kv_tokens = sum(self.requests[rid].num_computed_tokens + n for rid, n in scheduled.items())
+        num_prefill_outputs = sum(
+            1 for rid, n in scheduled.items() if n > 1 and self.requests[rid].num_pending_tokens == n
+        )
+        step = DraftStep(
+            num_other_tokens=sum(scheduled.values()),
+            num_kv_tokens=num_kv_tokens,
+            num_prefill_output_tokens=num_prefill_outputs,
+            max_num_draft_tokens=budget,
+        )
+        allocation = self.draft_policy.allocate(candidates, step, self.cost_model)
+        self.last_allocation = allocation
+        drafts = {}
+        for r in decoding:  # oldest first: cut each budget to the KV that is left
+            k = allocation.draft_budgets.get(r.request_id, 0)
+            base = r.num_new_blocks(1, self.block_size)
+            while k > 0 and r.num_new_blocks(1 + k, self.block_size) - base > free:
+                k -= 1
+            if k:
+                drafts[r.request_id] = k
+                free -= r.num_new_blocks(1 + k, self.block_size) - base
+        return drafts
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -268,6 +345,9 @@ class Planner:
             request.num_drafted_tokens += result.num_drafted_tokens
             request.num_accepted_tokens += result.num_accepted_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, result.num_cached_tokens)
+            request.num_draftable_tokens = result.num_draftable_tokens
+            if result.num_drafted_tokens:
+                self.acceptance.observe(request.request_id, result.num_drafted_tokens, result.num_accepted_tokens)
             if result.new_token_ids:
                 request.output_token_ids.extend(result.new_token_ids)
                 if request.first_token_time is None:

@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_draftable_tokens: int = 0  # what the executor's index could draft next step (from the last result)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -19,6 +19,7 @@ from swarmserve.executor.v1 import executor_pb2 as epb
 from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request_stream import RequestStream
@@ -50,6 +51,11 @@ class StepRecord:
     executor_forward_s: float
     executor_total_s: float  # prepare + forward + sample, as the executor timed it
     request_ids: tuple[str, ...]
+    num_draft_tokens: int = 0  # draft budget allocated
+    num_drafted_tokens: int = 0  # drafts the executor proposed and verified
+    num_accepted_tokens: int = 0
+    num_free_tokens: int = 0  # the free-token budget S the policy saw (0 without speculation)
+    predicted_step_s: float = 0.0  # the cost model's prediction for the step as planned
 
 
 def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
@@ -144,7 +150,17 @@ class StepLoop:
             self.last_connect_error = f"{exc.code().name}: {exc.details()}"
             self._connected.clear()
             return False
-        self.planner = Planner(self.config, info.kv_block_size, info.num_kv_blocks, info.max_num_batched_tokens)
+        cost_model = CostModel(
+            calibration=[StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s) for c in info.calibration if c.forward_s > 0]
+        )
+        self.planner = Planner(
+            self.config,
+            info.kv_block_size,
+            info.num_kv_blocks,
+            info.max_num_batched_tokens,
+            cost_model=cost_model,
+            max_draft_tokens=info.max_draft_tokens,
+        )
         self.planner.num_free_blocks = info.num_free_kv_blocks
         self.last_connect_error = ""
         self._connected.set()
@@ -188,6 +204,7 @@ class StepLoop:
 
     async def _run_step(self, plan: Plan) -> None:
         planner = self.planner
+        allocation = planner.last_allocation
         num_decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1)
         start = time.monotonic()
         planner.mark_scheduled(plan, start)
@@ -206,12 +223,15 @@ class StepLoop:
                 num_drafted_tokens=r.num_drafted_tokens,
                 num_accepted_tokens=r.num_accepted_tokens,
                 num_cached_tokens=r.num_cached_tokens,
+                num_draftable_tokens=r.num_draftable_tokens,
                 logprobs=_logprobs_to_pb(r.logprobs),
             )
             for r in response.results
         ]
         self.num_steps += 1
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
+        if response.num_computed_tokens and response.timings.forward_s > 0:
+            planner.cost_model.observe(response.num_computed_tokens, response.num_kv_tokens, response.timings.forward_s)
         for update in planner.apply(results, response.num_free_kv_blocks, end):
             stream = self.streams.get(update.request.request_id)
             if stream is None:
@@ -239,6 +259,13 @@ class StepLoop:
                 executor_forward_s=t.forward_s,
                 executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
                 request_ids=tuple(s.request_id for s in plan.scheduled),
+                num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
+                num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
+                num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
+                num_free_tokens=allocation.num_free_tokens if allocation else 0,
+                predicted_step_s=allocation.predicted_step_s if allocation else planner.cost_model.predict(
+                    max(1, plan.num_scheduled_tokens), response.num_kv_tokens
+                ),
             )
         )
 

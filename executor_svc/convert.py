@@ -37,6 +37,8 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
         max_new_tokens=msg.max_new_tokens,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        session_id=msg.session_id,
+        retention_s=msg.retention_s,
     )
 
 
@@ -66,6 +68,8 @@ def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
         num_drafted_tokens=out.num_drafted_tokens,
         num_accepted_tokens=out.num_accepted_tokens,
         num_draftable_tokens=out.num_draftable_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        num_exclusive_kv_blocks=out.num_exclusive_blocks,
         logprobs=[_logprob_to_pb(t) for t in out.logprobs],
     )
 

@@ -28,6 +28,7 @@ from executor_svc.model_source import resolve_model_path
 from executor_svc.model_weights import load_weights
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.request_state import FinishReason, NewRequest, RequestState
+from executor_svc.block_allocator import block_hash, root_hash
 from executor_svc.drafter import Drafter
 from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.tokenizer import load_tokenizer
@@ -75,6 +76,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_draft_tokens: int = 16  # most speculative tokens one request may verify per step
     use_swarm_index: bool = False  # also draft from other requests' outputs
+    enable_prefix_caching: bool = True  # share full KV blocks of equal prefixes, keep them after requests end
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -122,6 +124,8 @@ class RequestOutput:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draftable_tokens: int = 0  # drafts the index could propose next step
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_exclusive_blocks: int = 0  # blocks no other request shares: what a preemption would free
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,8 @@ class Engine:
         # fp32 CPU GEMMs group rows in fours (see ragged_batch.py); on a GPU padding buys nothing.
         self._row_multiple = 4 if config.batch_invariant and self.device.type == "cpu" else 1
         self._requests: dict[str, RequestState] = {}
+        # KV depends on the weights and the dtype: a cached block is only valid for this model as loaded.
+        self._prefix_root = root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{config.dtype}")
 
     # ----------------------------------------------------------------- requests
 
@@ -208,6 +214,8 @@ class Engine:
             raise InvalidRequestError(
                 f"request {new.request_id!r}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab})"
             )
+        if not new.retention_s >= 0:
+            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be >= 0, got {new.retention_s}")
         if new.max_new_tokens <= 0:
             raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
 
@@ -226,6 +234,8 @@ class Engine:
             max_new_tokens=new.max_new_tokens,
             stop_token_ids=frozenset(new.stop_token_ids),
             ignore_eos=new.ignore_eos,
+            session_id=new.session_id,
+            retention_s=new.retention_s,
         )
         self.drafter.add_request(new.request_id, new.prompt_token_ids)
 
@@ -233,14 +243,15 @@ class Engine:
         """Forget a request and free its KV; releasing an unknown (e.g. already finished) id is a no-op."""
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self.kv_cache.release(state.block_ids)
+            retain_until = time.monotonic() + state.retention_s if state.retention_s > 0 else None
+            self.kv_cache.release(state.block_ids, retain_until)
             self.drafter.release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Free a request's KV but keep its tokens; later steps recompute them."""
         state = self.get_request(request_id)
         self.kv_cache.release(state.block_ids)
-        state.num_computed_tokens = 0
+        state.num_computed_tokens = state.num_registered_blocks = 0
         state.num_preemptions += 1
 
     # -------------------------------------------------------------- calibration
@@ -283,12 +294,13 @@ class Engine:
         nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
         self._validate(plan)
+        hits = self._prefix_hits(plan)
         drafts = self._propose_drafts(plan)
-        if not self._has_kv_room(plan, drafts):
+        if not self._has_kv_room(plan, hits, drafts):
             drafts = {}  # drafts are optional: drop them before refusing the plan
-            if not self._has_kv_room(plan, drafts):
+            if not self._has_kv_room(plan, hits, drafts):
                 raise OutOfKVBlocksError(
-                    f"the plan needs {self._num_blocks_needed(plan, drafts)} new KV blocks but only "
+                    f"the plan needs {self._num_blocks_needed(plan, hits, drafts)} new KV blocks but only "
                     f"{self._num_blocks_available(plan)} are free"
                 )
         for request_id in plan.released:
@@ -297,8 +309,16 @@ class Engine:
             self.preempt(request_id)
         for new in plan.new_requests:
             self._insert(new)
+        # Take every cached prefix before growing anyone, so no growth evicts a block about to be shared.
+        for request_id, block_ids in hits.items():
+            self._reuse_prefix(self._requests[request_id], block_ids)
 
-        work = [(self._requests[s.request_id], s.num_tokens, drafts.get(s.request_id, [])) for s in plan.scheduled]
+        work = []
+        for s in plan.scheduled:
+            state = self._requests[s.request_id]
+            # A prefix hit may have covered part of what the plan asked to compute.
+            num_tokens = min(s.num_tokens, len(state.token_ids) - state.num_computed_tokens)
+            work.append((state, num_tokens, drafts.get(s.request_id, [])))
         if not work:
             return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         slices = []
@@ -332,6 +352,7 @@ class Engine:
             self.kv_cache.truncate(state.block_ids, state.num_computed_tokens)
             if emitted:
                 self.drafter.append(state.request_id, emitted)
+            self._register_full_blocks(state)
             outputs.append(
                 RequestOutput(
                     request_id=state.request_id,
@@ -342,6 +363,8 @@ class Engine:
                     num_drafted_tokens=len(draft_ids),
                     num_accepted_tokens=num_accepted,
                     num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
+                    num_cached_tokens=state.num_cached_tokens,
+                    num_exclusive_blocks=sum(1 for b in state.block_ids if self.kv_cache.allocator.ref_count(b) == 1),
                 )
             )
             if state.finish_reason is not None:
@@ -425,20 +448,82 @@ class Engine:
         freed = sum(1 for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n)
         return self.kv_cache.num_free_blocks + freed
 
-    def _num_blocks_needed(self, plan: StepPlan, drafts: dict[str, list[int]]) -> int:
+    def _num_blocks_needed(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> int:
+        """Free blocks the plan consumes: new blocks, plus cached-but-unused blocks it reuses."""
         emptied = {*plan.released, *plan.preempted}
-        needed = 0
+        new_lengths = {n.request_id: len(n.prompt_token_ids) for n in plan.new_requests}
+        needed = len({b for block_ids in hits.values() for b in block_ids if self.kv_cache.allocator.is_evictable(b)})
         for s in plan.scheduled:
-            num_tokens = s.num_tokens + len(drafts.get(s.request_id, ()))
             state = self._requests.get(s.request_id)
             if state is None or s.request_id in emptied:  # new, or starting over after a preemption
-                needed += self.kv_cache.num_blocks_for(num_tokens)
+                num_cached = len(hits.get(s.request_id, ())) * self.kv_cache.block_size
+                num_known = new_lengths[s.request_id] if state is None else len(state.token_ids)
+                num_tokens = min(s.num_tokens, num_known - num_cached)
+                needed += self.kv_cache.num_blocks_for(num_cached + num_tokens) - len(hits.get(s.request_id, ()))
             else:
+                num_tokens = s.num_tokens + len(drafts.get(s.request_id, ()))
                 needed += self.kv_cache.num_new_blocks_needed(state.block_ids, state.num_computed_tokens + num_tokens)
         return needed
 
-    def _has_kv_room(self, plan: StepPlan, drafts: dict[str, list[int]]) -> bool:
-        return self._num_blocks_needed(plan, drafts) <= self._num_blocks_available(plan)
+    def _has_kv_room(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> bool:
+        return self._num_blocks_needed(plan, hits, drafts) <= self._num_blocks_available(plan)
+
+    # ---------------------------------------------------------- prefix cache
+
+    def _extend_block_hashes(self, token_ids: list[int], block_hashes: list[bytes], num_blocks: int) -> None:
+        """Grow a hash chain in place to cover the first `num_blocks` full blocks of token_ids."""
+        bs = self.kv_cache.block_size
+        for i in range(len(block_hashes), num_blocks):
+            parent = block_hashes[-1] if block_hashes else self._prefix_root
+            block_hashes.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
+
+    def _prefix_hits(self, plan: StepPlan) -> dict[str, list[int]]:
+        """Cached blocks each request starting from zero can reuse (pure: nothing is taken yet).
+
+        Only blocks wholly before the last known token count: that token must be
+        computed to produce logits, and a shared block is never written into.
+        """
+        if not self.config.enable_prefix_caching:
+            return {}
+        new = {n.request_id: n for n in plan.new_requests}
+        emptied = {*plan.released, *plan.preempted}
+        hits = {}
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if state is not None and s.request_id not in emptied and (state.num_computed_tokens or state.block_ids):
+                continue
+            token_ids = new[s.request_id].prompt_token_ids if state is None else state.token_ids
+            block_hashes = [] if state is None else state.block_hashes
+            max_blocks = (len(token_ids) - 1) // self.kv_cache.block_size
+            self._extend_block_hashes(token_ids, block_hashes, max_blocks)
+            found = []
+            for h in block_hashes[:max_blocks]:
+                block_id = self.kv_cache.allocator.lookup(h)
+                if block_id is None:
+                    break
+                found.append(block_id)
+            if found:
+                hits[s.request_id] = found
+        return hits
+
+    def _reuse_prefix(self, state: RequestState, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.kv_cache.allocator.share(block_id)
+        state.block_ids = list(block_ids)
+        state.num_registered_blocks = len(block_ids)
+        state.num_computed_tokens = state.num_cached_tokens = len(block_ids) * self.kv_cache.block_size
+
+    def _register_full_blocks(self, state: RequestState) -> None:
+        """Cache every block the request has completely computed and not registered yet."""
+        if not self.config.enable_prefix_caching:
+            return
+        num_full = state.num_computed_tokens // self.kv_cache.block_size
+        if num_full <= state.num_registered_blocks:
+            return
+        self._extend_block_hashes(state.token_ids, state.block_hashes, num_full)
+        for i in range(state.num_registered_blocks, num_full):
+            self.kv_cache.allocator.register(state.block_ids[i], state.block_hashes[i])
+        state.num_registered_blocks = num_full
 
     def _finish_reason(self, state: RequestState, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids and not state.ignore_eos:

@@ -87,7 +87,8 @@ class KVCache:
             self.allocator.free(block_ids[keep:])
             del block_ids[keep:]
 
-    def release(self, block_ids: list[int]) -> None:
-        """Give back every block of a table and empty it."""
-        self.allocator.free(block_ids)
+    def release(self, block_ids: list[int], retain_until: float | None = None) -> None:
+        """Give back every block of a table and empty it (cached blocks stay reusable,
+        retained until `retain_until` if given)."""
+        self.allocator.free(block_ids, retain_until)
         block_ids.clear()

@@ -23,6 +23,8 @@ class NewRequest:
     max_new_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    session_id: str = ""  # an agent's conversation: its KV is preferred when evicting...
+    retention_s: float = 0.0  # ... for this long after the request ends (0: no preference)
 
 
 @dataclass
@@ -39,6 +41,11 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    session_id: str = ""
+    retention_s: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
+    num_registered_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
 
     @property
     def num_output_tokens(self) -> int:

@@ -22,6 +22,11 @@ class Run:
     max_batch_size: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused from the prefix cache
+
+    @property
+    def num_cached(self) -> int:
+        return sum(self.cached_tokens.values())
 
 
 def drive(
@@ -68,6 +73,7 @@ def drive(
             run.logprobs[rid].extend(out.logprobs)
             run.num_drafted += out.num_drafted_tokens
             run.num_accepted += out.num_accepted_tokens
+            run.cached_tokens[rid] = max(run.cached_tokens.get(rid, 0), out.num_cached_tokens)
             known[rid] += len(out.new_token_ids)
             computed[rid] = out.num_computed_tokens
             if out.finish_reason is not None:

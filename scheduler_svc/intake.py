@@ -19,6 +19,7 @@ from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError,
 from scheduler_svc.request import Request
 
 DEFAULT_TEMPERATURE = 1.0
+DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this
 
 
 class InvalidArgument(ValueError):
@@ -124,6 +125,15 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         raise InvalidArgument(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     if any(not s for s in msg.stop):
         raise InvalidArgument("stop strings must not be empty")
+    retention_s = 0.0
+    if msg.HasField("retention_s"):
+        if not msg.retention_s >= 0:
+            raise InvalidArgument(f"retention_s must be >= 0, got {msg.retention_s}")
+        if not msg.session_id:
+            raise InvalidArgument("retention_s needs a session_id")
+        retention_s = msg.retention_s
+    elif msg.session_id:
+        retention_s = DEFAULT_SESSION_RETENTION_S
     request = Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -132,5 +142,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         arrival_time=time.monotonic(),
+        session_id=msg.session_id,
+        retention_s=retention_s,
     )
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)

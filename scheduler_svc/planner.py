@@ -75,6 +75,7 @@ class StepResultView:
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
     num_draftable_tokens: int = 0
+    num_exclusive_blocks: int = 0
     logprobs: list = field(default_factory=list)
 
 
@@ -200,7 +201,7 @@ class Planner:
                 victim = next((r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None)
                 if victim is None:
                     break
-                free += victim.num_blocks(self.block_size)
+                free += victim.num_exclusive_blocks  # blocks it shares stay held by others
                 self._preempt(victim)
                 plan.preempted.append(victim.request_id)
             if need > free:
@@ -263,7 +264,8 @@ class Planner:
                 request.is_known_to_executor = True
             n = min(request.num_pending_tokens, prefill_budget)
             scheduled[request.request_id] = n
-            free -= request.num_new_blocks(n, self.block_size)
+            # Reserve the whole prompt: cached prefix blocks the executor reuses may come out of the free pool too.
+            free -= need_total
             prefill_budget -= n
         if forming_static_batch:
             self._static_batch.update(admitted_static)
@@ -346,6 +348,7 @@ class Planner:
             request.num_accepted_tokens += result.num_accepted_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, result.num_cached_tokens)
             request.num_draftable_tokens = result.num_draftable_tokens
+            request.num_exclusive_blocks = result.num_exclusive_blocks
             if result.num_drafted_tokens:
                 self.acceptance.observe(request.request_id, result.num_drafted_tokens, result.num_accepted_tokens)
             if result.new_token_ids:

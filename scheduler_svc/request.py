@@ -29,6 +29,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     arrival_time: float = 0.0
+    session_id: str = ""
+    retention_s: float = 0.0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -39,6 +41,7 @@ class Request:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draftable_tokens: int = 0  # what the executor's index could draft next step (from the last result)
+    num_exclusive_blocks: int = 0  # KV blocks only it holds (from the last result): what preempting it frees
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -23,6 +23,8 @@ from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.step_requests import StepRequestRecord, step_request_records
+from scheduler_svc.telemetry import Telemetry
 
 log = structlog.get_logger()
 
@@ -56,6 +58,9 @@ class StepRecord:
     num_accepted_tokens: int = 0
     num_free_tokens: int = 0  # the free-token budget S the policy saw (0 without speculation)
     predicted_step_s: float = 0.0  # the cost model's prediction for the step as planned
+    executor_prepare_s: float = 0.0
+    executor_sample_s: float = 0.0  # sampling and draft verification
+    requests: tuple[StepRequestRecord, ...] = ()  # each request's part: one timeline track per request
 
 
 def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
@@ -70,9 +75,10 @@ def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
 
 
 class StepLoop:
-    def __init__(self, config: SchedulerConfig, link: ExecutorLink) -> None:
+    def __init__(self, config: SchedulerConfig, link: ExecutorLink, telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.link = link
+        self.telemetry = telemetry or Telemetry()
         self.planner: Planner | None = None
         self.streams: dict[str, RequestStream] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
@@ -191,6 +197,8 @@ class StepLoop:
                     max_new_tokens=r.max_new_tokens,
                     stop_token_ids=sorted(r.stop_token_ids),
                     ignore_eos=r.ignore_eos,
+                    session_id=r.session_id,
+                    retention_s=r.retention_s,
                 )
                 for r in plan.new_requests
             ],
@@ -205,13 +213,17 @@ class StepLoop:
     async def _run_step(self, plan: Plan) -> None:
         planner = self.planner
         allocation = planner.last_allocation
-        num_decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1)
+        decode_ids = {s.request_id for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1}
+        num_decode = len(decode_ids)
         start = time.monotonic()
         planner.mark_scheduled(plan, start)
+        step_scope = self.telemetry.begin_step(plan)
         try:
-            response = await self.link.step(self._plan_to_pb(plan))
+            with step_scope:  # the step's span (if tracing) is current: the RPC's metadata carries it
+                response = await self.link.step(self._plan_to_pb(plan))
         except grpc.aio.AioRpcError as exc:
             self._lose_executor(exc)
+            self.telemetry.step_failed(step_scope, exc)
             return
         end = time.monotonic()
         results = [
@@ -224,6 +236,7 @@ class StepLoop:
                 num_accepted_tokens=r.num_accepted_tokens,
                 num_cached_tokens=r.num_cached_tokens,
                 num_draftable_tokens=r.num_draftable_tokens,
+                num_exclusive_blocks=r.num_exclusive_kv_blocks,
                 logprobs=_logprobs_to_pb(r.logprobs),
             )
             for r in response.results
@@ -232,7 +245,8 @@ class StepLoop:
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
         if response.num_computed_tokens and response.timings.forward_s > 0:
             planner.cost_model.observe(response.num_computed_tokens, response.num_kv_tokens, response.timings.forward_s)
-        for update in planner.apply(results, response.num_free_kv_blocks, end):
+        updates = planner.apply(results, response.num_free_kv_blocks, end)
+        for update in updates:
             stream = self.streams.get(update.request.request_id)
             if stream is None:
                 continue
@@ -266,8 +280,12 @@ class StepLoop:
                 predicted_step_s=allocation.predicted_step_s if allocation else planner.cost_model.predict(
                     max(1, plan.num_scheduled_tokens), response.num_kv_tokens
                 ),
+                executor_prepare_s=t.prepare_s,
+                executor_sample_s=t.sample_s,
+                requests=step_request_records(plan.scheduled, decode_ids, results),
             )
         )
+        self.telemetry.end_step(step_scope, self.history[-1], updates)
 
     def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
         """A step failed: end every request in flight and re-attach under a new incarnation."""

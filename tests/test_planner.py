@@ -65,7 +65,7 @@ class FakeExecutor:
                 self.outputs[rid] += 1
                 if self.outputs[rid] >= self.lengths.get(rid, 10**9):
                     finish = "length"
-            results.append(StepResultView(rid, new, finish, self.computed[rid]))
+            results.append(StepResultView(rid, new, finish, self.computed[rid], num_exclusive_blocks=self.blocks[rid]))
             if finish:
                 self._free(rid)
                 self.known.pop(rid)

@@ -67,12 +67,16 @@ class AsyncSwarmClient:
         num_logprobs: int = 0,
         include_special_tokens: bool = False,
         request_id: str | None = None,
+        session_id: str | None = None,
+        retention_s: float | None = None,
         timeout: float | None = None,
     ) -> GenerateStream:
         """Stream TokenEvents, then one FinishEvent: `async for event in client.generate(...)`.
 
         Exactly one of `prompt` (raw text), `token_ids` or `messages` (chat, template
         applied by the server). Sampling arguments left None take the server's defaults.
+        `session_id` names an agent's conversation: its KV stays cached in preference
+        for `retention_s` seconds (server default 30) after the request, for the next turn.
         Raises ValueError here, before any RPC, for a malformed request; errors from the
         server are raised as SwarmServeError while iterating.
         """
@@ -92,6 +96,8 @@ class AsyncSwarmClient:
             num_logprobs=num_logprobs,
             include_special_tokens=include_special_tokens,
             request_id=request_id,
+            session_id=session_id,
+            retention_s=retention_s,
         )
         deadline = self._deadline(timeout)
         return GenerateStream(

@@ -54,6 +54,8 @@ def build_generate_request(
     num_logprobs: int = 0,
     include_special_tokens: bool = False,
     request_id: str | None = None,
+    session_id: str | None = None,
+    retention_s: float | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of `prompt` (raw text), `token_ids` or `messages` (chat) is the prompt.
 
@@ -95,4 +97,8 @@ def build_generate_request(
         request.sampling.CopyFrom(pb.SamplingParams(**sampling))
     if max_new_tokens is not None:
         request.max_new_tokens = max_new_tokens
+    if session_id:
+        request.session_id = session_id
+    if retention_s is not None:
+        request.retention_s = retention_s
     return request

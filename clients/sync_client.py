@@ -133,6 +133,8 @@ class SwarmClient:
         num_logprobs: int = 0,
         include_special_tokens: bool = False,
         request_id: str | None = None,
+        session_id: str | None = None,
+        retention_s: float | None = None,
         timeout: float | None = None,
     ) -> SyncGenerateStream:
         """See AsyncSwarmClient.generate; ValueError for a malformed request is raised here."""
@@ -152,6 +154,8 @@ class SwarmClient:
             num_logprobs=num_logprobs,
             include_special_tokens=include_special_tokens,
             request_id=request_id,
+            session_id=session_id,
+            retention_s=retention_s,
             timeout=timeout,
         )
         return SyncGenerateStream(self, stream)

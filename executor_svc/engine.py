@@ -337,15 +337,17 @@ class Engine:
         outputs = []
         row = 0
         for (state, num_tokens, draft_ids), piece in zip(work, slices):
-            emitted, num_accepted = [], 0
+            emitted, num_accepted, logprobs = [], 0, []
             if piece.num_logits:
                 rows = slice(row, row + piece.num_logits)
                 spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
                 emitted, num_accepted = verify(logits[rows], argmax_ids[rows], draft_ids, spec)
                 emitted = self._append_until_finish(state, emitted)
-                logprobs = [
-                    token_logprobs(logits[row + j], token_id, state.sampling.num_logprobs) for j, token_id in enumerate(emitted)
-                ]
+                if state.sampling.num_logprobs:
+                    logprobs = [
+                        token_logprobs(logits[row + j], token_id, state.sampling.num_logprobs)
+                        for j, token_id in enumerate(emitted)
+                    ]
                 row += piece.num_logits
             # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
             state.num_computed_tokens += num_tokens + min(num_accepted, len(emitted))
@@ -359,7 +361,7 @@ class Engine:
                     new_token_ids=emitted,
                     finish_reason=state.finish_reason,
                     num_computed_tokens=state.num_computed_tokens,
-                    logprobs=logprobs if emitted and state.sampling.num_logprobs else [],
+                    logprobs=logprobs,
                     num_drafted_tokens=len(draft_ids),
                     num_accepted_tokens=num_accepted,
                     num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),

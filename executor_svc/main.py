@@ -9,7 +9,10 @@ import signal
 import structlog
 
 from executor_svc.engine import DTYPES, KERNELS, Engine, EngineConfig
+from executor_svc.observability.executor_metrics import ExecutorMetrics
+from executor_svc.observability.flags import add_observability_flags
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
+from executor_svc.observability.service_telemetry import start_service_telemetry
 from executor_svc.server import serve
 
 log = structlog.get_logger()
@@ -36,12 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-tokens", type=int, default=16, help="most draft tokens one request verifies per step")
     p.add_argument("--swarm-index", action="store_true", help="also draft from other requests' outputs")
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute every prompt instead of reusing cached KV blocks of equal prefixes",
+    )
+    p.add_argument(
         "--no-calibration",
         action="store_true",
         help="skip timing forward passes at start-up (the scheduler's cost model then starts from a prior)",
     )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
+    add_observability_flags(p)
     return p
 
 
@@ -58,14 +67,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         max_draft_tokens=args.max_draft_tokens,
         use_swarm_index=args.swarm_index,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 
 async def run(args: argparse.Namespace) -> None:
+    telemetry = start_service_telemetry(args, "swarmserve-executor", ExecutorMetrics, "swarmserve.executor")
     engine = Engine(config_from_args(args))
     calibration = [] if args.no_calibration else engine.calibrate()
     log.info("calibrated", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
-    server = await serve(engine, args.listen, calibration)
+    server = await serve(engine, args.listen, calibration, tracer=telemetry.tracer, metrics=telemetry.metrics)
     log.info(
         "executor_listening",
         address=args.listen,
@@ -80,6 +91,7 @@ async def run(args: argparse.Namespace) -> None:
     await stop.wait()
     log.info("executor_stopping")
     await server.stop(grace=2.0)
+    telemetry.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
+from executor_svc.observability.step_interceptor import executor_interceptors
 
 log = structlog.get_logger()
 
@@ -109,9 +110,18 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return step_output_to_pb(request.step_id, output)
 
 
-async def serve(engine: Engine, listen: str, calibration: list[CostSample] = ()) -> grpc.aio.Server:
-    """Start the executor's gRPC server (service + standard health) and return it."""
+async def serve(
+    engine: Engine, listen: str, calibration: list[CostSample] = (), *, tracer=None, metrics=None
+) -> grpc.aio.Server:
+    """Start the executor's gRPC server (service + standard health) and return it.
+
+    `tracer` (OpenTelemetry) and `metrics` (ExecutorMetrics) are optional: without them
+    no interceptor is installed at all.
+    """
+    if metrics is not None:
+        metrics.watch(engine)
     server = grpc.aio.server(
+        interceptors=executor_interceptors(tracer, metrics) or None,
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),

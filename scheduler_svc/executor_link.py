@@ -18,13 +18,14 @@ from scheduler_svc.intake import ModelLimits
 
 
 class ExecutorLink:
-    def __init__(self, address: str, connect_timeout_s: float, step_timeout_s: float) -> None:
+    def __init__(self, address: str, connect_timeout_s: float, step_timeout_s: float, interceptors=()) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.step_timeout_s = step_timeout_s
         self.channel = grpc.aio.insecure_channel(
             address,
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            interceptors=list(interceptors) or None,  # e.g. trace context propagation
         )
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
         self.scheduler_id = ""

@@ -8,9 +8,12 @@ import signal
 
 import structlog
 
+from executor_svc.observability.flags import add_observability_flags
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
+from executor_svc.observability.service_telemetry import start_service_telemetry
 from scheduler_svc.config import BATCHING_MODES, SchedulerConfig
 from scheduler_svc.draft_policy import parse_draft_policy
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import serve
 
 log = structlog.get_logger()
@@ -53,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
+    add_observability_flags(p)
     return p
 
 
@@ -70,8 +74,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
-async def run(config: SchedulerConfig) -> None:
-    server, loop, tasks = await serve(config)
+async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
+    telemetry = start_service_telemetry(args, "swarmserve-scheduler", SchedulerMetrics, "swarmserve.scheduler")
+    server, loop, tasks = await serve(config, tracer=telemetry.tracer, metrics=telemetry.metrics)
     log.info("scheduler_listening", address=config.listen, executor=config.executor, batching=config.batching)
     stop = asyncio.Event()
     event_loop = asyncio.get_running_loop()
@@ -83,12 +88,13 @@ async def run(config: SchedulerConfig) -> None:
     for task in tasks:
         task.cancel()
     await loop.link.close()
+    telemetry.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
-    asyncio.run(run(config_from_args(args)))
+    asyncio.run(run(config_from_args(args), args))
 
 
 if __name__ == "__main__":

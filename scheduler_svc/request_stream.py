@@ -44,6 +44,9 @@ class RequestStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, not include_special_tokens)
         self._stops = StopStringMatcher(stop_strings)
         self.is_closed = False
+        self.finish_reason: str | None = None  # once finished: eos, length, stop_string, aborted, ...
+        self.error_code: grpc.StatusCode | None = None  # once failed
+        self.error_message = ""
 
     @property
     def request_id(self) -> str:
@@ -85,11 +88,13 @@ class RequestStream:
         )
         final = pb.GenerateFinal(finish_reason=FINISH_REASONS[reason], usage=usage, stop_string=self._stops.matched or "")
         self._put(pb.GenerateResponse(request_id=self.request_id, final=final))
+        self.finish_reason = reason
         self.is_closed = True
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         if not self.is_closed:
             self._put(StreamError(code, message))
+            self.error_code, self.error_message = code, message
             self.is_closed = True
 
     def _put(self, item) -> None:

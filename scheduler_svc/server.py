@@ -22,6 +22,8 @@ from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
 from scheduler_svc.request_stream import RequestStream, StreamError
 from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.telemetry import Telemetry
+from scheduler_svc.timeline import timeline_to_pb
 
 log = structlog.get_logger()
 
@@ -64,6 +66,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 f"max_queued_requests={self.config.max_queued_requests}); retry later",
             )
         stream = RequestStream(accepted.request, limits.tokenizer, accepted.stop_strings, accepted.include_special_tokens)
+        loop.telemetry.request_started(accepted.request, context.invocation_metadata())
         loop.submit(stream)
         structlog.contextvars.bind_contextvars(request_id=request_id)
         log.debug("request_queued", prompt_tokens=accepted.request.num_prompt_tokens)
@@ -79,6 +82,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             if not stream.is_closed or request_id in loop.streams:
                 # Cancelled, deadline passed, or the client went away: free it at the next step.
                 loop.abort(request_id)
+            loop.telemetry.request_ended(stream)
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -107,6 +111,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             num_generated_tokens=loop.num_generated_tokens,
         )
 
+    async def GetTimeline(self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext) -> pb.GetTimelineResponse:
+        planner = self.loop.planner
+        return timeline_to_pb(
+            self.loop.history, request.max_steps, planner.num_kv_blocks if planner else 0, self.loop.history.maxlen or 0
+        )
+
 
 async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServicer) -> None:
     """SERVING while the executor is attached, NOT_SERVING while it is not."""
@@ -120,11 +130,23 @@ async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServic
         await asyncio.sleep(0.1)
 
 
-async def serve(config: SchedulerConfig) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
-    """Start the scheduler: its gRPC server, the step loop and the health tracker."""
-    link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s)
-    loop = StepLoop(config, link)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port must fail, not be shared
+async def serve(
+    config: SchedulerConfig, *, tracer=None, metrics=None
+) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
+    """Start the scheduler: its gRPC server, the step loop and the health tracker.
+
+    `tracer` (OpenTelemetry) and `metrics` (SchedulerMetrics) are optional: without them
+    no interceptor is installed and no span is made.
+    """
+    telemetry = Telemetry(tracer, metrics)
+    link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s, telemetry.client_interceptors)
+    loop = StepLoop(config, link, telemetry)
+    if metrics is not None:
+        metrics.watch(loop)
+    server = grpc.aio.server(
+        interceptors=telemetry.server_interceptors or None,
+        options=[("grpc.so_reuseport", 0)],  # a taken port must fail, not be shared
+    )
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,7 +1,8 @@
 """structlog configuration: JSON lines by default, a console renderer for a terminal.
 
 Library code logs through `structlog.get_logger()` with bound ids
-(`request_id`, `step_id`); this module only decides how lines are rendered.
+(`request_id`, `step_id`); this module only decides how lines are rendered, and
+adds the current span's `trace_id` / `span_id` where there is one.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import logging
 import sys
 
 import structlog
+
+from executor_svc.observability.log_trace_ids import add_trace_ids
 
 LOG_FORMATS = ("json", "console")
 
@@ -24,6 +27,7 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -33,3 +37,26 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    route_stdlib_logging(renderer, numeric_level)
+
+
+def route_stdlib_logging(renderer, level: int) -> None:
+    """Libraries' own log records (the OTLP exporter's retries, grpc's warnings) come out
+    rendered like ours, so a JSON log stays JSON on every line. Their warnings and up only."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,
+                add_trace_ids,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.WARNING))

@@ -64,6 +64,9 @@ class ServeConfig:
     max_num_batched_tokens: int | None = None  # given to both: the scheduler's budget must fit the executor's
     default_max_new_tokens: int | None = None
     log_format: str | None = None
+    otlp_endpoint: str | None = None  # both send traces here (the OTEL_* variables reach them anyway)
+    trace_sample_ratio: float | None = None
+    metrics_port: int | None = None  # the scheduler's Prometheus port; the executor's is the next one
     startup_timeout_s: float = 300.0
     shutdown_grace_s: float = 10.0
 
@@ -90,6 +93,10 @@ class ServeConfig:
             _check_positive(flag, getattr(self, flag))
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65535:
+            raise ValueError(f"metrics_port must be in 1..65534 (the executor takes the next port), got {self.metrics_port}")
         _check_positive("startup_timeout_s", self.startup_timeout_s)
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
@@ -122,6 +129,9 @@ def executor_command(config: ServeConfig, python: str = sys.executable) -> list[
             ("--max-num-batched-tokens", config.max_num_batched_tokens),
             ("--threads", config.threads),
             ("--log-format", config.log_format),
+            ("--otlp-endpoint", config.otlp_endpoint),
+            ("--trace-sample-ratio", config.trace_sample_ratio),
+            ("--metrics-port", None if config.metrics_port is None else config.metrics_port + 1),
         ]),
     ]  # fmt: skip
 
@@ -138,6 +148,9 @@ def scheduler_command(config: ServeConfig, python: str = sys.executable) -> list
             ("--batching", config.batching),
             ("--default-max-new-tokens", config.default_max_new_tokens),
             ("--log-format", config.log_format),
+            ("--otlp-endpoint", config.otlp_endpoint),
+            ("--trace-sample-ratio", config.trace_sample_ratio),
+            ("--metrics-port", config.metrics_port),
         ]),
     ]  # fmt: skip
 

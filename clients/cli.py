@@ -16,7 +16,11 @@ import signal
 import sys
 from typing import Any
 
+from clients import timeline
 from clients.bench import batching as bench_batching
+from clients.bench import speculation as bench_speculation
+from clients.bench import swarm as bench_swarm
+from clients.bench import tracing as bench_tracing
 from clients.cli_output import completion_to_json, format_error, format_serve_banner, format_summary
 from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.completion import Completion, collect_completion
@@ -154,11 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_flags(info)
     info.set_defaults(run=_run_info)
 
+    timeline_command = commands.add_parser("timeline", help="write the scheduler's recent steps as a Chrome trace (JSON) and a PNG")
+    timeline.add_arguments(timeline_command)
+    timeline_command.set_defaults(run=timeline.run)
+
     bench = commands.add_parser("bench", help="benchmarks that start their own services")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     batching = benches.add_parser("batching", help="the seeds' swarm workload: static vs continuous batching")
     bench_batching.add_arguments(batching)
     batching.set_defaults(run=bench_batching.run)
+    spec = benches.add_parser("spec", help="draft policies x live batch size x workload: accepted tokens/s")
+    bench_speculation.add_arguments(spec)
+    spec.set_defaults(run=bench_speculation.run)
+    swarm = benches.add_parser("swarm", help="agents x turns with a shared system prompt, tool pauses and copy-heavy turns")
+    bench_swarm.add_arguments(swarm)
+    swarm.set_defaults(run=bench_swarm.run)
+    tracing = benches.add_parser("tracing", help="per-step overhead of tracing on vs off")
+    bench_tracing.add_arguments(tracing)
+    tracing.set_defaults(run=bench_tracing.run)
 
     serve = commands.add_parser("serve", help="start the executor and the scheduler and supervise them until Ctrl-C")
     defaults = ServeConfig()
@@ -220,6 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="both servers' log format (default: theirs)",
     )
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL", help="both servers send traces here over OTLP/gRPC")
+    serve.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R", help="share of traces recorded (default 1)")
+    serve.add_argument(
+        "--metrics-port",
+        type=_positive_int,
+        default=None,
+        metavar="PORT",
+        help="Prometheus metrics: the scheduler on PORT, the executor on PORT+1 (default: off)",
+    )
     serve.add_argument(
         "--startup-timeout",
         type=_positive_float,
@@ -254,6 +280,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         default_max_new_tokens=args.default_max_new_tokens,
         log_format=args.log_format,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_sample_ratio=args.trace_sample_ratio,
+        metrics_port=args.metrics_port,
         startup_timeout_s=args.startup_timeout,
         shutdown_grace_s=args.shutdown_grace,
     )

@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from clients.bench.services import free_port
 from clients.client import AsyncSwarmClient
 from clients.serve import ServeConfig, Supervisor
 
@@ -29,18 +30,10 @@ BATCH_SLOTS = 8
 TOPICS = ("a unit test", "a refactor plan", "a grep result", "a file rewrite", "a code review", "a bug report", "an API doc", "a design note")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
     config = ServeConfig(
-        executor_listen=f"127.0.0.1:{_free_port()}",
-        scheduler_listen=f"127.0.0.1:{_free_port()}",
+        executor_listen=f"127.0.0.1:{free_port()}",
+        scheduler_listen=f"127.0.0.1:{free_port()}",
         model=args.model,
         dtype=args.dtype,
         kv_cache_gb=args.kv_cache_gb,

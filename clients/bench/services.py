@@ -1,0 +1,90 @@
+"""Benchmarks start their own services: an executor and a scheduler on free loopback ports.
+
+Extra flags go straight to each child (e.g. `--no-prefix-caching`, `--spec goodput`),
+their logs to one file, and both are stopped on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from clients.client import AsyncSwarmClient
+from clients.health import wait_serving
+from clients.serve import ServeConfig, connect_address, executor_command, scheduler_command
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Services:
+    executor_address: str
+    scheduler_address: str
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 15)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@asynccontextmanager
+async def start_scheduler(executor_address: str, log_file, *extra_args: str, max_running_requests: int | None = None) -> AsyncIterator[str]:
+    """A scheduler attached to a running executor; yields its address."""
+    config = ServeConfig(
+        executor_listen=executor_address,
+        scheduler_listen=f"127.0.0.1:{free_port()}",
+        max_running_requests=max_running_requests,
+        log_format="json",
+    )
+    process = await asyncio.create_subprocess_exec(*scheduler_command(config), *extra_args, stdout=log_file, stderr=log_file)
+    try:
+        async with AsyncSwarmClient(config.scheduler_listen) as client:
+            await client.wait_ready(120)
+        yield config.scheduler_listen
+    finally:
+        await _stop(process)
+
+
+@asynccontextmanager
+async def start_services(
+    log_file,
+    *,
+    model: str = "default",
+    dtype: str | None = None,
+    kv_cache_gb: float | None = None,
+    executor_args: tuple[str, ...] = (),
+    scheduler_args: tuple[str, ...] = (),
+    max_running_requests: int | None = None,
+) -> AsyncIterator[Services]:
+    config = ServeConfig(
+        executor_listen=f"127.0.0.1:{free_port()}",
+        scheduler_listen=f"127.0.0.1:{free_port()}",
+        model=model,
+        dtype=dtype,
+        kv_cache_gb=kv_cache_gb,
+        log_format="json",
+    )
+    executor = await asyncio.create_subprocess_exec(*executor_command(config), *executor_args, stdout=log_file, stderr=log_file)
+    try:
+        async with grpc.aio.insecure_channel(connect_address(config.executor_listen)) as channel:
+            await wait_serving(channel, 300)
+        async with start_scheduler(
+            connect_address(config.executor_listen), log_file, *scheduler_args, max_running_requests=max_running_requests
+        ) as scheduler_address:
+            yield Services(connect_address(config.executor_listen), scheduler_address)
+    finally:
+        await _stop(executor)

@@ -27,26 +27,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from clients.bench.otlp_sink import OtlpSinkServer
+from clients.bench.services import free_port
 from clients.client import AsyncSwarmClient
 from clients.serve import ServeConfig, Supervisor
 from clients.timeline import fetch_timeline
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------------ end to end
-
-
 async def run_round(mode: str, args: argparse.Namespace, endpoint: str, log_file) -> dict:
     config = ServeConfig(
-        executor_listen=f"127.0.0.1:{_free_port()}",
-        scheduler_listen=f"127.0.0.1:{_free_port()}",
+        executor_listen=f"127.0.0.1:{free_port()}",
+        scheduler_listen=f"127.0.0.1:{free_port()}",
         model=args.model,
         kv_cache_gb=args.kv_cache_gb,
         threads=args.threads,

@@ -59,6 +59,8 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
             batch = RaggedBatch.build([RequestSlice([7] * context, 0, table, 1)], 16, device)
             model.forward(batch, cache)
 
+        # Warm up once before measuring: the first passes after a load run slow (caches, page faults).
+        time_forward(model, cache, [RequestSlice([11] * max(t_values), context, tables[0], 1)], 3, 4)
         by_t = {}
         for t in t_values:
             by_t[t] = time_forward(model, cache, [RequestSlice([11] * t, context, tables[0], 1)], reps, 4)

@@ -4,7 +4,9 @@ Eight agents with output lengths 40, 90, 150, 220, 300, 480, 650 and 900 tokens
 (EOS ignored, so the lengths are exact), and `--waves - 1` more groups like them
 queued behind, so a slot freed by a short agent can be refilled. The batch holds
 8 requests. Both modes run in one invocation, each on a fresh pair of services
-(same model, same flags), and the ratio is printed.
+(same model, same flags), and the ratio is printed. Speculation is off by default
+(`--spec`), so the number measures batching alone: with drafts on, a draining
+static batch spends its idle slack on drafts and the gap narrows.
 
 - useful tokens/s: output tokens / wall time from the first request to the last token;
 - slot utilization: output tokens / (8 slots × steps): the share of batch slots that
@@ -21,9 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from clients.bench.services import free_port
+from clients.bench.services import start_services
 from clients.client import AsyncSwarmClient
-from clients.serve import ServeConfig, Supervisor
 
 SEED_LENGTHS = (40, 90, 150, 220, 300, 480, 650, 900)
 BATCH_SLOTS = 8
@@ -31,21 +32,18 @@ TOPICS = ("a unit test", "a refactor plan", "a grep result", "a file rewrite", "
 
 
 async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
-    config = ServeConfig(
-        executor_listen=f"127.0.0.1:{free_port()}",
-        scheduler_listen=f"127.0.0.1:{free_port()}",
+    scheduler_args = ["--batching", mode, "--spec", args.spec]
+    if args.max_num_batched_tokens:
+        scheduler_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    async with start_services(
+        log_file,
         model=args.model,
         dtype=args.dtype,
         kv_cache_gb=args.kv_cache_gb,
-        batching=mode,
+        scheduler_args=tuple(scheduler_args),
         max_running_requests=BATCH_SLOTS,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        log_format="json",
-    )
-    supervisor = Supervisor(config, log_file=log_file)
-    try:
-        ready = await supervisor.start()
-        async with AsyncSwarmClient(ready.scheduler_address) as client:
+    ) as services:
+        async with AsyncSwarmClient(services.scheduler_address) as client:
             await client.complete("warm up", max_new_tokens=4, ignore_eos=True)
             steps_before = (await client.server_info()).num_steps
             lengths = [max(1, round(n * args.scale)) for n in SEED_LENGTHS] * args.waves
@@ -63,8 +61,6 @@ async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
             )
             wall = time.monotonic() - t0
             num_steps = (await client.server_info()).num_steps - steps_before
-    finally:
-        await supervisor.stop()
     tokens = sum(len(c.token_ids) for c in completions)
     ttfts = sorted(c.usage.ttft_s for c in completions)
     return {
@@ -104,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--waves", type=int, default=4, help="groups of 8 agents (default %(default)s: one queued behind the first)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every output length (e.g. 0.25 for a quick run)")
     parser.add_argument("--modes", default="static,continuous")
+    parser.add_argument(
+        "--spec", default="off", help="the scheduler's draft policy (default %(default)s: batching alone is measured)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--log", default="bench_batching.log", help="where the services' logs go (default %(default)s)")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from clients.client import DEFAULT_SCHEDULER_ADDRESS, AsyncSwarmClient
@@ -115,50 +115,12 @@ class SwarmClient:
         except RuntimeError:
             pass  # the loop closed between the check and the call
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        num_logprobs: int = 0,
-        include_special_tokens: bool = False,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        retention_s: float | None = None,
-        timeout: float | None = None,
-    ) -> SyncGenerateStream:
-        """See AsyncSwarmClient.generate; ValueError for a malformed request is raised here."""
-        stream = self._async.generate(
-            prompt,
-            token_ids=token_ids,
-            messages=messages,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            num_logprobs=num_logprobs,
-            include_special_tokens=include_special_tokens,
-            request_id=request_id,
-            session_id=session_id,
-            retention_s=retention_s,
-            timeout=timeout,
-        )
-        return SyncGenerateStream(self, stream)
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> SyncGenerateStream:
+        """AsyncSwarmClient.generate's arguments, a blocking iterator of its events.
+
+        ValueError (or TypeError for an unknown argument) for a malformed request is raised here.
+        """
+        return SyncGenerateStream(self, self._async.generate(prompt, **kwargs))
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> SyncGenerateStream:
         return self.generate(messages=messages, **kwargs)

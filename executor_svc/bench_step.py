@@ -49,7 +49,9 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
     results: dict = {"model": config.name, "context": context, "threads": torch.get_num_threads(), "dtypes": {}}
     for name in dtype_names:
         dtype = DTYPES[name]
-        model = Transformer(config, load_weights(gguf, config, dtype, device), device)
+        weights = load_weights(gguf, config, dtype, device)
+        model = Transformer(config, weights, device, dtype=dtype)
+        rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)
         blocks_per_request = -(-(context + max(t_values)) // 16)
         cache = KVCache(config, 1 + blocks_per_request * max_b, 16, dtype, device)
@@ -60,13 +62,13 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
             model.forward(batch, cache)
 
         # Warm up once before measuring: the first passes after a load run slow (caches, page faults).
-        time_forward(model, cache, [RequestSlice([11] * max(t_values), context, tables[0], 1)], 3, 4)
+        time_forward(model, cache, [RequestSlice([11] * max(t_values), context, tables[0], 1)], 3, rows)
         by_t = {}
         for t in t_values:
-            by_t[t] = time_forward(model, cache, [RequestSlice([11] * t, context, tables[0], 1)], reps, 4)
+            by_t[t] = time_forward(model, cache, [RequestSlice([11] * t, context, tables[0], 1)], reps, rows)
         by_b = {}
         for b in b_values:
-            by_b[b] = time_forward(model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, 4)
+            by_b[b] = time_forward(model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, rows)
         no_invariance = time_forward(model, cache, [RequestSlice([11], context, tables[0], 1)], reps, 1)
         results["dtypes"][name] = {
             "step_s_by_tokens": by_t,

@@ -36,6 +36,7 @@ from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "torch")
 
@@ -47,6 +48,15 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but torch sees no CUDA/ROCm device")
     return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on a GPU; float32 on the CPU, where the packed-weight kernels compute
+    in float32 whatever the activations' dtype, so bfloat16 activations would only add
+    conversions and rounding (measured: see the README's CPU section)."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resolve_ops(kernels: str, device: torch.device):
@@ -66,7 +76,7 @@ def resolve_ops(kernels: str, device: torch.device):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"  # "default" (the embedded SmolLM2) or a path to a .gguf
-    dtype: str = "float32"
+    dtype: str = "auto"  # activations and KV: auto | float32 | bfloat16 (see resolve_dtype)
     device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
     kernels: str = "auto"  # auto | triton | torch: auto is triton on a GPU, torch on the CPU
     kv_cache_bytes: int = 1 << 30
@@ -83,8 +93,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
@@ -93,10 +103,6 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -162,19 +168,23 @@ class Engine:
         gguf = open_gguf(self.model_path)
         self.model_config = ModelConfig.from_gguf(gguf)
         self.tokenizer = load_tokenizer(gguf)
-        weights = load_weights(gguf, self.model_config, config.torch_dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        weights = load_weights(gguf, self.model_config, self.dtype, self.device)
+        self.weight_bytes = weights.num_bytes
         self.ops = resolve_ops(config.kernels, self.device)
-        self.model = Transformer(self.model_config, weights, self.device, self.ops)
+        self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
         self.kv_cache = KVCache.from_memory_budget(
-            self.model_config, config.kv_cache_bytes, config.block_size, config.torch_dtype, self.device
+            self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, self.device
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
-        # fp32 CPU GEMMs group rows in fours (see ragged_batch.py); on a GPU padding buys nothing.
-        self._row_multiple = 4 if config.batch_invariant and self.device.type == "cpu" else 1
+        # Packed-weight kernels are row-invariant by construction; dense fp32 CPU GEMMs group rows
+        # in fours (see ragged_batch.py); on a GPU padding buys nothing.
+        is_dense_cpu = self.device.type == "cpu" and not weights.is_packed
+        self._row_multiple = 4 if config.batch_invariant and is_dense_cpu else 1
         self._requests: dict[str, RequestState] = {}
         # KV depends on the weights and the dtype: a cached block is only valid for this model as loaded.
-        self._prefix_root = root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{config.dtype}")
+        self._prefix_root = root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}")
 
     # ----------------------------------------------------------------- requests
 

@@ -8,7 +8,7 @@ import signal
 
 import structlog
 
-from executor_svc.engine import DTYPES, KERNELS, Engine, EngineConfig
+from executor_svc.engine import DTYPE_CHOICES, KERNELS, Engine, EngineConfig
 from executor_svc.observability.executor_metrics import ExecutorMetrics
 from executor_svc.observability.flags import add_observability_flags
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
@@ -22,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarmserve-executor", description=__doc__)
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default %(default)s)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default=EngineConfig.dtype,
+        choices=DTYPE_CHOICES,
+        help="activation and KV dtype; auto: bfloat16 on a GPU, float32 on the CPU (default %(default)s)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)")
     p.add_argument(
         "--kernels", default="auto", choices=KERNELS, help="auto: triton on a GPU, torch on the CPU (default %(default)s)"

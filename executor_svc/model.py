@@ -13,13 +13,13 @@ greedy output stays equal to the transformers reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import ModelWeights
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.torch_ops import TorchOps
+from executor_svc.weight_format import embedding, linear
 
 
 def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: torch.device):
@@ -34,8 +34,11 @@ def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: 
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.ops = ops or TorchOps()
+        self.dtype = dtype  # activations and KV
         self.config = config
         self.weights = weights
         self.device = device
@@ -51,10 +54,10 @@ class Transformer:
         metadata = ops.prepare(batch, kv_cache.block_size)
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
 
-        residual = w.embed[batch.token_ids]  # [T_padded, hidden]
+        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden]
         x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
         for layer_index, layer in enumerate(w.layers):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, q_size + 2 * kv_size]
+            qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, q_size + 2 * kv_size]
             q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
@@ -66,10 +69,10 @@ class Transformer:
             k_cache, v_cache = kv_cache.layer(layer_index)
             ops.write_kv(k[:num_tokens], v[:num_tokens].contiguous(), k_cache, v_cache, batch.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
-            x, residual = ops.add_rms_norm(F.linear(attn.view(-1, q_size), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
-            mlp = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            x, residual = ops.add_rms_norm(linear(attn.view(-1, q_size), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
+            mlp = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
             next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
             x, residual = ops.add_rms_norm(mlp, residual, next_norm, c.rms_norm_eps)
 
-        logits = F.linear(x[batch.logits_indices], w.lm_head).float()
+        logits = linear(x[batch.logits_indices], w.lm_head).float()
         return logits[: batch.num_logits]

@@ -25,7 +25,7 @@ from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parent
 MODULES = ("qlinear",)
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
 class CpuKernelsUnavailable(RuntimeError):

@@ -8,14 +8,15 @@
 // dotted with every activation row.
 //
 // Batch invariance by construction: the dot of activation row m with weight row n
-// is always the same instruction sequence — four 16-lane float32 FMA chains over
-// K (chain = (k / 16) mod 4), summed (c0 + c1) + (c2 + c3), then a fixed lane
-// reduction — whatever M is, whichever tile the row falls in and however the
-// rows are split over threads. So a row's bits never depend on its batch.
+// is always the same sequence of float32 operations (see "dot products" below),
+// whatever M is, whichever tile the row falls in, whether the weight block was
+// dequantized into registers or a buffer, and however rows are split over threads.
+// So a row's bits never depend on its batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -266,54 +267,252 @@ void dequant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 
 // ------------------------------------------------------------------ dot products
 //
-// NR activation rows against one dequantized weight row. Every (row, weight row)
-// pair runs the identical chain structure, so tiling rows by 4 or 1 changes nothing.
+// The dot of one activation row with one weight row, in 32-value steps: values
+// 0..15 of each step feed chain 0, values 16..31 chain 1 (16 float32 lanes each,
+// one FMA per step), and the result is reduce_add(chain0 + chain1). Two ways run
+// that identical sequence: `fused` dequantizes each 32-value block straight into
+// registers (few activation rows: decode, verify), `buffered` dequantizes the row
+// once into an L1 buffer and reuses it for every 4-row tile of a long batch.
 
 #if defined(__AVX512F__)
+#define SS_INLINE inline __attribute__((always_inline))
+
+struct W32 {
+  __m512 lo, hi;  // values 0..15 and 16..31 of a 32-value block
+};
+
+SS_INLINE W32 nibbles32(const uint8_t* qs, __m512 d, __m512 offset) {  // d * (q - offset), low nibbles first
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return {_mm512_mul_ps(d, _mm512_sub_ps(u8x16_to_ps(_mm_and_si128(bytes, mask)), offset)),
+          _mm512_mul_ps(d, _mm512_sub_ps(u8x16_to_ps(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), offset))};
+}
+
+SS_INLINE W32 kquant32(__m256i codes, float ds, float dm) {  // ds * q - dm over 32 unsigned codes
+  const __m512 vd = _mm512_set1_ps(ds), vm = _mm512_set1_ps(dm);
+  return {_mm512_sub_ps(_mm512_mul_ps(vd, u8x16_to_ps(_mm256_castsi256_si128(codes))), vm),
+          _mm512_sub_ps(_mm512_mul_ps(vd, u8x16_to_ps(_mm256_extracti128_si256(codes, 1))), vm)};
+}
+
+// Calls f(k, W32) for every 32-value block of a quantized row, in order.
+template <class F>
+SS_INLINE void for_each_block32(int64_t type, const uint8_t* row, int64_t K, F&& f) {
+  switch (type) {
+    case Q4_0:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 18 * b;
+        f(32 * b, nibbles32(blk + 2, _mm512_set1_ps(fp16_to_fp32(load_u16(blk))), _mm512_set1_ps(8.f)));
+      }
+      return;
+    case Q4_1:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 20 * b;
+        const __m512 m = _mm512_set1_ps(fp16_to_fp32(load_u16(blk + 2)));
+        const W32 w = nibbles32(blk + 4, _mm512_set1_ps(fp16_to_fp32(load_u16(blk))), _mm512_setzero_ps());
+        f(32 * b, W32{_mm512_add_ps(w.lo, m), _mm512_add_ps(w.hi, m)});
+      }
+      return;
+    case Q8_0:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 34 * b;
+        const __m512 d = _mm512_set1_ps(fp16_to_fp32(load_u16(blk)));
+        f(32 * b, W32{_mm512_mul_ps(d, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 2)))),
+                      _mm512_mul_ps(d, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 18))))});
+      }
+      return;
+    case Q4_K:
+    case Q5_K: {
+      const int64_t block_bytes = type == Q4_K ? 144 : 176;
+      const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+      for (int64_t b = 0; b < K / QK_K; b++) {
+        const uint8_t* blk = row + block_bytes * b;
+        const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
+        const uint8_t* qs = blk + (type == Q4_K ? 16 : 48);
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));  // Q5_K only
+        for (int s = 0; s < 8; s++) {
+          uint8_t sc, m;
+          scale_min_k4(blk + 4, s, &sc, &m);
+          const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + 32 * (s / 2)));
+          __m256i codes = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, mask);
+          if (type == Q5_K)
+            codes = _mm256_or_si256(codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), one), 4));
+          f(QK_K * b + 32 * s, kquant32(codes, d * (float)sc, dmin * (float)m));
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+      for (int64_t b = 0; b < K / QK_K; b++) {
+        const uint8_t* blk = row + 210 * b;
+        const int8_t* scales = (const int8_t*)(blk + 192);
+        const float d = fp16_to_fp32(load_u16(blk + 208));
+        for (int h = 0; h < 2; h++) {
+          const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+          for (int part = 0; part < 4; part++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * (part % 2)));
+            const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, mask4);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), mask2);
+            const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));  // 0..63; value = code - 32
+            const int e0 = 128 * h + 32 * part;
+            const __m512 bias = _mm512_set1_ps(32.f);
+            const __m512 lo = _mm512_sub_ps(u8x16_to_ps(_mm256_castsi256_si128(codes)), bias);
+            const __m512 hi = _mm512_sub_ps(u8x16_to_ps(_mm256_extracti128_si256(codes, 1)), bias);
+            f(QK_K * b + e0, W32{_mm512_mul_ps(_mm512_set1_ps(d * (float)scales[e0 / 16]), lo),
+                                 _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[e0 / 16 + 1]), hi)});
+          }
+        }
+      }
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "GGML tensor type ", type, " has no fused CPU kernel");
+  }
+}
+
 template <int NR>
-inline void dot_rows(const float* w, const float* const* x, int64_t K, float* out) {
-  __m512 acc[NR][4];
-  for (int r = 0; r < NR; r++)
-    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + k + 32), w3 = _mm512_loadu_ps(w + k + 48);
+SS_INLINE void finish(__m512 (&acc)[NR][2], float* out, int64_t stride) {
+  for (int r = 0; r < NR; r++) out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <int NR>
+void dot_fused(int64_t type, const uint8_t* wrow, int64_t K, const float* x, float* out, int64_t out_stride) {
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for_each_block32(type, wrow, K, [&](int64_t k, W32 w) __attribute__((always_inline)) {
     for (int r = 0; r < NR; r++) {
-      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + k), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + k + 16), acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x[r] + k + 32), acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x[r] + k + 48), acc[r][3]);
+      acc[r][0] = _mm512_fmadd_ps(w.lo, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w.hi, _mm512_loadu_ps(x + r * K + k + 16), acc[r][1]);
+    }
+  });
+  finish<NR>(acc, out, out_stride);
+}
+
+template <int NR>
+void dot_buffered(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 lo = _mm512_loadu_ps(w + k), hi = _mm512_loadu_ps(w + k + 16);
+    for (int r = 0; r < NR; r++) {
+      acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * K + k + 16), acc[r][1]);
     }
   }
-  for (int c = 0; k < K; k += 16, c++) {  // the tail: chain (k / 16) mod 4, masked
-    const int64_t n = K - k < 16 ? K - k : 16;
-    const __mmask16 mask = (__mmask16)((1u << n) - 1);
-    const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
-    for (int r = 0; r < NR; r++) acc[r][c] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x[r] + k), acc[r][c]);
+  if (k < K) {  // F32/F16/BF16 rows only: a masked last step
+    const int64_t n = K - k;
+    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : (1u << (n - 16)) - 1);
+    const __m512 lo = _mm512_maskz_loadu_ps(m0, w + k), hi = _mm512_maskz_loadu_ps(m1, w + k + 16);
+    for (int r = 0; r < NR; r++) {
+      acc[r][0] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m0, x + r * K + k), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, x + r * K + k + 16), acc[r][1]);
+    }
   }
-  for (int r = 0; r < NR; r++)
-    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+  finish<NR>(acc, out, out_stride);
 }
-#else
+
+// Two weight rows × NR activation rows: each pair's sequence is exactly dot_buffered's,
+// with twice the reuse of every activation load.
 template <int NR>
-inline void dot_rows(const float* w, const float* const* x, int64_t K, float* out) {
+void dot_buffered2(const float* w0, const float* w1, int64_t K, const float* x, float* out, int64_t out_stride) {
+  __m512 acc0[NR][2], acc1[NR][2];
+  for (int r = 0; r < NR; r++) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 a_lo = _mm512_loadu_ps(w0 + k), a_hi = _mm512_loadu_ps(w0 + k + 16);
+    const __m512 b_lo = _mm512_loadu_ps(w1 + k), b_hi = _mm512_loadu_ps(w1 + k + 16);
+    for (int r = 0; r < NR; r++) {
+      const __m512 x_lo = _mm512_loadu_ps(x + r * K + k), x_hi = _mm512_loadu_ps(x + r * K + k + 16);
+      acc0[r][0] = _mm512_fmadd_ps(a_lo, x_lo, acc0[r][0]);
+      acc0[r][1] = _mm512_fmadd_ps(a_hi, x_hi, acc0[r][1]);
+      acc1[r][0] = _mm512_fmadd_ps(b_lo, x_lo, acc1[r][0]);
+      acc1[r][1] = _mm512_fmadd_ps(b_hi, x_hi, acc1[r][1]);
+    }
+  }
+  if (k < K) {
+    const int64_t n = K - k;
+    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : (1u << (n - 16)) - 1);
+    const __m512 a_lo = _mm512_maskz_loadu_ps(m0, w0 + k), a_hi = _mm512_maskz_loadu_ps(m1, w0 + k + 16);
+    const __m512 b_lo = _mm512_maskz_loadu_ps(m0, w1 + k), b_hi = _mm512_maskz_loadu_ps(m1, w1 + k + 16);
+    for (int r = 0; r < NR; r++) {
+      const __m512 x_lo = _mm512_maskz_loadu_ps(m0, x + r * K + k), x_hi = _mm512_maskz_loadu_ps(m1, x + r * K + k + 16);
+      acc0[r][0] = _mm512_fmadd_ps(a_lo, x_lo, acc0[r][0]);
+      acc0[r][1] = _mm512_fmadd_ps(a_hi, x_hi, acc0[r][1]);
+      acc1[r][0] = _mm512_fmadd_ps(b_lo, x_lo, acc1[r][0]);
+      acc1[r][1] = _mm512_fmadd_ps(b_hi, x_hi, acc1[r][1]);
+    }
+  }
+  finish<NR>(acc0, out, out_stride);
+  finish<NR>(acc1, out + 1, out_stride);
+}
+
+constexpr bool HAS_FUSED = true;
+#else
+// Portable fallback: the same two-chain, 16-lane structure, written out.
+template <int NR>
+void dot_buffered(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
   for (int r = 0; r < NR; r++) {
-    float lanes[64] = {0};
-    for (int64_t k = 0; k < K; k++) lanes[k % 64] += w[k] * x[r][k];
-    float chains[4][16];
-    for (int c = 0; c < 4; c++)
-      for (int l = 0; l < 16; l++) chains[c][l] = lanes[16 * c + l];
+    float chain[2][16] = {{0}};
+    for (int64_t k = 0; k < K; k++) chain[(k / 16) % 2][k % 16] = std::fma(w[k], x[r * K + k], chain[(k / 16) % 2][k % 16]);
     float sum[16];
-    for (int l = 0; l < 16; l++) sum[l] = (chains[0][l] + chains[1][l]) + (chains[2][l] + chains[3][l]);
+    for (int l = 0; l < 16; l++) sum[l] = chain[0][l] + chain[1][l];
     for (int width = 8; width >= 1; width /= 2)
       for (int l = 0; l < width; l++) sum[l] = sum[l] + sum[l + width];
-    out[r] = sum[0];
+    out[r * out_stride] = sum[0];
   }
 }
+template <int NR>
+void dot_fused(int64_t, const uint8_t*, int64_t, const float*, float*, int64_t) {}
+template <int NR>
+void dot_buffered2(const float* w0, const float* w1, int64_t K, const float* x, float* out, int64_t out_stride) {
+  dot_buffered<NR>(w0, K, x, out, out_stride);
+  dot_buffered<NR>(w1, K, x, out + 1, out_stride);
+}
+constexpr bool HAS_FUSED = false;
 #endif
 
-constexpr int64_t ROWS_PER_TASK = 16;  // weight rows dequantized together (K ≤ 16k → ≤ 1 MiB of floats)
+constexpr int64_t ROWS_PER_TASK = 16;   // weight rows per parallel task
+constexpr int64_t FUSED_MAX_ROWS = 4;  // up to this many activation rows, dequantize in registers
+constexpr int64_t ROW_PANEL = 64;      // activation rows per pass over a task's weight rows (x panel stays in L2)
+
+bool is_block_quantized(int64_t type) { return type != F32 && type != F16 && type != BF16; }
+
+// All M activation rows (≤ FUSED_MAX_ROWS) against weight row wrow, dequantized in registers.
+void rows_fused(int64_t type, const uint8_t* wrow, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
+  switch (M) {
+    case 1: dot_fused<1>(type, wrow, K, x, y, N); return;
+    case 2: dot_fused<2>(type, wrow, K, x, y, N); return;
+    case 3: dot_fused<3>(type, wrow, K, x, y, N); return;
+    default: dot_fused<4>(type, wrow, K, x, y, N); return;
+  }
+}
+
+// M activation rows against two dequantized weight rows (w0 then w1, outputs y[:, 0] and y[:, 1]).
+void rows_buffered2(const float* w0, const float* w1, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_buffered2<4>(w0, w1, K, x + m * K, y + m * N, N);
+  switch (M - m) {
+    case 1: dot_buffered2<1>(w0, w1, K, x + m * K, y + m * N, N); break;
+    case 2: dot_buffered2<2>(w0, w1, K, x + m * K, y + m * N, N); break;
+    case 3: dot_buffered2<3>(w0, w1, K, x + m * K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+// M activation rows against one dequantized weight row, 4 rows at a time.
+void rows_buffered(const float* w, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_buffered<4>(w, K, x + m * K, y + m * N, N);
+  switch (M - m) {
+    case 1: dot_buffered<1>(w, K, x + m * K, y + m * N, N); break;
+    case 2: dot_buffered<2>(w, K, x + m * K, y + m * N, N); break;
+    case 3: dot_buffered<3>(w, K, x + m * K, y + m * N, N); break;
+    default: break;
+  }
+}
 
 void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous uint8 [N, row_bytes] tensor");
@@ -337,24 +536,28 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const bool fused = HAS_FUSED && is_block_quantized(type) && M <= FUSED_MAX_ROWS;
   const int64_t num_tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wbuf(ROWS_PER_TASK * K);
+    std::vector<float> wbuf(fused ? 0 : 2 * K);
     for (int64_t task = begin; task < end; task++) {
       const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
-      for (int64_t n = n0; n < n1; n++) dequant_row(type, wp + n * row_bytes, K, wbuf.data() + (n - n0) * K);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        const float* xs[4] = {xp + m * K, xp + (m + 1) * K, xp + (m + 2) * K, xp + (m + 3) * K};
-        for (int64_t n = n0; n < n1; n++) {
-          float out[4];
-          dot_rows<4>(wbuf.data() + (n - n0) * K, xs, K, out);
-          for (int r = 0; r < 4; r++) yp[(m + r) * N + n] = out[r];
-        }
+      if (fused) {
+        for (int64_t n = n0; n < n1; n++) rows_fused(type, wp + n * row_bytes, K, xp, M, yp + n, N);
+        continue;
       }
-      for (; m < M; m++) {
-        const float* xs[1] = {xp + m * K};
-        for (int64_t n = n0; n < n1; n++) dot_rows<1>(wbuf.data() + (n - n0) * K, xs, K, yp + m * N + n);
+      for (int64_t m0 = 0; m0 < M; m0 += ROW_PANEL) {
+        const int64_t rows = std::min(ROW_PANEL, M - m0);
+        int64_t n = n0;
+        for (; n + 2 <= n1; n += 2) {
+          dequant_row(type, wp + n * row_bytes, K, wbuf.data());
+          dequant_row(type, wp + (n + 1) * row_bytes, K, wbuf.data() + K);
+          rows_buffered2(wbuf.data(), wbuf.data() + K, K, xp + m0 * K, rows, yp + m0 * N + n, N);
+        }
+        if (n < n1) {
+          dequant_row(type, wp + n * row_bytes, K, wbuf.data());
+          rows_buffered(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
+        }
       }
     }
   });

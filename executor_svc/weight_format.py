@@ -1,0 +1,140 @@
+"""The weight-format layer: matmul weights kept in their GGUF storage type.
+
+The model calls `linear(x, w)` and `embedding(token_ids, w)` and never sees the
+format. A weight is one of:
+
+- `PackedWeight` (the CPU path): the GGUF rows byte for byte — Q4_0, Q4_1, Q8_0,
+  Q4_K, Q5_K, Q6_K blocks, or F32/F16/BF16 values — in a uint8 tensor
+  `[rows, row_bytes]`. Resident memory is the file's. The C++ kernel
+  (`cpu_kernels/qlinear.cpp`) dequantizes a few rows at a time into float32 with
+  gguf-py's exact arithmetic and accumulates in float32 in a fixed order, so a
+  row's result never depends on how many rows share the matmul.
+- a dense `torch.Tensor` (the GPU path until its dequant-matmul kernels land):
+  dequantized once at load to the compute dtype.
+
+Rows are independent in every GGUF type, so the loader's row work — llama's Q/K
+un-permutation, fusing Q/K/V and gate/up by concatenating rows — is done on the
+packed bytes without dequantizing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from executor_svc.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from executor_svc.gguf_file import GGUFTensor
+
+# ggml type id → (elements per block, bytes per block); the types the CPU kernel runs.
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+
+def _kernels():
+    from executor_svc.cpu_kernels import load
+
+    return load("qlinear")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes]."""
+
+    data: torch.Tensor
+    tensor_type: int
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.tensor_type not in PACKED_TYPES:
+            raise ModelLoadError(f"GGML tensor type {self.tensor_type} has no CPU matmul kernel")
+        name, block_elems, block_bytes = PACKED_TYPES[self.tensor_type]
+        rows, cols = self.shape
+        if cols % block_elems:
+            raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
+        if tuple(self.data.shape) != (rows, cols // block_elems * block_bytes) or self.data.dtype != torch.uint8:
+            raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
+
+    @classmethod
+    def from_gguf(cls, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> "PackedWeight":
+        """Copy a 2-D GGUF tensor's rows out of the memory map (optionally reordered)."""
+        if len(tensor.shape) != 2:
+            raise ModelLoadError(f"tensor {tensor.name!r} has shape {tensor.shape}; a matmul weight is 2-D")
+        if int(tensor.tensor_type) not in PACKED_TYPES:
+            supported = ", ".join(name for name, _, _ in PACKED_TYPES.values())
+            raise ModelLoadError(
+                f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the CPU matmul kernel does not run "
+                f"(it runs {supported})"
+            )
+        rows = tensor.shape[0]
+        raw = np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1)
+        if row_order is not None:
+            raw = raw[row_order]
+        return cls(torch.from_numpy(np.array(raw, copy=True)), int(tensor.tensor_type), tensor.shape)
+
+    @classmethod
+    def concat(cls, parts: list["PackedWeight"]) -> "Weight":
+        """Rows of several weights stacked into one matmul when they share a type; else kept apart."""
+        if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
+            return tuple(parts)
+        rows = sum(p.shape[0] for p in parts)
+        return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def type_name(self) -> str:
+        return PACKED_TYPES[self.tensor_type][0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 [rows, cols] (tests and the dense GPU path)."""
+        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], torch.arange(self.shape[0]))
+
+
+# A weight as the model holds it: packed, dense, or packed parts whose outputs are concatenated.
+Weight = Union[PackedWeight, torch.Tensor, tuple[PackedWeight, ...]]
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] · wᵀ (+ bias) → [T, rows], in x's dtype."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if isinstance(w, tuple):
+        y = torch.cat([linear(x, part) for part in w], dim=-1)
+    else:
+        y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
+    return y if bias is None else y + bias
+
+
+def embedding(token_ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `token_ids` of the embedding table → [len(token_ids), hidden] in dtype."""
+    if isinstance(w, torch.Tensor):
+        return w[token_ids].to(dtype)
+    return _kernels().dequant_rows(w.data, w.tensor_type, w.shape[1], token_ids).to(dtype)
+
+
+def weight_bytes(w: Weight | None) -> int:
+    """Resident bytes of one weight."""
+    if w is None:
+        return 0
+    if isinstance(w, tuple):
+        return sum(p.nbytes for p in w)
+    if isinstance(w, PackedWeight):
+        return w.nbytes
+    return w.numel() * w.element_size()

@@ -1,0 +1,395 @@
+// Everything in a decoder layer except the matmuls, for the CPU: ragged paged
+// attention, RMSNorm (with the residual add fused), the qkv post-processing
+// (q/k RMSNorm, RoPE, KV-cache write) and SiLU·mul — one call each, float32 math,
+// tensors in float32 or bfloat16.
+//
+// Batch invariance by construction: every output row is computed by the same
+// instruction sequence whatever the batch, the tiling and the thread count.
+//
+// - Attention: a query row walks its request's keys from key 0 in fixed
+//   KV_CHUNK-key chunks (an online softmax: running max, rescale, sum in key
+//   order within a chunk). A row stops at its own position; the chunk boundaries
+//   never move. Work items (request, KV head, query tile, head range) only decide
+//   which rows are computed together, never how a row is computed.
+// - Row ops (norms, RoPE, SiLU): each row is reduced by one fixed sequence
+//   (16-lane float32 chains, then a fixed lane reduction).
+//
+// Compiled with -ffp-contract=off: a multiply-add is fused only where an
+// intrinsic says so, identically everywhere.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t KV_CHUNK = 32;          // keys per online-softmax step (fixed: part of the arithmetic)
+constexpr int64_t QUERY_TILE_TOKENS = 16;  // tokens of one request per work item (does not affect results)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------ scalar helpers
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }  // bf16: round to nearest even
+// The value x takes once stored in T (torch computes a bf16 op in float32 and rounds).
+template <typename T>
+inline float rnd(float x) { return to_f(from_f<T>(x)); }
+template <>
+inline float rnd<float>(float x) { return x; }
+
+// ------------------------------------------------------------------ vector helpers
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 maskload16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskload16(__mmask16 m, const bf16* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for float32 lanes: Cephes' expf (range reduction by ln 2 in two parts, a
+// degree-5 polynomial, scale by 2^n). ~1 ulp; exp(x) for x < -87.3 is not 0 but
+// < 1.2e-38 (callers that need exact zeros mask them).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// Σ x[i]² in a fixed order: 16-lane chain, masked tail, fixed lane reduction.
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (i < n) {
+    const __m512 v = maskload16((__mmask16)((1u << (n - i)) - 1), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float lanes[16] = {0};
+  for (int64_t i = 0; i < n; i++) {
+    const float v = to_f(x[i]);
+    lanes[i % 16] += v * v;
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+  return lanes[0];
+#endif
+}
+
+// ------------------------------------------------------------------ attention
+
+struct WorkItem {
+  int64_t request, kv_head, token_begin, token_end, head_begin, head_end;  // heads within the GQA group
+  int64_t cost;
+};
+
+// q·k over D, one fixed sequence per (q row, key).
+inline float dot(const float* q, const float* k, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
+  return s;
+}
+
+// s[0..n) ← exp(s - m), s[n..KV_CHUNK) ← 0; returns Σ s in a fixed order.
+inline float exp_chunk(float* s, int64_t n, float m) {
+#if defined(__AVX512F__)
+  static_assert(KV_CHUNK == 32, "exp_chunk handles two 16-lane vectors");
+  const __m512 vm = _mm512_set1_ps(m);
+  const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(_mm512_loadu_ps(s), vm)));
+  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16), vm)));
+  _mm512_storeu_ps(s, p0);
+  _mm512_storeu_ps(s + 16, p1);
+  return _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+#else
+  float lanes[16] = {0};
+  for (int64_t j = 0; j < KV_CHUNK; j++) {
+    s[j] = j < n ? std::exp(s[j] - m) : 0.f;
+    lanes[j % 16] += s[j];
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+  return lanes[0];
+#endif
+}
+
+// acc ← acc · alpha + Σ_j p[j] v_j, keys in order.
+inline void rescale_accumulate(float* acc, float alpha, const float* p, const float* const* v, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {
+    __m512 a[16];
+    const int64_t nv = D / 16;
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t c = 0; c < nv; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+    for (int64_t j = 0; j < n; j++) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < nv; c++) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
+    }
+    for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; d++) {
+    float x = acc[d] * alpha;
+    for (int64_t j = 0; j < n; j++) x += p[j] * v[j][d];
+    acc[d] = x;
+  }
+}
+
+template <typename T>
+inline void to_float_row(const T* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; d++) dst[d] = to_f(src[d]);
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, kbuf, vbuf;
+};
+
+template <typename T>
+void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                    int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+                    int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+  const int64_t G = H / Hkv;
+  const int64_t nh = it.head_end - it.head_begin;
+  const int64_t rows = (it.token_end - it.token_begin) * nh;
+  sc.q.resize(rows * D);
+  sc.acc.assign(rows * D, 0.f);
+  sc.m.assign(rows, NEG_INF);
+  sc.l.assign(rows, 0.f);
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  if (!kFloat) {
+    sc.kbuf.resize(KV_CHUNK * D);
+    sc.vbuf.resize(KV_CHUNK * D);
+  }
+  // Row i = (token t, head h): q row (query_start + t, kv_head * G + h).
+  for (int64_t t = it.token_begin; t < it.token_end; t++)
+    for (int64_t h = it.head_begin; h < it.head_end; h++) {
+      const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
+      to_float_row(q + ((query_start + t) * H + it.kv_head * G + h) * D, sc.q.data() + i * D, D);
+    }
+  const int64_t max_keys = first_position + it.token_end;  // the last token's keys
+  const float* kp[KV_CHUNK];
+  const float* vp[KV_CHUNK];
+  alignas(64) float s[KV_CHUNK];
+  for (int64_t c0 = 0; c0 < max_keys; c0 += KV_CHUNK) {
+    const int64_t nc = std::min(KV_CHUNK, max_keys - c0);
+    for (int64_t j = 0; j < nc; j++) {
+      const int64_t key = c0 + j;
+      const int64_t block = table[key / block_size];  // checked by the caller
+      const int64_t offset = ((block * block_size + key % block_size) * Hkv + it.kv_head) * D;
+      if constexpr (kFloat) {
+        kp[j] = reinterpret_cast<const float*>(k_cache + offset);
+        vp[j] = reinterpret_cast<const float*>(v_cache + offset);
+      } else {
+        to_float_row(k_cache + offset, sc.kbuf.data() + j * D, D);
+        to_float_row(v_cache + offset, sc.vbuf.data() + j * D, D);
+        kp[j] = sc.kbuf.data() + j * D;
+        vp[j] = sc.vbuf.data() + j * D;
+      }
+    }
+    for (int64_t t = it.token_begin; t < it.token_end; t++) {
+      const int64_t num_keys = first_position + t + 1;
+      if (num_keys <= c0) continue;
+      const int64_t n = std::min(KV_CHUNK, num_keys - c0);
+      for (int64_t h = 0; h < nh; h++) {
+        const int64_t i = (t - it.token_begin) * nh + h;
+        const float* qi = sc.q.data() + i * D;
+        float chunk_max = NEG_INF;
+        for (int64_t j = 0; j < n; j++) {
+          s[j] = dot(qi, kp[j], D) * scale;
+          chunk_max = std::max(chunk_max, s[j]);
+        }
+        for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
+        const float m_old = sc.m[i];
+        const float m_new = std::max(m_old, chunk_max);
+        const float alpha = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
+        const float psum = exp_chunk(s, n, m_new);
+        sc.l[i] = sc.l[i] * alpha + psum;
+        sc.m[i] = m_new;
+        rescale_accumulate(sc.acc.data() + i * D, alpha, s, vp, n, D);
+      }
+    }
+  }
+  for (int64_t t = it.token_begin; t < it.token_end; t++)
+    for (int64_t h = it.head_begin; h < it.head_end; h++) {
+      const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
+      T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
+      const float* a = sc.acc.data() + i * D;
+      const float l = sc.l[i];
+      for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[d] / l);
+    }
+}
+
+at::Tensor int64_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D");
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int64 or int32");
+  return t.to(at::kLong).contiguous();
+}
+
+void check_float_type(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// Causal attention of each query row over its own request's paged KV.
+//   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (q's dtype);
+//   query_starts, query_lens, context_lens [R] int; block_tables [R, max_blocks] int32.
+// Rows not covered by a request (padding at the end) come back as zeros.
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_starts_in, const at::Tensor& query_lens_in,
+                           const at::Tensor& context_lens_in, const at::Tensor& block_tables_in, double scale) {
+  check_float_type(q_in, "q");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", Hkv);
+  const at::Tensor starts = int64_contiguous(query_starts_in, "query_starts");
+  const at::Tensor lens = int64_contiguous(query_lens_in, "query_lens");
+  const at::Tensor ctx = int64_contiguous(context_lens_in, "context_lens");
+  const int64_t R = starts.size(0);
+  TORCH_CHECK(lens.size(0) == R && ctx.size(0) == R, "query_starts, query_lens and context_lens differ in length");
+  TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == R, "block_tables must be [num_requests, max_blocks]");
+  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t G = H / Hkv;
+
+  at::Tensor out = at::empty_like(q);
+  // Zero the rows no request owns (the padded tail, or any gap).
+  std::vector<char> covered(T, 0);
+  int64_t total_rows = 0;
+  for (int64_t r = 0; r < R; r++) {
+    TORCH_CHECK(lp[r] >= 1 && sp[r] >= 0 && sp[r] + lp[r] <= T, "request ", r, ": rows [", sp[r], ", ", sp[r] + lp[r],
+                ") outside q's ", T, " rows");
+    TORCH_CHECK(cp[r] >= lp[r] && (cp[r] + block_size - 1) / block_size <= max_blocks, "request ", r,
+                ": context_len ", cp[r], " does not fit query_len ", lp[r], " and ", max_blocks, " blocks");
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; b++) {
+      const int32_t block = tp[r * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block table entry ", block, " outside [0, ",
+                  num_blocks, ")");
+    }
+    for (int64_t t = sp[r]; t < sp[r] + lp[r]; t++) covered[t] = 1;
+    total_rows += lp[r];
+  }
+  if (total_rows < T) {
+    const int64_t row_bytes = H * D * q.element_size();
+    char* base = static_cast<char*>(out.data_ptr());
+    for (int64_t t = 0; t < T; t++)
+      if (!covered[t]) std::memset(base + t * row_bytes, 0, row_bytes);
+  }
+
+  // Work items: (request, KV head, tile of tokens), split further by query head
+  // when there are too few to keep the threads busy. Largest first, pulled dynamically.
+  const int64_t num_threads = at::get_num_threads();
+  int64_t full_items = 0;
+  for (int64_t r = 0; r < R; r++) full_items += Hkv * ((lp[r] + QUERY_TILE_TOKENS - 1) / QUERY_TILE_TOKENS);
+  const int64_t heads_per_item = full_items >= 4 * num_threads ? G : 1;
+  std::vector<WorkItem> items;
+  items.reserve(full_items * (G / heads_per_item));
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t g = 0; g < Hkv; g++)
+      for (int64_t t0 = 0; t0 < lp[r]; t0 += QUERY_TILE_TOKENS)
+        for (int64_t h0 = 0; h0 < G; h0 += heads_per_item) {
+          const int64_t t1 = std::min(lp[r], t0 + QUERY_TILE_TOKENS);
+          const int64_t keys = cp[r] - lp[r] + t1;
+          items.push_back({r, g, t0, t1, h0, h0 + heads_per_item, (t1 - t0) * heads_per_item * keys});
+        }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        const float* qp = q.data_ptr<float>();
+        const float* kc = k_cache.data_ptr<float>();
+        const float* vc = v_cache.data_ptr<float>();
+        float* op = out.data_ptr<float>();
+        at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+          Scratch sc;
+          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
+            const WorkItem& it = items[i];
+            attention_item<float>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                                  cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+          }
+        });
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
+        const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
+        const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
+        bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+        at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+          Scratch sc;
+          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
+            const WorkItem& it = items[i];
+            attention_item<bf16>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                                 cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+          }
+        });
+      }));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
+        py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"));
+}

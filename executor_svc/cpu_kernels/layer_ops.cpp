@@ -387,9 +387,329 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   return out;
 }
 
+// ------------------------------------------------------------------ row ops
+
+namespace {
+
+// Rows per parallel task: enough elements that a thread's share is worth waking it.
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+// x as [rows, n] with a row stride (the last dim contiguous); copies only when it must.
+struct Rows {
+  at::Tensor t;
+  int64_t rows, n, stride;
+};
+Rows as_rows(const at::Tensor& x_in, const char* name) {
+  check_float_type(x_in, name);
+  TORCH_CHECK(x_in.dim() >= 1, name, " must have at least one dimension");
+  const int64_t n = x_in.size(-1);
+  at::Tensor x = x_in;
+  int64_t stride = n;
+  if (x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= n) {
+    stride = x.stride(0);
+  } else if (!x.is_contiguous()) {
+    x = x.contiguous();
+  }
+  return {x, n == 0 ? 0 : x.numel() / n, n, stride};
+}
+
+std::vector<float> weight_f32(const at::Tensor& w, int64_t n, const char* name) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == n, name, " must be [", n, "]");
+  const at::Tensor wf = w.to(at::kFloat).contiguous();
+  return std::vector<float>(wf.data_ptr<float>(), wf.data_ptr<float>() + n);
+}
+
+// out[i] = rnd(w[i] · rnd(x[i] · r)) with r = 1/sqrt(mean(x²) + eps): TorchOps.rms_norm's
+// arithmetic (normalize in float32, round to x's dtype, then scale by the weight).
+template <typename T>
+inline void rms_norm_row(const T* x, const float* w, float eps, int64_t n, T* out) {
+  const float r = 1.0f / std::sqrt(sum_squares(x, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = from_f<T>(w[i] * rnd<T>(to_f(x[i]) * r));
+}
+
+template <typename F>
+void dispatch_float(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kBFloat16) {
+    f(bf16{});
+  } else {
+    TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+// x [..., n] → weight · x / rms(x) in float32 math, returned in x's dtype (a new tensor).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const Rows x = as_rows(x_in, "x");
+  const std::vector<float> w = weight_f32(weight, x.n, "weight");
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  at::Tensor out = at::empty(shape, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch_float(x.t.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) rms_norm_row<T>(xp + r * x.stride, w.data(), (float)eps, x.n, op + r * x.n);
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to residual's dtype, IN PLACE), then (rms_norm(residual), residual).
+// residual must be contiguous and of x's dtype and shape; the returned residual is the same tensor.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  const Rows x = as_rows(x_in, "x");
+  check_float_type(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == x_in.scalar_type() && residual.sizes() == x_in.sizes(),
+              "residual must be contiguous, with x's dtype and shape");
+  const std::vector<float> w = weight_f32(weight, x.n, "weight");
+  at::Tensor out = at::empty_like(residual);
+  dispatch_float(x.t.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* rp = ptr<T>(residual);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) {
+        T* res = rp + r * x.n;
+        const T* xr = xp + r * x.stride;
+        for (int64_t i = 0; i < x.n; i++) res[i] = from_f<T>(to_f(res[i]) + to_f(xr[i]));
+        rms_norm_row<T>(res, w.data(), (float)eps, x.n, op + r * x.n);
+      }
+    });
+  });
+  return {out, residual};
+}
+
+// gate_up [T, 2I] (gate then up) → silu(gate) · up [T, I], x's dtype; silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const Rows x = as_rows(gate_up_in, "gate_up");
+  TORCH_CHECK(gate_up_in.dim() == 2 && x.n % 2 == 0, "gate_up must be [T, 2 * I]");
+  const int64_t I = x.n / 2;
+  at::Tensor out = at::empty({x.rows, I}, gate_up_in.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch_float(x.t.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      alignas(64) float silu[16];
+      for (int64_t r = b; r < e; r++) {
+        const T* g = xp + r * x.stride;
+        const T* u = g + I;
+        T* o = op + r * I;
+        for (int64_t i = 0; i < I; i += 16) {
+          const int64_t n = std::min<int64_t>(16, I - i);
+#if defined(__AVX512F__)
+          const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+          const __m512 gv = maskload16(m, g + i);
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          _mm512_store_ps(silu, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+#else
+          for (int64_t l = 0; l < n; l++) {
+            const float gl = to_f(g[i + l]);
+            silu[l] = gl / (1.0f + std::exp(-gl));
+          }
+#endif
+          for (int64_t l = 0; l < n; l++) o[i + l] = from_f<T>(rnd<T>(silu[l]) * to_f(u[i + l]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType type, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D,
+              "k_cache and v_cache must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == type && v_cache.scalar_type() == type, "the KV caches must have the activations' dtype");
+}
+
+const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::Tensor& holder) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong, "slot_mapping must be 1-D int64");
+  holder = slot_mapping.contiguous();
+  const int64_t* p = holder.data_ptr<int64_t>();
+  for (int64_t i = 0; i < holder.size(0); i++)
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_slots, "slot ", p[i], " outside the cache's [0, ", num_slots, ")");
+  return p;
+}
+
+// One head: optional per-head RMSNorm, then RoPE (cos/sin already rounded to T), into dst.
+template <typename T>
+inline void norm_rope_head(const T* src, const float* norm_w, float eps, const float* c, const float* s, int64_t D,
+                           bool interleaved, T* dst) {
+  alignas(64) float x[512];
+  if (norm_w != nullptr) {
+    const float r = 1.0f / std::sqrt(sum_squares(src, D) / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) x[d] = rnd<T>(norm_w[d] * rnd<T>(to_f(src[d]) * r));
+  } else {
+    for (int64_t d = 0; d < D; d++) x[d] = to_f(src[d]);
+  }
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i++) {
+    const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float x1 = x[a], x2 = x[b];
+    dst[a] = from_f<T>(rnd<T>(x1 * c[i]) - rnd<T>(x2 * s[i]));
+    dst[b] = from_f<T>(rnd<T>(x2 * c[i]) + rnd<T>(x1 * s[i]));
+  }
+}
+
+}  // namespace
+
+// The qkv matmul's output → q, with K and V stored in the paged cache:
+//   qkv [T, (H + 2 Hkv) · D] (q heads, k heads, v heads); q_norm, k_norm [D] or None (qwen3);
+//   cos_table, sin_table [context, D/2] float32, indexed by positions [T] int64;
+//   slot_mapping [N ≤ T] int64: token t < N writes its roped K and its V to flat slot
+//   slot_mapping[t] of k_cache / v_cache [num_blocks, block_size, Hkv, D] (IN PLACE).
+// Returns q [T, H, D] (normed and roped) in qkv's dtype. The arithmetic is TorchOps'
+// rms_norm then rope (cos/sin rounded to the activations' dtype first).
+at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, const c10::optional<at::Tensor>& q_norm,
+                          const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
+                          at::Tensor& k_cache, at::Tensor& v_cache, bool interleaved) {
+  const Rows x = as_rows(qkv_in, "qkv");
+  TORCH_CHECK(qkv_in.dim() == 2, "qkv must be [T, (H + 2 Hkv) * D]");
+  TORCH_CHECK(H > 0 && Hkv > 0 && x.n % (H + 2 * Hkv) == 0, "qkv's width ", x.n, " is not (H + 2 Hkv) * D");
+  const int64_t D = x.n / (H + 2 * Hkv);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
+  const int64_t T = x.rows;
+  check_cache(k_cache, v_cache, qkv_in.scalar_type(), Hkv, D);
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D / 2 && cos_table.sizes() == sin_table.sizes() &&
+                  cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
+              "cos_table and sin_table must be float32 [context, ", D / 2, "]");
+  const at::Tensor cos_t = cos_table.contiguous(), sin_t = sin_table.contiguous();
+  TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == T && positions_in.scalar_type() == at::kLong,
+              "positions must be int64 [", T, "]");
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos_t.size(0), "position ", pp[t], " outside the RoPE table's ", cos_t.size(0));
+  at::Tensor slots_holder;
+  const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), slots_holder);
+  const int64_t N = slot_mapping.size(0);
+  TORCH_CHECK(N <= T, "slot_mapping has more tokens (", N, ") than qkv (", T, ")");
+  std::vector<float> qw, kw;
+  if (q_norm.has_value() && q_norm->defined()) qw = weight_f32(*q_norm, D, "q_norm");
+  if (k_norm.has_value() && k_norm->defined()) kw = weight_f32(*k_norm, D, "k_norm");
+  at::Tensor q = at::empty({T, H, D}, qkv_in.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* cp = cos_t.data_ptr<float>();
+  const float* sp = sin_t.data_ptr<float>();
+  dispatch_float(x.t.scalar_type(), "qkv_rope_write", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xp = ptr<T_>(x.t);
+    T_* qp = ptr<T_>(q);
+    T_* kc = ptr<T_>(k_cache);
+    T_* vc = ptr<T_>(v_cache);
+    at::parallel_for(0, T, row_grain(x.n), [&](int64_t b, int64_t e) {
+      alignas(64) float c[256], s[256];
+      for (int64_t t = b; t < e; t++) {
+        const T_* row = xp + t * x.stride;
+        for (int64_t i = 0; i < D / 2; i++) {
+          c[i] = rnd<T_>(cp[pp[t] * (D / 2) + i]);
+          s[i] = rnd<T_>(sp[pp[t] * (D / 2) + i]);
+        }
+        for (int64_t h = 0; h < H; h++)
+          norm_rope_head<T_>(row + h * D, qw.empty() ? nullptr : qw.data(), (float)eps, c, s, D, interleaved,
+                             qp + (t * H + h) * D);
+        if (t < N) {
+          for (int64_t g = 0; g < Hkv; g++) {
+            norm_rope_head<T_>(row + (H + g) * D, kw.empty() ? nullptr : kw.data(), (float)eps, c, s, D, interleaved,
+                               kc + (slots[t] * Hkv + g) * D);
+          }
+          std::memcpy(vc + slots[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(T_));
+        }
+      }
+    });
+  });
+  return q;
+}
+
+// x [T, heads, D] → RoPE(x) (a new tensor, x's dtype); cos, sin [T, D/2] float32 per token.
+// TorchOps.rope's arithmetic (cos/sin rounded to x's dtype first).
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  check_float_type(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 3, "x must be [T, heads, D]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), Hx = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos and sin must be float32 [", T, ", ", D / 2, "]");
+  const at::Tensor ct = cos.contiguous(), st = sin.contiguous();
+  at::Tensor out = at::empty_like(x);
+  dispatch_float(x.scalar_type(), "rope", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xp = ptr<T_>(x);
+    T_* op = ptr<T_>(out);
+    const float* cp = ct.data_ptr<float>();
+    const float* sp = st.data_ptr<float>();
+    at::parallel_for(0, T, row_grain(Hx * D), [&](int64_t b, int64_t e) {
+      alignas(64) float c[256], s[256];
+      for (int64_t t = b; t < e; t++) {
+        for (int64_t i = 0; i < D / 2; i++) {
+          c[i] = rnd<T_>(cp[t * (D / 2) + i]);
+          s[i] = rnd<T_>(sp[t * (D / 2) + i]);
+        }
+        for (int64_t h = 0; h < Hx; h++)
+          norm_rope_head<T_>(xp + (t * Hx + h) * D, nullptr, 0.f, c, s, D, interleaved, op + (t * Hx + h) * D);
+      }
+    });
+  });
+  return out;
+}
+
+// k, v [N, Hkv, D] → slots slot_mapping[N] of k_cache / v_cache (IN PLACE), like attention.write_kv.
+void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_in.dim() == 3 && k_in.sizes() == v_in.sizes(), "k and v must be [N, Hkv, D]");
+  const int64_t N = k_in.size(0), Hkv = k_in.size(1), D = k_in.size(2);
+  check_float_type(k_in, "k");
+  TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "k and v must share a dtype");
+  check_cache(k_cache, v_cache, k_in.scalar_type(), Hkv, D);
+  TORCH_CHECK(slot_mapping.size(0) == N, "slot_mapping must have one slot per token");
+  at::Tensor holder;
+  const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), holder);
+  // Rows may be strided (views of the qkv output) as long as each token's heads are packed.
+  auto packed = [&](const at::Tensor& t) {
+    return (t.stride(2) == 1 && t.stride(1) == D) ? t : t.contiguous();
+  };
+  const at::Tensor k = packed(k_in), v = packed(v_in);
+  const int64_t bytes = Hkv * D * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < N; t++) {
+    std::memcpy(kc + slots[t] * bytes, kp + t * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(vc + slots[t] * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
         py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"));
+  m.def("rms_norm", &rms_norm, "weight · x / rms(x), float32 math, x's dtype", py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns (rms_norm(residual), residual)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &silu_mul, "[T, 2I] (gate, up) → silu(gate) · up [T, I]", py::arg("gate_up"));
+  m.def("qkv_rope_write", &qkv_rope_write,
+        "qkv → q [T, H, D] after optional q/k RMSNorm and RoPE; K and V written to the paged cache in place",
+        py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"), py::arg("k_norm"),
+        py::arg("eps"), py::arg("cos_table"), py::arg("sin_table"), py::arg("positions"), py::arg("slot_mapping"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("interleaved") = false);
+  m.def("rope", &rope, "x [T, heads, D] → RoPE(x), cos/sin [T, D/2] float32", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::arg("interleaved") = false);
+  m.def("write_kv", &write_kv, "k, v [N, Hkv, D] into their slots of the paged cache (in place)", py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
 }

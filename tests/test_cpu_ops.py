@@ -214,3 +214,37 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
     check = torch.equal if exact else lambda a, b: torch.testing.assert_close(a, b, **TOL[dtype]) or True
     assert check(q, q_ref) and check(kc, kc_ref)
     assert torch.equal(vc, vc_ref)  # V is copied as is
+
+
+# ------------------------------------------------------------------ the whole model
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
+    from executor_svc.gguf_file import open_gguf
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.model import Transformer
+    from executor_svc.model_config import ModelConfig
+    from executor_svc.model_weights import load_weights
+    from tests.tiny_gguf import TinyModelSpec, qwen3_spec, write_tiny_model
+
+    spec = qwen3_spec() if architecture == "qwen3" else TinyModelSpec("llama")
+    gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"))
+    prompts = [[3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40], [5, 6, 7], [9] * 37]
+    logits = []
+    for ops in (REF, OPS):
+        model = Transformer(config, weights, torch.device("cpu"), ops=ops)
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        tables = [[] for _ in prompts]
+        for table, prompt in zip(tables, prompts):
+            cache.grow(table, len(prompt) + 1)
+        # A prefill step of every prompt, then one batched decode step.
+        step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
+        step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
+        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu"), row_multiple=4), cache) for s in (step1, step2)]
+        logits.append(torch.cat(out))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)
+    torch.testing.assert_close(logits[1], logits[0], **tol)

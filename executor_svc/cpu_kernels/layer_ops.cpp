@@ -120,12 +120,14 @@ struct WorkItem {
   int64_t cost;
 };
 
-// q·k over D, one fixed sequence per (q row, key).
+// q·k over D, one fixed sequence per (q row, key). NV = D / 16 when known at
+// compile time (the common head dims), 0 for any D. A given D always takes the same path.
+template <int NV>
 inline float dot(const float* q, const float* k, int64_t D) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
+  if constexpr (NV > 0) {
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-    for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
     return _mm512_reduce_add_ps(acc);
   }
 #endif
@@ -159,18 +161,18 @@ inline float exp_chunk(float* s, int64_t n, float m) {
 }
 
 // acc ← acc · alpha + Σ_j p[j] v_j, keys in order.
+template <int NV>
 inline void rescale_accumulate(float* acc, float alpha, const float* p, const float* const* v, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {
-    __m512 a[16];
-    const int64_t nv = D / 16;
+  if constexpr (NV > 0) {
+    __m512 a[NV];
     const __m512 va = _mm512_set1_ps(alpha);
-    for (int64_t c = 0; c < nv; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+    for (int c = 0; c < NV; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
     for (int64_t j = 0; j < n; j++) {
       const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int64_t c = 0; c < nv; c++) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
+      for (int c = 0; c < NV; c++) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
     }
-    for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
     return;
   }
 #endif
@@ -183,14 +185,18 @@ inline void rescale_accumulate(float* acc, float alpha, const float* p, const fl
 
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; d++) dst[d] = to_f(src[d]);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#endif
+  for (; d < D; d++) dst[d] = to_f(src[d]);
 }
 
 struct Scratch {
   std::vector<float> q, acc, m, l, kbuf, vbuf;
 };
 
-template <typename T>
+template <typename T, int NV>
 void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
                     int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
                     int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
@@ -241,7 +247,7 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
         const float* qi = sc.q.data() + i * D;
         float chunk_max = NEG_INF;
         for (int64_t j = 0; j < n; j++) {
-          s[j] = dot(qi, kp[j], D) * scale;
+          s[j] = dot<NV>(qi, kp[j], D) * scale;
           chunk_max = std::max(chunk_max, s[j]);
         }
         for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
@@ -251,7 +257,7 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
         const float psum = exp_chunk(s, n, m_new);
         sc.l[i] = sc.l[i] * alpha + psum;
         sc.m[i] = m_new;
-        rescale_accumulate(sc.acc.data() + i * D, alpha, s, vp, n, D);
+        rescale_accumulate<NV>(sc.acc.data() + i * D, alpha, s, vp, n, D);
       }
     }
   }
@@ -263,6 +269,24 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
       const float l = sc.l[i];
       for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[d] / l);
     }
+}
+
+// attention_item with the head_dim's vector count fixed at compile time where it can be.
+template <typename T>
+void run_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+              int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+              int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+#define SWARMSERVE_ITEM(NV) \
+  attention_item<T, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
+                        block_size, num_blocks, scale, sc)
+  switch (D) {
+    case 32: SWARMSERVE_ITEM(2); break;
+    case 64: SWARMSERVE_ITEM(4); break;
+    case 128: SWARMSERVE_ITEM(8); break;
+    case 256: SWARMSERVE_ITEM(16); break;
+    default: SWARMSERVE_ITEM(0);
+  }
+#undef SWARMSERVE_ITEM
 }
 
 at::Tensor int64_contiguous(const at::Tensor& t, const char* name) {
@@ -365,8 +389,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
           Scratch sc;
           for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
             const WorkItem& it = items[i];
-            attention_item<float>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                                  cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+            run_item<float>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
           }
         });
       })
@@ -379,8 +403,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
           Scratch sc;
           for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
             const WorkItem& it = items[i];
-            attention_item<bf16>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                                 cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+            run_item<bf16>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
           }
         });
       }));

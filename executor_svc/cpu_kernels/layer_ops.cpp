@@ -292,7 +292,7 @@ void run_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache
 at::Tensor int64_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 1, name, " must be 1-D");
   TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int64 or int32");
-  return t.to(at::kLong).contiguous();
+  return (t.scalar_type() == at::kLong ? t : t.to(at::kLong)).contiguous();  // no dispatch when it already is
 }
 
 void check_float_type(const at::Tensor& t, const char* name) {
@@ -326,7 +326,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   const int64_t R = starts.size(0);
   TORCH_CHECK(lens.size(0) == R && ctx.size(0) == R, "query_starts, query_lens and context_lens differ in length");
   TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == R, "block_tables must be [num_requests, max_blocks]");
-  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor tables =
+      (block_tables_in.scalar_type() == at::kInt ? block_tables_in : block_tables_in.to(at::kInt)).contiguous();
   const int64_t max_blocks = tables.size(1);
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -439,8 +440,16 @@ Rows as_rows(const at::Tensor& x_in, const char* name) {
 
 std::vector<float> weight_f32(const at::Tensor& w, int64_t n, const char* name) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == n, name, " must be [", n, "]");
-  const at::Tensor wf = w.to(at::kFloat).contiguous();
-  return std::vector<float>(wf.data_ptr<float>(), wf.data_ptr<float>() + n);
+  check_float_type(w, name);
+  const at::Tensor wc = w.contiguous();
+  std::vector<float> out(n);
+  if (wc.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), wc.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const bf16* p = reinterpret_cast<const bf16*>(wc.data_ptr());
+    for (int64_t i = 0; i < n; i++) out[i] = static_cast<float>(p[i]);
+  }
+  return out;
 }
 
 // out[i] = rnd(w[i] · rnd(x[i] · r)) with r = 1/sqrt(mean(x²) + eps): TorchOps.rms_norm's

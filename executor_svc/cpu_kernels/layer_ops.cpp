@@ -136,6 +136,39 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// Scores of one q row (qv: NV vectors) against 16 keys at once: lane j of the result
+// is q·k_j. Each key's 16 lane partials are summed by a fixed tree that depends only
+// on j (= key mod 16, chunks being aligned at key 0); keys j ≥ n give 0.
+template <int NV>
+inline __m512 dot16(const __m512* qv, const float* const* kp, int64_t n) {
+  __m512 P[16];
+  for (int j = 0; j < 16; j++) {
+    if (j < n) {
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp[j]));
+      for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kp[j] + 16 * c), acc);
+      P[j] = acc;
+    } else {
+      P[j] = _mm512_setzero_ps();
+    }
+  }
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(P[2 * i], P[2 * i + 1]), _mm512_unpackhi_ps(P[2 * i], P[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {  // per 128-bit lane: keys 4i..4i+3, each summed over the lane's 4 elements
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes: block i of the result = u[i] summed over its lanes.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // s[0..n) ← exp(s - m), s[n..KV_CHUNK) ← 0; returns Σ s in a fixed order.
 inline float exp_chunk(float* s, int64_t n, float m) {
 #if defined(__AVX512F__)
@@ -246,11 +279,27 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
         const int64_t i = (t - it.token_begin) * nh + h;
         const float* qi = sc.q.data() + i * D;
         float chunk_max = NEG_INF;
-        for (int64_t j = 0; j < n; j++) {
-          s[j] = dot<NV>(qi, kp[j], D) * scale;
-          chunk_max = std::max(chunk_max, s[j]);
+#if defined(__AVX512F__)
+        if constexpr (NV > 0) {
+          __m512 qv[NV];
+          for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
+          const __m512 vs = _mm512_set1_ps(scale);
+          for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
+            const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
+            const __mmask16 valid = (__mmask16)(nj == 16 ? 0xFFFF : (1u << nj) - 1);
+            const __m512 sc16 = nj > 0 ? _mm512_mul_ps(dot16<NV>(qv, kp + j0, nj), vs) : _mm512_setzero_ps();
+            _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sc16));
+            if (nj > 0) chunk_max = std::max(chunk_max, _mm512_mask_reduce_max_ps(valid, sc16));
+          }
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < n; j++) {
+            s[j] = dot<NV>(qi, kp[j], D) * scale;
+            chunk_max = std::max(chunk_max, s[j]);
+          }
+          for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
         }
-        for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
         const float m_old = sc.m[i];
         const float m_new = std::max(m_old, chunk_max);
         const float alpha = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);

@@ -38,6 +38,7 @@ namespace {
 using bf16 = c10::BFloat16;
 constexpr int64_t KV_CHUNK = 32;          // keys per online-softmax step (fixed: part of the arithmetic)
 constexpr int64_t QUERY_TILE_TOKENS = 16;  // tokens of one request per work item (does not affect results)
+constexpr int64_t PARALLEL_MIN_ROW_KEYS = 4096;  // below this many (q row, key) pairs, one thread (no effect on results)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------ scalar helpers
@@ -428,6 +429,17 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
+  int64_t total_cost = 0;
+  for (const WorkItem& it : items) total_cost += it.cost;
+  // Small steps (a few µs of work) run on the calling thread: waking the pool costs more.
+  const int64_t num_workers = total_cost < PARALLEL_MIN_ROW_KEYS ? 1 : std::min(num_threads, num_items);
+  auto run_workers = [&](auto&& worker) {
+    if (num_workers <= 1) {
+      worker(0, 1);
+    } else {
+      at::parallel_for(0, num_workers, 1, worker);
+    }
+  };
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
       AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -435,7 +447,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
         const float* kc = k_cache.data_ptr<float>();
         const float* vc = v_cache.data_ptr<float>();
         float* op = out.data_ptr<float>();
-        at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+        run_workers([&](int64_t, int64_t) {
           Scratch sc;
           for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
             const WorkItem& it = items[i];
@@ -449,7 +461,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
         const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
         const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
         bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
-        at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+        run_workers([&](int64_t, int64_t) {
           Scratch sc;
           for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
             const WorkItem& it = items[i];

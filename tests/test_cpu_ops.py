@@ -43,7 +43,7 @@ def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 32), (8, 1, 32), (9, 3, 64), (4, 2, 24)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 32), (8, 1, 32), (9, 3, 64), (4, 2, 128), (4, 2, 24)])
 def test_attention_matches_dense_attention(num_heads, num_kv_heads, head_dim, dtype):
     lens = [1, 15, 16, 17, 40, 300, 70]
     setup = Setup(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)

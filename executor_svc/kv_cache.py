@@ -38,6 +38,8 @@ class KVCache:
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer (K, V) views, made once: the forward pass asks for them every layer of every step.
+        self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(config.num_layers)]
 
     @classmethod
     def from_memory_budget(
@@ -58,7 +60,7 @@ class KVCache:
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.tensor[layer_index, 0], self.tensor[layer_index, 1]
+        return self._layers[layer_index]
 
     @property
     def num_free_blocks(self) -> int:

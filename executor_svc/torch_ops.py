@@ -75,3 +75,57 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, metadata, scale)
+
+    def qkv_rope_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The qkv matmul's output → q [T, heads, head_dim]; K and V go to the cache (in place)."""
+        return qkv_rope_write(
+            self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+        )
+
+
+def qkv_rope_write(
+    ops,
+    qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q heads, k heads, v heads
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor | None,  # [head_dim] (qwen3) or None
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,  # [context, head_dim // 2] float32, indexed by position
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,  # [T] int64
+    slot_mapping: torch.Tensor,  # [num_tokens ≤ T] int64: the real tokens' flat KV slots
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Per-head q/k RMSNorm (if given), half-split RoPE, K/V stored: composed of `ops`' own
+    rms_norm, rope and write_kv (the reference for fused implementations)."""
+    head_dim = cos_table.shape[1] * 2
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = ops.rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = ops.rms_norm(k, k_norm, eps)
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = ops.rope(q, cos, sin)
+    k = ops.rope(k, cos, sin)
+    num_tokens = slot_mapping.shape[0]
+    ops.write_kv(k[:num_tokens], v[:num_tokens].contiguous(), k_cache, v_cache, slot_mapping)
+    return q

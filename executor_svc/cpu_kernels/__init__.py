@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parent
-MODULES = ("qlinear",)
+MODULES = ("qlinear", "layer_ops")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 

@@ -21,6 +21,7 @@ from executor_svc.kernels.rope import apply_rope
 from executor_svc.kernels.sampling_epilogue import greedy_verify
 from executor_svc.kernels.silu_mul import silu_mul
 from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.torch_ops import qkv_rope_write
 
 
 class TritonOps:
@@ -78,6 +79,13 @@ class TritonOps:
         scale: float,
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, metadata, scale, kv_tile_keys=self.kv_tile_keys)
+
+    def qkv_rope_write(self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions,
+                       slot_mapping, k_cache, v_cache) -> torch.Tensor:
+        """TorchOps.qkv_rope_write, composed of this class's kernels (not yet one fused kernel)."""
+        return qkv_rope_write(
+            self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+        )
 
     def greedy_verify(
         self, logits: torch.Tensor, draft_token_ids: torch.Tensor, row_starts: torch.Tensor

@@ -1,0 +1,809 @@
+// Everything in a decoder layer except the matmuls, for the CPU: ragged paged
+// attention, RMSNorm (with the residual add fused), the qkv post-processing
+// (q/k RMSNorm, RoPE, KV-cache write) and SiLU·mul — one call each, float32 math,
+// tensors in float32 or bfloat16.
+//
+// Batch invariance by construction: every output row is computed by the same
+// instruction sequence whatever the batch, the tiling and the thread count.
+//
+// - Attention: a query row walks its request's keys from key 0 in fixed
+//   KV_CHUNK-key chunks (an online softmax: running max, rescale, sum in key
+//   order within a chunk). A row stops at its own position; the chunk boundaries
+//   never move. Work items (request, KV head, query tile, head range) only decide
+//   which rows are computed together, never how a row is computed.
+// - Row ops (norms, RoPE, SiLU): each row is reduced by one fixed sequence
+//   (16-lane float32 chains, then a fixed lane reduction).
+//
+// Compiled with -ffp-contract=off: a multiply-add is fused only where an
+// intrinsic says so, identically everywhere.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t KV_CHUNK = 32;          // keys per online-softmax step (fixed: part of the arithmetic)
+constexpr int64_t QUERY_TILE_TOKENS = 16;  // tokens of one request per work item (does not affect results)
+constexpr int64_t PARALLEL_MIN_ROW_KEYS = 4096;  // below this many (q row, key) pairs, one thread (no effect on results)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------ scalar helpers
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }  // bf16: round to nearest even
+// The value x takes once stored in T (torch computes a bf16 op in float32 and rounds).
+template <typename T>
+inline float rnd(float x) { return to_f(from_f<T>(x)); }
+template <>
+inline float rnd<float>(float x) { return x; }
+
+// ------------------------------------------------------------------ vector helpers
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 maskload16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskload16(__mmask16 m, const bf16* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for float32 lanes: Cephes' expf (range reduction by ln 2 in two parts, a
+// degree-5 polynomial, scale by 2^n). ~1 ulp; exp(x) for x < -87.3 is not 0 but
+// < 1.2e-38 (callers that need exact zeros mask them).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// Σ x[i]² in a fixed order: 16-lane chain, masked tail, fixed lane reduction.
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (i < n) {
+    const __m512 v = maskload16((__mmask16)((1u << (n - i)) - 1), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float lanes[16] = {0};
+  for (int64_t i = 0; i < n; i++) {
+    const float v = to_f(x[i]);
+    lanes[i % 16] += v * v;
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+  return lanes[0];
+#endif
+}
+
+// ------------------------------------------------------------------ attention
+
+struct WorkItem {
+  int64_t request, kv_head, token_begin, token_end, head_begin, head_end;  // heads within the GQA group
+  int64_t cost;
+};
+
+// q·k over D, one fixed sequence per (q row, key). NV = D / 16 when known at
+// compile time (the common head dims), 0 for any D. A given D always takes the same path.
+template <int NV>
+inline float dot(const float* q, const float* k, int64_t D) {
+#if defined(__AVX512F__)
+  if constexpr (NV > 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
+  return s;
+}
+
+#if defined(__AVX512F__)
+// Scores of one q row (qv: NV vectors) against 16 keys at once: lane j of the result
+// is q·k_j. Each key's 16 lane partials are summed by a fixed tree that depends only
+// on j (= key mod 16, chunks being aligned at key 0); keys j ≥ n give 0.
+template <int NV>
+inline __m512 dot16(const __m512* qv, const float* const* kp, int64_t n) {
+  __m512 P[16];
+  for (int j = 0; j < 16; j++) {
+    if (j < n) {
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp[j]));
+      for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kp[j] + 16 * c), acc);
+      P[j] = acc;
+    } else {
+      P[j] = _mm512_setzero_ps();
+    }
+  }
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(P[2 * i], P[2 * i + 1]), _mm512_unpackhi_ps(P[2 * i], P[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {  // per 128-bit lane: keys 4i..4i+3, each summed over the lane's 4 elements
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes: block i of the result = u[i] summed over its lanes.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// s[0..n) ← exp(s - m), s[n..KV_CHUNK) ← 0; returns Σ s in a fixed order.
+inline float exp_chunk(float* s, int64_t n, float m) {
+#if defined(__AVX512F__)
+  static_assert(KV_CHUNK == 32, "exp_chunk handles two 16-lane vectors");
+  const __m512 vm = _mm512_set1_ps(m);
+  const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(_mm512_loadu_ps(s), vm)));
+  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16), vm)));
+  _mm512_storeu_ps(s, p0);
+  _mm512_storeu_ps(s + 16, p1);
+  return _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+#else
+  float lanes[16] = {0};
+  for (int64_t j = 0; j < KV_CHUNK; j++) {
+    s[j] = j < n ? std::exp(s[j] - m) : 0.f;
+    lanes[j % 16] += s[j];
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+  return lanes[0];
+#endif
+}
+
+// acc ← acc · alpha + Σ_j p[j] v_j, keys in order.
+template <int NV>
+inline void rescale_accumulate(float* acc, float alpha, const float* p, const float* const* v, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+  if constexpr (NV > 0) {
+    __m512 a[NV];
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int c = 0; c < NV; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+    for (int64_t j = 0; j < n; j++) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int c = 0; c < NV; c++) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
+    }
+    for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; d++) {
+    float x = acc[d] * alpha;
+    for (int64_t j = 0; j < n; j++) x += p[j] * v[j][d];
+    acc[d] = x;
+  }
+}
+
+template <typename T>
+inline void to_float_row(const T* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#endif
+  for (; d < D; d++) dst[d] = to_f(src[d]);
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, kbuf, vbuf;
+};
+
+template <typename T, int NV>
+void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                    int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+                    int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+  const int64_t G = H / Hkv;
+  const int64_t nh = it.head_end - it.head_begin;
+  const int64_t rows = (it.token_end - it.token_begin) * nh;
+  sc.q.resize(rows * D);
+  sc.acc.assign(rows * D, 0.f);
+  sc.m.assign(rows, NEG_INF);
+  sc.l.assign(rows, 0.f);
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  if (!kFloat) {
+    sc.kbuf.resize(KV_CHUNK * D);
+    sc.vbuf.resize(KV_CHUNK * D);
+  }
+  // Row i = (token t, head h): q row (query_start + t, kv_head * G + h).
+  for (int64_t t = it.token_begin; t < it.token_end; t++)
+    for (int64_t h = it.head_begin; h < it.head_end; h++) {
+      const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
+      to_float_row(q + ((query_start + t) * H + it.kv_head * G + h) * D, sc.q.data() + i * D, D);
+    }
+  const int64_t max_keys = first_position + it.token_end;  // the last token's keys
+  const float* kp[KV_CHUNK];
+  const float* vp[KV_CHUNK];
+  alignas(64) float s[KV_CHUNK];
+  for (int64_t c0 = 0; c0 < max_keys; c0 += KV_CHUNK) {
+    const int64_t nc = std::min(KV_CHUNK, max_keys - c0);
+    for (int64_t j = 0; j < nc; j++) {
+      const int64_t key = c0 + j;
+      const int64_t block = table[key / block_size];  // checked by the caller
+      const int64_t offset = ((block * block_size + key % block_size) * Hkv + it.kv_head) * D;
+      if constexpr (kFloat) {
+        kp[j] = reinterpret_cast<const float*>(k_cache + offset);
+        vp[j] = reinterpret_cast<const float*>(v_cache + offset);
+      } else {
+        to_float_row(k_cache + offset, sc.kbuf.data() + j * D, D);
+        to_float_row(v_cache + offset, sc.vbuf.data() + j * D, D);
+        kp[j] = sc.kbuf.data() + j * D;
+        vp[j] = sc.vbuf.data() + j * D;
+      }
+    }
+    for (int64_t t = it.token_begin; t < it.token_end; t++) {
+      const int64_t num_keys = first_position + t + 1;
+      if (num_keys <= c0) continue;
+      const int64_t n = std::min(KV_CHUNK, num_keys - c0);
+      for (int64_t h = 0; h < nh; h++) {
+        const int64_t i = (t - it.token_begin) * nh + h;
+        const float* qi = sc.q.data() + i * D;
+        float chunk_max = NEG_INF;
+#if defined(__AVX512F__)
+        if constexpr (NV > 0) {
+          __m512 qv[NV];
+          for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
+          const __m512 vs = _mm512_set1_ps(scale);
+          for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
+            const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
+            const __mmask16 valid = (__mmask16)(nj == 16 ? 0xFFFF : (1u << nj) - 1);
+            const __m512 sc16 = nj > 0 ? _mm512_mul_ps(dot16<NV>(qv, kp + j0, nj), vs) : _mm512_setzero_ps();
+            _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sc16));
+            if (nj > 0) chunk_max = std::max(chunk_max, _mm512_mask_reduce_max_ps(valid, sc16));
+          }
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < n; j++) {
+            s[j] = dot<NV>(qi, kp[j], D) * scale;
+            chunk_max = std::max(chunk_max, s[j]);
+          }
+          for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
+        }
+        const float m_old = sc.m[i];
+        const float m_new = std::max(m_old, chunk_max);
+        const float alpha = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
+        const float psum = exp_chunk(s, n, m_new);
+        sc.l[i] = sc.l[i] * alpha + psum;
+        sc.m[i] = m_new;
+        rescale_accumulate<NV>(sc.acc.data() + i * D, alpha, s, vp, n, D);
+      }
+    }
+  }
+  for (int64_t t = it.token_begin; t < it.token_end; t++)
+    for (int64_t h = it.head_begin; h < it.head_end; h++) {
+      const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
+      T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
+      const float* a = sc.acc.data() + i * D;
+      const float l = sc.l[i];
+      for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[d] / l);
+    }
+}
+
+// attention_item with the head_dim's vector count fixed at compile time where it can be.
+template <typename T>
+void run_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+              int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+              int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+#define SWARMSERVE_ITEM(NV) \
+  attention_item<T, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
+                        block_size, num_blocks, scale, sc)
+  switch (D) {
+    case 32: SWARMSERVE_ITEM(2); break;
+    case 64: SWARMSERVE_ITEM(4); break;
+    case 128: SWARMSERVE_ITEM(8); break;
+    case 256: SWARMSERVE_ITEM(16); break;
+    default: SWARMSERVE_ITEM(0);
+  }
+#undef SWARMSERVE_ITEM
+}
+
+at::Tensor int64_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D");
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int64 or int32");
+  return (t.scalar_type() == at::kLong ? t : t.to(at::kLong)).contiguous();  // no dispatch when it already is
+}
+
+void check_float_type(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// Causal attention of each query row over its own request's paged KV.
+//   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (q's dtype);
+//   query_starts, query_lens, context_lens [R] int; block_tables [R, max_blocks] int32.
+// Rows not covered by a request (padding at the end) come back as zeros.
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_starts_in, const at::Tensor& query_lens_in,
+                           const at::Tensor& context_lens_in, const at::Tensor& block_tables_in, double scale) {
+  check_float_type(q_in, "q");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", Hkv);
+  const at::Tensor starts = int64_contiguous(query_starts_in, "query_starts");
+  const at::Tensor lens = int64_contiguous(query_lens_in, "query_lens");
+  const at::Tensor ctx = int64_contiguous(context_lens_in, "context_lens");
+  const int64_t R = starts.size(0);
+  TORCH_CHECK(lens.size(0) == R && ctx.size(0) == R, "query_starts, query_lens and context_lens differ in length");
+  TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == R, "block_tables must be [num_requests, max_blocks]");
+  const at::Tensor tables =
+      (block_tables_in.scalar_type() == at::kInt ? block_tables_in : block_tables_in.to(at::kInt)).contiguous();
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t G = H / Hkv;
+
+  at::Tensor out = at::empty_like(q);
+  // Zero the rows no request owns (the padded tail, or any gap).
+  std::vector<char> covered(T, 0);
+  int64_t total_rows = 0;
+  for (int64_t r = 0; r < R; r++) {
+    TORCH_CHECK(lp[r] >= 1 && sp[r] >= 0 && sp[r] + lp[r] <= T, "request ", r, ": rows [", sp[r], ", ", sp[r] + lp[r],
+                ") outside q's ", T, " rows");
+    TORCH_CHECK(cp[r] >= lp[r] && (cp[r] + block_size - 1) / block_size <= max_blocks, "request ", r,
+                ": context_len ", cp[r], " does not fit query_len ", lp[r], " and ", max_blocks, " blocks");
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; b++) {
+      const int32_t block = tp[r * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block table entry ", block, " outside [0, ",
+                  num_blocks, ")");
+    }
+    for (int64_t t = sp[r]; t < sp[r] + lp[r]; t++) covered[t] = 1;
+    total_rows += lp[r];
+  }
+  if (total_rows < T) {
+    const int64_t row_bytes = H * D * q.element_size();
+    char* base = static_cast<char*>(out.data_ptr());
+    for (int64_t t = 0; t < T; t++)
+      if (!covered[t]) std::memset(base + t * row_bytes, 0, row_bytes);
+  }
+
+  // Work items: (request, KV head, tile of tokens), split further by query head
+  // when there are too few to keep the threads busy. Largest first, pulled dynamically.
+  const int64_t num_threads = at::get_num_threads();
+  int64_t full_items = 0;
+  for (int64_t r = 0; r < R; r++) full_items += Hkv * ((lp[r] + QUERY_TILE_TOKENS - 1) / QUERY_TILE_TOKENS);
+  const int64_t heads_per_item = full_items >= 4 * num_threads ? G : 1;
+  std::vector<WorkItem> items;
+  items.reserve(full_items * (G / heads_per_item));
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t g = 0; g < Hkv; g++)
+      for (int64_t t0 = 0; t0 < lp[r]; t0 += QUERY_TILE_TOKENS)
+        for (int64_t h0 = 0; h0 < G; h0 += heads_per_item) {
+          const int64_t t1 = std::min(lp[r], t0 + QUERY_TILE_TOKENS);
+          const int64_t keys = cp[r] - lp[r] + t1;
+          items.push_back({r, g, t0, t1, h0, h0 + heads_per_item, (t1 - t0) * heads_per_item * keys});
+        }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  int64_t total_cost = 0;
+  for (const WorkItem& it : items) total_cost += it.cost;
+  // Small steps (a few µs of work) run on the calling thread: waking the pool costs more.
+  const int64_t num_workers = total_cost < PARALLEL_MIN_ROW_KEYS ? 1 : std::min(num_threads, num_items);
+  auto run_workers = [&](auto&& worker) {
+    if (num_workers <= 1) {
+      worker(0, 1);
+    } else {
+      at::parallel_for(0, num_workers, 1, worker);
+    }
+  };
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        const float* qp = q.data_ptr<float>();
+        const float* kc = k_cache.data_ptr<float>();
+        const float* vc = v_cache.data_ptr<float>();
+        float* op = out.data_ptr<float>();
+        run_workers([&](int64_t, int64_t) {
+          Scratch sc;
+          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
+            const WorkItem& it = items[i];
+            run_item<float>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+          }
+        });
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
+        const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
+        const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
+        bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+        run_workers([&](int64_t, int64_t) {
+          Scratch sc;
+          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
+            const WorkItem& it = items[i];
+            run_item<bf16>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+          }
+        });
+      }));
+  return out;
+}
+
+// ------------------------------------------------------------------ row ops
+
+namespace {
+
+// Rows per parallel task: enough elements that a thread's share is worth waking it.
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+// x as [rows, n] with a row stride (the last dim contiguous); copies only when it must.
+struct Rows {
+  at::Tensor t;
+  int64_t rows, n, stride;
+};
+Rows as_rows(const at::Tensor& x_in, const char* name) {
+  check_float_type(x_in, name);
+  TORCH_CHECK(x_in.dim() >= 1, name, " must have at least one dimension");
+  const int64_t n = x_in.size(-1);
+  at::Tensor x = x_in;
+  int64_t stride = n;
+  if (x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= n) {
+    stride = x.stride(0);
+  } else if (!x.is_contiguous()) {
+    x = x.contiguous();
+  }
+  return {x, n == 0 ? 0 : x.numel() / n, n, stride};
+}
+
+std::vector<float> weight_f32(const at::Tensor& w, int64_t n, const char* name) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == n, name, " must be [", n, "]");
+  check_float_type(w, name);
+  const at::Tensor wc = w.contiguous();
+  std::vector<float> out(n);
+  if (wc.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), wc.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const bf16* p = reinterpret_cast<const bf16*>(wc.data_ptr());
+    for (int64_t i = 0; i < n; i++) out[i] = static_cast<float>(p[i]);
+  }
+  return out;
+}
+
+// out[i] = rnd(w[i] · rnd(x[i] · r)) with r = 1/sqrt(mean(x²) + eps): TorchOps.rms_norm's
+// arithmetic (normalize in float32, round to x's dtype, then scale by the weight).
+template <typename T>
+inline void rms_norm_row(const T* x, const float* w, float eps, int64_t n, T* out) {
+  const float r = 1.0f / std::sqrt(sum_squares(x, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = from_f<T>(w[i] * rnd<T>(to_f(x[i]) * r));
+}
+
+template <typename F>
+void dispatch_float(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kBFloat16) {
+    f(bf16{});
+  } else {
+    TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+// x [..., n] → weight · x / rms(x) in float32 math, returned in x's dtype (a new tensor).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const Rows x = as_rows(x_in, "x");
+  const std::vector<float> w = weight_f32(weight, x.n, "weight");
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  at::Tensor out = at::empty(shape, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch_float(x.t.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) rms_norm_row<T>(xp + r * x.stride, w.data(), (float)eps, x.n, op + r * x.n);
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to residual's dtype, IN PLACE), then (rms_norm(residual), residual).
+// residual must be contiguous and of x's dtype and shape; the returned residual is the same tensor.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  const Rows x = as_rows(x_in, "x");
+  check_float_type(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == x_in.scalar_type() && residual.sizes() == x_in.sizes(),
+              "residual must be contiguous, with x's dtype and shape");
+  const std::vector<float> w = weight_f32(weight, x.n, "weight");
+  at::Tensor out = at::empty_like(residual);
+  dispatch_float(x.t.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* rp = ptr<T>(residual);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) {
+        T* res = rp + r * x.n;
+        const T* xr = xp + r * x.stride;
+        for (int64_t i = 0; i < x.n; i++) res[i] = from_f<T>(to_f(res[i]) + to_f(xr[i]));
+        rms_norm_row<T>(res, w.data(), (float)eps, x.n, op + r * x.n);
+      }
+    });
+  });
+  return {out, residual};
+}
+
+// gate_up [T, 2I] (gate then up) → silu(gate) · up [T, I], x's dtype; silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const Rows x = as_rows(gate_up_in, "gate_up");
+  TORCH_CHECK(gate_up_in.dim() == 2 && x.n % 2 == 0, "gate_up must be [T, 2 * I]");
+  const int64_t I = x.n / 2;
+  at::Tensor out = at::empty({x.rows, I}, gate_up_in.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch_float(x.t.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x.t);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, x.rows, row_grain(x.n), [&](int64_t b, int64_t e) {
+      alignas(64) float silu[16];
+      for (int64_t r = b; r < e; r++) {
+        const T* g = xp + r * x.stride;
+        const T* u = g + I;
+        T* o = op + r * I;
+        for (int64_t i = 0; i < I; i += 16) {
+          const int64_t n = std::min<int64_t>(16, I - i);
+#if defined(__AVX512F__)
+          const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+          const __m512 gv = maskload16(m, g + i);
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          _mm512_store_ps(silu, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+#else
+          for (int64_t l = 0; l < n; l++) {
+            const float gl = to_f(g[i + l]);
+            silu[l] = gl / (1.0f + std::exp(-gl));
+          }
+#endif
+          for (int64_t l = 0; l < n; l++) o[i + l] = from_f<T>(rnd<T>(silu[l]) * to_f(u[i + l]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType type, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D,
+              "k_cache and v_cache must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == type && v_cache.scalar_type() == type, "the KV caches must have the activations' dtype");
+}
+
+const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::Tensor& holder) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong, "slot_mapping must be 1-D int64");
+  holder = slot_mapping.contiguous();
+  const int64_t* p = holder.data_ptr<int64_t>();
+  for (int64_t i = 0; i < holder.size(0); i++)
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_slots, "slot ", p[i], " outside the cache's [0, ", num_slots, ")");
+  return p;
+}
+
+// One head: optional per-head RMSNorm, then RoPE (cos/sin already rounded to T), into dst.
+template <typename T>
+inline void norm_rope_head(const T* src, const float* norm_w, float eps, const float* c, const float* s, int64_t D,
+                           bool interleaved, T* dst) {
+  alignas(64) float x[512];
+  if (norm_w != nullptr) {
+    const float r = 1.0f / std::sqrt(sum_squares(src, D) / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) x[d] = rnd<T>(norm_w[d] * rnd<T>(to_f(src[d]) * r));
+  } else {
+    for (int64_t d = 0; d < D; d++) x[d] = to_f(src[d]);
+  }
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i++) {
+    const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float x1 = x[a], x2 = x[b];
+    dst[a] = from_f<T>(rnd<T>(x1 * c[i]) - rnd<T>(x2 * s[i]));
+    dst[b] = from_f<T>(rnd<T>(x2 * c[i]) + rnd<T>(x1 * s[i]));
+  }
+}
+
+}  // namespace
+
+// The qkv matmul's output → q, with K and V stored in the paged cache:
+//   qkv [T, (H + 2 Hkv) · D] (q heads, k heads, v heads); q_norm, k_norm [D] or None (qwen3);
+//   cos_table, sin_table [context, D/2] float32, indexed by positions [T] int64;
+//   slot_mapping [N ≤ T] int64: token t < N writes its roped K and its V to flat slot
+//   slot_mapping[t] of k_cache / v_cache [num_blocks, block_size, Hkv, D] (IN PLACE).
+// Returns q [T, H, D] (normed and roped) in qkv's dtype. The arithmetic is TorchOps'
+// rms_norm then rope (cos/sin rounded to the activations' dtype first).
+at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, const c10::optional<at::Tensor>& q_norm,
+                          const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
+                          at::Tensor& k_cache, at::Tensor& v_cache, bool interleaved) {
+  const Rows x = as_rows(qkv_in, "qkv");
+  TORCH_CHECK(qkv_in.dim() == 2, "qkv must be [T, (H + 2 Hkv) * D]");
+  TORCH_CHECK(H > 0 && Hkv > 0 && x.n % (H + 2 * Hkv) == 0, "qkv's width ", x.n, " is not (H + 2 Hkv) * D");
+  const int64_t D = x.n / (H + 2 * Hkv);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
+  const int64_t T = x.rows;
+  check_cache(k_cache, v_cache, qkv_in.scalar_type(), Hkv, D);
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D / 2 && cos_table.sizes() == sin_table.sizes() &&
+                  cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
+              "cos_table and sin_table must be float32 [context, ", D / 2, "]");
+  const at::Tensor cos_t = cos_table.contiguous(), sin_t = sin_table.contiguous();
+  TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == T && positions_in.scalar_type() == at::kLong,
+              "positions must be int64 [", T, "]");
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos_t.size(0), "position ", pp[t], " outside the RoPE table's ", cos_t.size(0));
+  at::Tensor slots_holder;
+  const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), slots_holder);
+  const int64_t N = slot_mapping.size(0);
+  TORCH_CHECK(N <= T, "slot_mapping has more tokens (", N, ") than qkv (", T, ")");
+  std::vector<float> qw, kw;
+  if (q_norm.has_value() && q_norm->defined()) qw = weight_f32(*q_norm, D, "q_norm");
+  if (k_norm.has_value() && k_norm->defined()) kw = weight_f32(*k_norm, D, "k_norm");
+  at::Tensor q = at::empty({T, H, D}, qkv_in.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* cp = cos_t.data_ptr<float>();
+  const float* sp = sin_t.data_ptr<float>();
+  dispatch_float(x.t.scalar_type(), "qkv_rope_write", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xp = ptr<T_>(x.t);
+    T_* qp = ptr<T_>(q);
+    T_* kc = ptr<T_>(k_cache);
+    T_* vc = ptr<T_>(v_cache);
+    at::parallel_for(0, T, row_grain(x.n), [&](int64_t b, int64_t e) {
+      alignas(64) float c[256], s[256];
+      for (int64_t t = b; t < e; t++) {
+        const T_* row = xp + t * x.stride;
+        for (int64_t i = 0; i < D / 2; i++) {
+          c[i] = rnd<T_>(cp[pp[t] * (D / 2) + i]);
+          s[i] = rnd<T_>(sp[pp[t] * (D / 2) + i]);
+        }
+        for (int64_t h = 0; h < H; h++)
+          norm_rope_head<T_>(row + h * D, qw.empty() ? nullptr : qw.data(), (float)eps, c, s, D, interleaved,
+                             qp + (t * H + h) * D);
+        if (t < N) {
+          for (int64_t g = 0; g < Hkv; g++) {
+            norm_rope_head<T_>(row + (H + g) * D, kw.empty() ? nullptr : kw.data(), (float)eps, c, s, D, interleaved,
+                               kc + (slots[t] * Hkv + g) * D);
+          }
+          std::memcpy(vc + slots[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(T_));
+        }
+      }
+    });
+  });
+  return q;
+}
+
+// x [T, heads, D] → RoPE(x) (a new tensor, x's dtype); cos, sin [T, D/2] float32 per token.
+// TorchOps.rope's arithmetic (cos/sin rounded to x's dtype first).
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  check_float_type(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 3, "x must be [T, heads, D]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), Hx = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos and sin must be float32 [", T, ", ", D / 2, "]");
+  const at::Tensor ct = cos.contiguous(), st = sin.contiguous();
+  at::Tensor out = at::empty_like(x);
+  dispatch_float(x.scalar_type(), "rope", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xp = ptr<T_>(x);
+    T_* op = ptr<T_>(out);
+    const float* cp = ct.data_ptr<float>();
+    const float* sp = st.data_ptr<float>();
+    at::parallel_for(0, T, row_grain(Hx * D), [&](int64_t b, int64_t e) {
+      alignas(64) float c[256], s[256];
+      for (int64_t t = b; t < e; t++) {
+        for (int64_t i = 0; i < D / 2; i++) {
+          c[i] = rnd<T_>(cp[t * (D / 2) + i]);
+          s[i] = rnd<T_>(sp[t * (D / 2) + i]);
+        }
+        for (int64_t h = 0; h < Hx; h++)
+          norm_rope_head<T_>(xp + (t * Hx + h) * D, nullptr, 0.f, c, s, D, interleaved, op + (t * Hx + h) * D);
+      }
+    });
+  });
+  return out;
+}
+
+// k, v [N, Hkv, D] → slots slot_mapping[N] of k_cache / v_cache (IN PLACE), like attention.write_kv.
+void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_in.dim() == 3 && k_in.sizes() == v_in.sizes(), "k and v must be [N, Hkv, D]");
+  const int64_t N = k_in.size(0), Hkv = k_in.size(1), D = k_in.size(2);
+  check_float_type(k_in, "k");
+  TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "k and v must share a dtype");
+  check_cache(k_cache, v_cache, k_in.scalar_type(), Hkv, D);
+  TORCH_CHECK(slot_mapping.size(0) == N, "slot_mapping must have one slot per token");
+  at::Tensor holder;
+  const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), holder);
+  // Rows may be strided (views of the qkv output) as long as each token's heads are packed.
+  auto packed = [&](const at::Tensor& t) {
+    return (t.stride(2) == 1 && t.stride(1) == D) ? t : t.contiguous();
+  };
+  const at::Tensor k = packed(k_in), v = packed(v_in);
+  const int64_t bytes = Hkv * D * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < N; t++) {
+    std::memcpy(kc + slots[t] * bytes, kp + t * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(vc + slots[t] * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
+        py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"));
+  m.def("rms_norm", &rms_norm, "weight · x / rms(x), float32 math, x's dtype", py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns (rms_norm(residual), residual)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &silu_mul, "[T, 2I] (gate, up) → silu(gate) · up [T, I]", py::arg("gate_up"));
+  m.def("qkv_rope_write", &qkv_rope_write,
+        "qkv → q [T, H, D] after optional q/k RMSNorm and RoPE; K and V written to the paged cache in place",
+        py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"), py::arg("k_norm"),
+        py::arg("eps"), py::arg("cos_table"), py::arg("sin_table"), py::arg("positions"), py::arg("slot_mapping"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("interleaved") = false);
+  m.def("rope", &rope, "x [T, heads, D] → RoPE(x), cos/sin [T, D/2] float32", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::arg("interleaved") = false);
+  m.def("write_kv", &write_kv, "k, v [N, Hkv, D] into their slots of the paged cache (in place)", py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+}

@@ -1,0 +1,108 @@
+"""`TorchOps`' interface on the C++ CPU kernels (`cpu_kernels/layer_ops.cpp`): a drop-in `ops=`.
+
+Each method takes and returns what the `TorchOps` method of the same name does, with
+float32 math and tensors in float32 or bfloat16, in one C++ call instead of a
+handful of torch ops. Differences worth knowing:
+
+- `add_rms_norm` updates `residual` IN PLACE and returns it (TorchOps returns a new
+  tensor). The model's residual stream is its own tensor, so nothing else sees it.
+- `attention` has no padding and no gathers: each query row walks its own
+  request's keys from key 0 in fixed 32-key chunks (online softmax), so its bits
+  do not depend on the batch, its request's query length or the thread count.
+  Rows past the batch's real tokens come back as zeros.
+- `qkv_rope_write` fuses the per-head q/k RMSNorm (qwen3), RoPE and the KV-cache
+  write; TorchOps has a composed reference of the same name.
+
+Results match TorchOps to float32 rounding (reductions run in a different, fixed
+order), not bit for bit; within each implementation they are batch-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.cpu_kernels import load
+from executor_svc.ragged_batch import RaggedBatch
+
+
+@dataclass(frozen=True)
+class CpuAttentionMetadata:
+    """One step's requests, as the C++ attention reads them; built once per step."""
+
+    query_starts: torch.Tensor  # [R] int64
+    query_lens: torch.Tensor  # [R] int64
+    context_lens: torch.Tensor  # [R] int64
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+
+
+class CpuOps:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._k = load("layer_ops")
+
+    def prepare(self, batch: RaggedBatch, block_size: int) -> CpuAttentionMetadata:
+        """Per-step attention metadata: one tensor built from the batch's lists, three views of it."""
+        starts, lens, contexts = torch.tensor([batch.query_starts, batch.query_lens, batch.context_lens]).view(3, -1)
+        return CpuAttentionMetadata(starts, lens, contexts, batch.block_tables)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., n] → weight · x / rms(x), computed in float32, returned in x's dtype."""
+        return self._k.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x); `residual` is updated IN PLACE and returned."""
+        return self._k.add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+        """Rotary embedding into a new tensor. x [T, heads, head_dim]; cos/sin [T, head_dim // 2] float32."""
+        return self._k.rope(x, cos, sin, interleaved)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * I] (gate then up) → silu(gate) · up [T, I]."""
+        return self._k.silu_mul(gate_up)
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        self._k.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [num_padded_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m = metadata
+        return self._k.paged_attention(q, k_cache, v_cache, m.query_starts, m.query_lens, m.context_lens, m.block_tables, scale)
+
+    def qkv_rope_write(
+        self,
+        qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        num_heads: int,
+        num_kv_heads: int,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        cos_table: torch.Tensor,  # [context, head_dim // 2] float32 (the whole table)
+        sin_table: torch.Tensor,
+        positions: torch.Tensor,  # [T] int64
+        slot_mapping: torch.Tensor,  # [num_tokens ≤ T] int64
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, heads, head_dim] after q/k RMSNorm and RoPE; K and V written to the cache (in place)."""
+        return self._k.qkv_rope_write(
+            qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+        )

@@ -38,7 +38,7 @@ from executor_svc.verifier import verify
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
-KERNELS = ("auto", "triton", "torch")
+KERNELS = ("auto", "triton", "cpu", "torch")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,12 +60,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_ops(kernels: str, device: torch.device):
-    """The hot-path ops: Triton kernels on a GPU, plain torch on the CPU (and when asked)."""
+    """The hot-path ops: Triton kernels on a GPU, the C++ kernels on the CPU, plain torch when asked."""
     from executor_svc.kernels import triton_available
 
-    use_triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
-    if not use_triton:
+    if kernels == "auto":
+        kernels = "triton" if device.type == "cuda" else "cpu"
+    if kernels == "torch":
         return TorchOps()
+    if kernels == "cpu":
+        if device.type != "cpu":
+            raise ValueError("kernels='cpu' runs on the CPU; use --device cpu or --kernels triton|torch")
+        from executor_svc.cpu_ops import CpuOps
+
+        return CpuOps()
     if not triton_available():
         raise ValueError("kernels='triton' needs triton and a CUDA/ROCm device (or TRITON_INTERPRET=1)")
     from executor_svc.kernels.triton_ops import TritonOps
@@ -78,7 +85,7 @@ class EngineConfig:
     model: str = "default"  # "default" (the embedded SmolLM2) or a path to a .gguf
     dtype: str = "auto"  # activations and KV: auto | float32 | bfloat16 (see resolve_dtype)
     device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
-    kernels: str = "auto"  # auto | triton | torch: auto is triton on a GPU, torch on the CPU
+    kernels: str = "auto"  # auto | triton | cpu | torch: auto is triton on a GPU, the C++ kernels on the CPU
     kv_cache_bytes: int = 1 << 30
     block_size: int = 16
     max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)")
     p.add_argument(
-        "--kernels", default="auto", choices=KERNELS, help="auto: triton on a GPU, torch on the CPU (default %(default)s)"
+        "--kernels", default="auto", choices=KERNELS, help="auto: triton on a GPU, the C++ kernels (cpu) on the CPU; torch: the plain-torch reference (default %(default)s)"
     )
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache in GiB (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")

@@ -1,9 +1,10 @@
 """A llama-family decoder (llama, qwen2, qwen3) run over one ragged batch.
 
-RMSNorm → fused QKV (+bias for qwen2) → per-head q/k RMSNorm (qwen3) → RoPE
-(half-split) → KV written to the paged cache → paged attention → output proj →
+RMSNorm → fused QKV (+bias for qwen2) → per-head q/k RMSNorm (qwen3), RoPE
+(half-split) and the KV write in one op → paged attention → output proj →
 RMSNorm → SwiGLU MLP, thirty-odd times, then the final norm and the LM head for
-only the rows that need logits.
+only the rows that need logits. Matmuls go through the weight-format layer
+(`linear`), everything else through the ops (`TorchOps`, `CpuOps`, `TritonOps`).
 
 The arithmetic follows Hugging Face's implementation op for op where that is free
 (norm in float32, cos/sin from a float32 table, logits in float32), so that
@@ -49,27 +50,18 @@ class Transformer:
     def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab]."""
         c, w, ops = self.config, self.weights, self.ops
-        num_tokens = batch.num_tokens
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         metadata = ops.prepare(batch, kv_cache.block_size)
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-
-        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden]
+        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden], the model's own
         x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
         for layer_index, layer in enumerate(w.layers):
-            qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = ops.rope(q, cos, sin)
-            k = ops.rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(layer_index)
-            ops.write_kv(k[:num_tokens], v[:num_tokens].contiguous(), k_cache, v_cache, batch.slot_mapping)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, (heads + 2 * kv_heads) * head_dim]
+            q = ops.qkv_rope_write(
+                qkv, c.num_heads, c.num_kv_heads, layer.q_norm, layer.k_norm, c.rms_norm_eps,
+                self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+            )  # [T_padded, heads, head_dim]; K and V are in the cache
             attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
-            x, residual = ops.add_rms_norm(linear(attn.view(-1, q_size), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
+            x, residual = ops.add_rms_norm(linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
             mlp = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
             next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
             x, residual = ops.add_rms_norm(mlp, residual, next_norm, c.rms_norm_eps)

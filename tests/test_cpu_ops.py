@@ -236,7 +236,7 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
     prompts = [[3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40], [5, 6, 7], [9] * 37]
     logits = []
     for ops in (REF, OPS):
-        model = Transformer(config, weights, torch.device("cpu"), ops=ops)
+        model = Transformer(config, weights, torch.device("cpu"), ops=ops, dtype=dtype)
         cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):

@@ -33,9 +33,12 @@ def test_triton_kernels_in_the_engine_give_the_torch_tokens(tmp_path, spec):
     assert runs["triton"] == runs["torch"]
 
 
-def test_auto_kernels_are_torch_on_the_cpu(tmp_path):
+def test_auto_kernels_are_the_cpp_kernels_on_the_cpu_and_torch_on_request(tmp_path):
+    from executor_svc.cpu_ops import CpuOps
+
     path = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec())
-    assert isinstance(Engine(EngineConfig(model=str(path), kv_cache_bytes=1 << 20)).ops, TorchOps)
+    assert isinstance(Engine(EngineConfig(model=str(path), kv_cache_bytes=1 << 20)).ops, CpuOps)
+    assert isinstance(Engine(EngineConfig(model=str(path), kv_cache_bytes=1 << 20, kernels="torch")).ops, TorchOps)
 
 
 def test_bad_device_and_kernels_values_are_refused():

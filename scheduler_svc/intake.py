@@ -144,5 +144,6 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         arrival_time=time.monotonic(),
         session_id=msg.session_id,
         retention_s=retention_s,
+        executor_request_id=uuid.uuid4().hex,  # never the client's id: see Request
     )
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)

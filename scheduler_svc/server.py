@@ -50,8 +50,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = accepted.request.request_id
-        if request_id in loop.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        conflict = loop.request_id_conflict(request_id)
+        if conflict is not None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
         planner = loop.planner
         if not planner.can_ever_fit(accepted.request.num_prompt_tokens + 1):
             await context.abort(
@@ -69,7 +70,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         loop.telemetry.request_started(accepted.request, context.invocation_metadata())
         loop.submit(stream)
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        log.debug("request_queued", prompt_tokens=accepted.request.num_prompt_tokens)
+        log.debug(
+            "request_queued",
+            prompt_tokens=accepted.request.num_prompt_tokens,
+            executor_request_id=accepted.request.executor_request_id,
+        )
         try:
             while True:
                 event = await stream.events.get()

@@ -94,6 +94,17 @@ class StepLoop:
     def is_connected(self) -> bool:
         return self.link.is_connected and self.planner is not None
 
+    def request_id_conflict(self, request_id: str) -> str | None:
+        """Why a client's request id cannot be used now (a message), or None if it can."""
+        if request_id in self.streams:
+            return f"request id {request_id!r} is already in flight"
+        if self.planner is not None and self.planner.is_releasing(request_id):
+            return (
+                f"request id {request_id!r} has just ended and the executor has not released it yet; "
+                "retry in a moment, or use a new id"
+            )
+        return None
+
     async def wait_connected(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
@@ -109,12 +120,12 @@ class StepLoop:
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request: it is released at the next step; its stream ends as aborted."""
+        """Stop a request (by the client's id): it is released at the next step; its stream ends as aborted."""
         stream = self.streams.pop(request_id, None)
-        if self.planner is not None:
-            self.planner.abort(request_id)
         if stream is None:
             return False
+        if self.planner is not None:
+            self.planner.abort(stream.request.executor_request_id)
         stream.finish("aborted")
         self._wake.set()
         return True
@@ -184,7 +195,7 @@ class StepLoop:
             step_id=plan.step_id,
             new_requests=[
                 epb.NewRequest(
-                    request_id=r.request_id,
+                    request_id=r.executor_request_id,
                     prompt_token_ids=r.prompt_token_ids,
                     sampling=epb.SamplingParams(
                         temperature=r.sampling.temperature,
@@ -214,6 +225,7 @@ class StepLoop:
         planner = self.planner
         allocation = planner.last_allocation
         decode_ids = {s.request_id for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1}
+        client_ids = {s.request_id: planner.requests[s.request_id].request_id for s in plan.scheduled}  # names the timeline's tracks
         num_decode = len(decode_ids)
         start = time.monotonic()
         planner.mark_scheduled(plan, start)
@@ -225,6 +237,7 @@ class StepLoop:
             self._lose_executor(exc)
             self.telemetry.step_failed(step_scope, exc)
             return
+        planner.confirm_released(plan)
         end = time.monotonic()
         results = [
             StepResultView(
@@ -248,7 +261,7 @@ class StepLoop:
         updates = planner.apply(results, response.num_free_kv_blocks, end)
         for update in updates:
             stream = self.streams.get(update.request.request_id)
-            if stream is None:
+            if stream is None or stream.request is not update.request:
                 continue
             reason = update.finish_reason
             if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
@@ -272,7 +285,7 @@ class StepLoop:
                 num_free_kv_blocks=response.num_free_kv_blocks,
                 executor_forward_s=t.forward_s,
                 executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
-                request_ids=tuple(s.request_id for s in plan.scheduled),
+                request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
                 num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
                 num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
                 num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
@@ -282,7 +295,7 @@ class StepLoop:
                 ),
                 executor_prepare_s=t.prepare_s,
                 executor_sample_s=t.sample_s,
-                requests=step_request_records(plan.scheduled, decode_ids, results),
+                requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
             )
         )
         self.telemetry.end_step(step_scope, self.history[-1], updates)

@@ -119,7 +119,7 @@ class Telemetry:
     def __init__(self, tracer=None, metrics=None) -> None:
         self.tracer = tracer
         self.metrics = metrics  # SchedulerMetrics
-        self._request_spans: dict = {}  # request id -> its live span
+        self._request_spans: dict = {}  # executor request id (unique per submission) -> its live span
 
     @property
     def client_interceptors(self) -> list:
@@ -148,7 +148,7 @@ class Telemetry:
             start_time=_epoch_ns(request.arrival_time),
             attributes={"swarmserve.request_id": request.request_id, "swarmserve.max_new_tokens": request.max_new_tokens},
         )
-        self._request_spans[request.request_id] = span
+        self._request_spans[request.executor_request_id] = span
         context = span.get_span_context()
         if context.is_valid:
             structlog.contextvars.bind_contextvars(trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x"))
@@ -159,7 +159,7 @@ class Telemetry:
         reason = stream.finish_reason or ("error" if stream.error_code is not None else "aborted")
         if self.metrics is not None:
             self.metrics.observe_request_end(request, reason)
-        span = self._request_spans.pop(request.request_id, None)
+        span = self._request_spans.pop(request.executor_request_id, None)
         if span is not None and span.is_recording():
             span.set_attributes(request_attributes(request, reason))
             if request.first_scheduled_time is not None:

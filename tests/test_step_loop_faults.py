@@ -1,0 +1,147 @@
+"""The step loop under faults, on real servers in this process (the scheduler's link is
+wrapped so a test can hold a step's answer).
+
+- A client id reused right after an abort, while a step that carried the old request is
+  in flight, never receives the old request's results (issue 12, item 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from swarmserve.executor.v1 import executor_pb2 as epb
+
+from clients import AsyncSwarmClient, SwarmServeError
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.server import serve as serve_executor
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.server import serve as serve_scheduler
+from tests.stack import free_port
+from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+TIMEOUT_S = 10.0  # any wait here is milliseconds when things work; this only turns a hang into a failure
+PROMPT = "the cat sat on the mat, the cat sat on"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
+    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+
+
+class StepGate:
+    """Wraps the scheduler's link: records every StepRequest, and can hold one step's answer
+    after the executor has run it, so a test acts while that step is in flight."""
+
+    def __init__(self, link) -> None:
+        self._step = link.step
+        link.step = self._gated_step
+        self.sent: list[epb.StepRequest] = []
+        self.held = asyncio.Event()
+        self._is_armed = False
+        self._release = asyncio.Event()
+
+    def hold_next(self) -> None:
+        self._is_armed = True
+
+    def release(self) -> None:
+        self._release.set()
+
+    async def _gated_step(self, request: epb.StepRequest) -> epb.StepResponse:
+        self.sent.append(request)
+        response = await self._step(request)
+        if self._is_armed:
+            self._is_armed = False
+            self.held.set()
+            await self._release.wait()
+        return response
+
+
+@contextlib.asynccontextmanager
+async def servers(engine: Engine, **scheduler_config):
+    executor_address = f"127.0.0.1:{free_port()}"
+    executor = await serve_executor(engine, executor_address)
+    config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, **scheduler_config)
+    scheduler, loop, tasks = await serve_scheduler(config)
+    try:
+        assert await loop.wait_connected(TIMEOUT_S)
+        yield config.listen, loop
+    finally:
+        await scheduler.stop(None)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await loop.link.close()
+        await executor.stop(None)
+
+
+def executor_is_empty(engine: Engine) -> bool:
+    try:
+        return not engine.request_ids
+    except RuntimeError:  # the engine's thread changed its table mid-read: look again
+        return False
+
+
+async def wait_for_health(address: str, status) -> None:
+    """Health is polled by the server every 0.1 s: wait for it to say `status`."""
+    deadline = time.monotonic() + TIMEOUT_S
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status != status:
+            assert time.monotonic() < deadline, f"health did not turn {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            await asyncio.sleep(0.05)
+
+
+async def wait_until(predicate, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def first_token(stream) -> None:
+    async for event in stream:
+        if getattr(event, "token_ids", None):
+            return
+    raise AssertionError("the stream ended before its first token")
+
+
+def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine):
+    async def main():
+        async with servers(engine, spec="off") as (address, loop), AsyncSwarmClient(address) as client:
+            gate = StepGate(loop.link)
+            reference = await client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="ref")
+            old = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="X")
+            await asyncio.wait_for(first_token(old), TIMEOUT_S)  # X is decoding
+            gate.hold_next()
+            await asyncio.wait_for(gate.held.wait(), TIMEOUT_S)  # a step carrying X has run; its answer is held
+            assert await client.abort("X")
+            reuse = asyncio.create_task(
+                client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="X", timeout=TIMEOUT_S)
+            )
+            await wait_until(lambda: reuse.done() or "X" in loop.streams, "the reused id to be refused or queued")
+            gate.release()
+            with pytest.raises(SwarmServeError) as refused:
+                await reuse
+            assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+            assert "not released it yet" in refused.value.message
+            old_events = [e async for e in old]
+            assert old_events[-1].finish_reason == "aborted"
+            # Once the release has gone through, the id is free again, and means a new request.
+            await wait_until(lambda: not loop.planner.is_releasing("X"), "X's release")
+            again = await asyncio.wait_for(
+                client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="X"), TIMEOUT_S
+            )
+            return reference, again, gate.sent
+
+    reference, again, sent = asyncio.run(main())
+    assert again.token_ids == reference.token_ids
+    # The executor only ever saw per-submission ids: never a client's, and never one twice.
+    new_ids = [r.request_id for step in sent for r in step.new_requests]
+    assert len(new_ids) == len(set(new_ids)) == 3
+    assert not {"X", "ref"} & {s.request_id for step in sent for s in step.scheduled}

@@ -38,7 +38,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         loop = self.loop
-        if not loop.is_connected and not await loop.wait_connected(CONNECT_GRACE_S):
+        if not loop.is_connected:
+            await loop.wait_connected(CONNECT_GRACE_S)
+        if loop.stopped_reason:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
+        if not loop.is_connected:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
@@ -124,10 +128,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
 
 async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServicer) -> None:
-    """SERVING while the executor is attached, NOT_SERVING while it is not."""
+    """SERVING while the executor is attached and the step loop runs, NOT_SERVING otherwise."""
     last = None
     while True:
-        status = health_pb2.HealthCheckResponse.SERVING if loop.is_connected else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if loop.is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
         if status != last:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)

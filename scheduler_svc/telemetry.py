@@ -112,7 +112,9 @@ class StepScope:
             otel_context.detach(self._context_token)
 
     def close(self) -> None:
-        structlog.contextvars.reset_contextvars(**self._log_tokens)
+        if self._log_tokens is not None:  # once: a step that fails after end_step closes it again
+            structlog.contextvars.reset_contextvars(**self._log_tokens)
+            self._log_tokens = None
 
 
 class Telemetry:
@@ -220,8 +222,12 @@ class Telemetry:
             span.end(end_time=scope.end_ns or None)
         scope.close()
 
-    def step_failed(self, scope: StepScope, error: grpc.aio.AioRpcError) -> None:
+    def step_failed(self, scope: StepScope, error: Exception) -> None:
         if scope.span is not None:
-            scope.span.set_status(Status(StatusCode.ERROR, f"{error.code().name}: {error.details()}"))
+            if isinstance(error, grpc.aio.AioRpcError):
+                description = f"{error.code().name}: {error.details()}"
+            else:
+                description = f"{type(error).__name__}: {error}"
+            scope.span.set_status(Status(StatusCode.ERROR, description))
             scope.span.end(end_time=scope.end_ns or None)
         scope.close()

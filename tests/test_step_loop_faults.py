@@ -1,8 +1,10 @@
 """The step loop under faults, on real servers in this process (the scheduler's link is
-wrapped so a test can hold a step's answer).
+wrapped so a test can hold a step's answer, and planner methods raise where a test says).
 
 - A client id reused right after an abort, while a step that carried the old request is
   in flight, never receives the old request's results (issue 12, item 1).
+- A step that raises ends only its own requests, with INTERNAL; the loop goes on.
+- A step loop that dies anyway fails every stream and turns health NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -145,3 +147,66 @@ def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine):
     new_ids = [r.request_id for step in sent for r in step.new_requests]
     assert len(new_ids) == len(set(new_ids)) == 3
     assert not {"X", "ref"} & {s.request_id for step in sent for s in step.scheduled}
+
+
+@pytest.mark.parametrize("where", ["before_send", "after_step"])
+def test_a_step_that_raises_ends_only_its_own_requests(engine, where):
+    async def main():
+        async with servers(engine, spec="off", max_running_requests=1) as (address, loop), AsyncSwarmClient(address) as client:
+            broken = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="A")
+            await asyncio.wait_for(first_token(broken), TIMEOUT_S)
+            # B waits in the queue (one running request at most): it is in no plan while A runs.
+            queued = asyncio.create_task(client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="B"))
+            await wait_until(lambda: loop.planner.num_waiting == 1, "B to queue")
+            planner = loop.planner
+            target, name = (loop, "_plan_to_pb") if where == "before_send" else (planner, "apply")
+            original = getattr(target, name)
+
+            def fail_once(*args, **kwargs):
+                setattr(target, name, original)
+                raise RuntimeError("injected fault")
+
+            setattr(target, name, fail_once)
+            with pytest.raises(SwarmServeError) as failed:
+                await asyncio.wait_for(_drain(broken), TIMEOUT_S)
+            survivor = await asyncio.wait_for(queued, TIMEOUT_S)
+            reference = await client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="C")
+            assert loop.planner is planner, "the loop should not have re-attached"
+            await wait_for_health(address, health_pb2.HealthCheckResponse.SERVING)
+            await wait_until(lambda: executor_is_empty(engine), "the executor to release every request")
+            return failed.value, survivor, reference
+
+    error, survivor, reference = asyncio.run(main())
+    assert error.code == grpc.StatusCode.INTERNAL
+    assert "RuntimeError: injected fault" in error.message and "the request was ended" in error.message
+    assert survivor.token_ids == reference.token_ids and len(survivor.token_ids) == 8
+
+
+async def _drain(stream) -> list:
+    return [event async for event in stream]
+
+
+def test_a_dead_step_loop_fails_every_stream_and_reports_not_serving(engine):
+    async def main():
+        async with servers(engine, spec="off") as (address, loop), AsyncSwarmClient(address) as client:
+            stream = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True)
+            await asyncio.wait_for(first_token(stream), TIMEOUT_S)
+            await wait_for_health(address, health_pb2.HealthCheckResponse.SERVING)
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected fault")
+
+            # The planner fails, and so does the supervisor's recovery: nothing can contain it.
+            loop.planner.schedule = broken
+            loop._step_crashed = broken
+            with pytest.raises(SwarmServeError) as in_flight:
+                await asyncio.wait_for(_drain(stream), TIMEOUT_S)
+            await wait_until(lambda: loop.stopped_reason != "", "the loop to stop")
+            await wait_for_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            with pytest.raises(SwarmServeError) as new:
+                await asyncio.wait_for(client.complete("hi", max_new_tokens=3), TIMEOUT_S)
+            return in_flight.value, new.value
+
+    in_flight, new = asyncio.run(main())
+    assert in_flight.code == grpc.StatusCode.INTERNAL and "step loop stopped" in in_flight.message
+    assert new.code == grpc.StatusCode.UNAVAILABLE and "step loop stopped" in new.message

@@ -6,6 +6,7 @@ A tiny random model keeps these fast; what is checked here is the plumbing."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -111,8 +112,14 @@ def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_mo
 
     async def in_flight_then_down():
         async with AsyncSwarmClient(s.scheduler_address) as client:
+            # Frozen first, so the request is certainly in flight (its step sent, never answered)
+            # when the executor dies: a request that finished before the kill would prove nothing.
+            s.executor.send_signal(signal.SIGSTOP)
             task = asyncio.create_task(client.complete("x", max_new_tokens=200, ignore_eos=True))
-            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while (await client.server_info()).num_running_requests != 1:  # scheduled: its step is in flight
+                assert time.monotonic() < deadline and not task.done(), "the request never reached a step"
+                await asyncio.sleep(0.01)
             s.kill_executor()
             t0 = time.monotonic()
             in_flight = await error_of(task)

@@ -85,3 +85,48 @@ def test_a_stop_string_completed_by_the_final_flush_ends_as_stop_string(tokenize
     final = events[-1].final
     assert text == "text "
     assert final.finish_reason == pb.FINISH_REASON_STOP_STRING and final.stop_string == "END"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how many token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.num_decoded_ids = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.num_decoded_ids += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def byte_token_id(tokenizer, byte: int) -> int:
+    from tests.tiny_gguf import byte_alphabet
+
+    return tokenizer.token_to_id(byte_alphabet()[byte])
+
+
+def test_tokens_that_decode_to_nothing_keep_detokenization_linear(tokenizer):
+    """Issue 12, item 12: skipped special tokens used to widen the window forever."""
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, tokenizer.encode("Say:", add_special_tokens=False).ids)
+    special = tokenizer.token_to_id("<|im_end|>")
+    word = tokenizer.encode(" ok", add_special_tokens=False).ids
+    n = 2000
+    deltas = [detok.push([special]) for _ in range(n)] + [detok.push(word)] + [detok.flush()]
+    assert "".join(deltas) == " ok"
+    assert counting.num_decoded_ids < 30 * n, f"{counting.num_decoded_ids} token ids decoded for {n} tokens"
+
+
+def test_invalid_bytes_are_streamed_as_they_settle_and_characters_still_complete(tokenizer):
+    lone_continuation = byte_token_id(tokenizer, 0x80)
+    e_acute = [byte_token_id(tokenizer, b) for b in "é".encode()]  # one character, two byte tokens
+    n = 1000
+    ids = [lone_continuation] * n + e_acute + tokenizer.encode(" done", add_special_tokens=False).ids
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, [])
+    deltas = [detok.push([i]) for i in ids]
+    tail = detok.flush()
+    assert "".join(deltas) + tail == tokenizer.decode(ids)
+    assert "".join(deltas).count("\ufffd") >= n - 5, "settled invalid bytes should stream, not wait for the end"
+    assert "é" in "".join(deltas)
+    assert counting.num_decoded_ids < 30 * len(ids)

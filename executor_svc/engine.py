@@ -12,6 +12,7 @@ engine carries on serving everyone else.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -214,8 +215,8 @@ class Engine:
             raise InvalidRequestError(
                 f"request {new.request_id!r}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab})"
             )
-        if not new.retention_s >= 0:
-            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be >= 0, got {new.retention_s}")
+        if not (math.isfinite(new.retention_s) and new.retention_s >= 0):
+            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be a finite number >= 0, got {new.retention_s}")
         if new.max_new_tokens <= 0:
             raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.draft_policy import parse_draft_policy
@@ -24,6 +25,8 @@ class SchedulerConfig:
     spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
+    # Server-side limits on what a client controls (checked at intake, before any expensive work).
+    max_retention_s: float = 600.0  # a session's retention_s is clamped to this
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -36,5 +39,7 @@ class SchedulerConfig:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
+        if not (math.isfinite(self.max_retention_s) and self.max_retention_s >= 0):
+            raise ValueError(f"max_retention_s must be a finite number >= 0, got {self.max_retention_s}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -6,6 +6,7 @@ person can act on, so a bad request never reaches a step plan.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from tokenizers import Tokenizer
 from executor_svc.errors import InvalidRequestError
 from executor_svc.sampling_params import MAX_LOGPROBS, SamplingParams
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
 
 DEFAULT_TEMPERATURE = 1.0
-DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this
+DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
 
 
 class InvalidArgument(ValueError):
@@ -97,7 +99,8 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
     return limits.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens: int) -> Intake:
+def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:
+    """Validate a Generate call against the model and the server's limits (`config`)."""
     sampling = _sampling(msg)
     if msg.num_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")
@@ -119,7 +122,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
             )
         max_new_tokens = msg.max_new_tokens
     else:
-        max_new_tokens = min(default_max_new_tokens, room)
+        max_new_tokens = min(config.default_max_new_tokens, room)
     bad_stop = [t for t in msg.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidArgument(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {limits.vocab_size})")
@@ -127,13 +130,14 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         raise InvalidArgument("stop strings must not be empty")
     retention_s = 0.0
     if msg.HasField("retention_s"):
-        if not msg.retention_s >= 0:
-            raise InvalidArgument(f"retention_s must be >= 0, got {msg.retention_s}")
+        if not (math.isfinite(msg.retention_s) and msg.retention_s >= 0):
+            raise InvalidArgument(f"retention_s must be a finite number >= 0, got {msg.retention_s}")
         if not msg.session_id:
             raise InvalidArgument("retention_s needs a session_id")
-        retention_s = msg.retention_s
+        # Clamped, not refused: a hint asking for too long still gets the longest the server allows.
+        retention_s = min(msg.retention_s, config.max_retention_s)
     elif msg.session_id:
-        retention_s = DEFAULT_SESSION_RETENTION_S
+        retention_s = min(DEFAULT_SESSION_RETENTION_S, config.max_retention_s)
     request = Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,

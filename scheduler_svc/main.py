@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap prefill chunks so the cost model predicts each step within this many ms",
     )
+    limits = p.add_argument_group("limits on what clients control")
+    limits.add_argument(
+        "--max-retention-s",
+        type=float,
+        default=defaults.max_retention_s,
+        help="a session's retention_s is clamped to this many seconds (default %(default)s)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -71,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        max_retention_s=args.max_retention_s,
     )
 
 

@@ -50,7 +50,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             )
         limits = loop.link.limits
         try:
-            accepted = intake(request, limits, self.config.default_max_new_tokens)
+            accepted = intake(request, limits, self.config)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = accepted.request.request_id

@@ -131,6 +131,14 @@ def test_empty_prompt_duplicate_id_and_bad_max_new_tokens(engine):
     assert_still_serves(engine)
 
 
+@pytest.mark.parametrize("retention_s", [float("inf"), float("nan"), -1.0])
+def test_retention_must_be_finite(engine, retention_s):
+    """Issue 12, item 8: an infinite retention would hold a session's blocks forever."""
+    with pytest.raises(InvalidRequestError, match="retention_s must be a finite number >= 0"):
+        engine.add_request(NewRequest("r", PROMPT, session_id="s", retention_s=retention_s))
+    assert_still_serves(engine)
+
+
 def test_plan_naming_unknown_request_changes_nothing(engine):
     engine.add_request(NewRequest("known", PROMPT, max_new_tokens=2, ignore_eos=True))
     free_before = engine.kv_cache.num_free_blocks

@@ -1,0 +1,56 @@
+"""Intake, the pure function: a Generate call against the model's and the server's limits.
+
+No server: the tiny model's real tokenizer and chat template, and a SchedulerConfig."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+
+from executor_svc.gguf_file import open_gguf
+from executor_svc.tokenizer import load_tokenizer
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.intake import InvalidArgument, ModelLimits, intake
+from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def limits(tmp_path_factory) -> ModelLimits:
+    path = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
+    info = load_tokenizer(open_gguf(path))
+    return ModelLimits(
+        tokenizer=info.tokenizer,
+        chat_template=info.chat_template,
+        bos_token=info.bos_token or "",
+        eos_token=info.eos_token or "",
+        context_length=256,
+        vocab_size=info.tokenizer.get_vocab_size(),
+    )
+
+
+def generate(**fields) -> pb.GenerateRequest:
+    fields.setdefault("text", "hi")
+    return pb.GenerateRequest(**fields)
+
+
+# ------------------------------------------------------------- retention (item 8)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, -1.0])
+def test_retention_must_be_a_finite_number(limits, value):
+    with pytest.raises(InvalidArgument, match="retention_s must be a finite number >= 0"):
+        intake(generate(session_id="s", retention_s=value), limits, SchedulerConfig())
+
+
+def test_retention_is_clamped_to_the_server_maximum(limits):
+    config = SchedulerConfig(max_retention_s=120.0)
+    assert intake(generate(session_id="s", retention_s=1e9), limits, config).request.retention_s == 120.0
+    assert intake(generate(session_id="s", retention_s=5.0), limits, config).request.retention_s == 5.0
+    assert intake(generate(session_id="s"), limits, SchedulerConfig(max_retention_s=10.0)).request.retention_s == 10.0
+
+
+def test_the_server_maximum_must_be_finite():
+    with pytest.raises(ValueError, match="max_retention_s"):
+        SchedulerConfig(max_retention_s=math.inf)

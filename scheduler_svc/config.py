@@ -27,11 +27,18 @@ class SchedulerConfig:
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
+    max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        for name in ("max_running_requests", "max_queued_requests", "max_num_batched_tokens", "default_max_new_tokens"):
+        for name in (
+            "max_running_requests",
+            "max_queued_requests",
+            "max_num_batched_tokens",
+            "default_max_new_tokens",
+            "max_id_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value

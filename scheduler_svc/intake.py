@@ -19,6 +19,7 @@ from executor_svc.sampling_params import MAX_LOGPROBS, SamplingParams
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
+from scheduler_svc.request_limits import LimitExceeded, check_request_limits
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
@@ -101,6 +102,10 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
 
 def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:
     """Validate a Generate call against the model and the server's limits (`config`)."""
+    try:
+        check_request_limits(msg, config)
+    except LimitExceeded as exc:
+        raise InvalidArgument(str(exc)) from None
     sampling = _sampling(msg)
     if msg.num_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")

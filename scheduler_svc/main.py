@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_retention_s,
         help="a session's retention_s is clamped to this many seconds (default %(default)s)",
     )
+    limits.add_argument(
+        "--max-id-bytes",
+        type=int,
+        default=defaults.max_id_bytes,
+        help="longest request_id / session_id in bytes (default %(default)s)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -79,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
         max_retention_s=args.max_retention_s,
+        max_id_bytes=args.max_id_bytes,
     )
 
 

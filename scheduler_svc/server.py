@@ -20,6 +20,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
+from scheduler_svc.request_limits import LimitExceeded, check_id
 from scheduler_svc.request_stream import RequestStream, StreamError
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.telemetry import Telemetry
@@ -97,6 +98,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            check_id("request_id", request.request_id, self.config)
+        except LimitExceeded as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.AbortResponse(was_found=self.loop.abort(request.request_id))
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:

@@ -54,3 +54,30 @@ def test_retention_is_clamped_to_the_server_maximum(limits):
 def test_the_server_maximum_must_be_finite():
     with pytest.raises(ValueError, match="max_retention_s"):
         SchedulerConfig(max_retention_s=math.inf)
+
+
+# ------------------------------------------------------------------ ids (item 6)
+
+
+@pytest.mark.parametrize("field", ["request_id", "session_id"])
+def test_ids_are_capped_in_bytes(limits, field):
+    config = SchedulerConfig()
+    intake(generate(**{field: "a" * 128}), limits, config)
+    with pytest.raises(InvalidArgument, match=f"{field} is 129 bytes; the limit is 128"):
+        intake(generate(**{field: "a" * 129}), limits, config)
+    with pytest.raises(InvalidArgument, match=f"{field} is 4000000 bytes"):
+        intake(generate(**{field: "a" * 4_000_000}), limits, config)
+    with pytest.raises(InvalidArgument, match=f"{field} is 129 bytes"):
+        intake(generate(**{field: "é" * 64 + "a"}), limits, config)  # bytes, not characters
+
+
+@pytest.mark.parametrize("value", ["agent 7", "a\nb", "a\x00b", "tab\there", "naïve", "a;b", "<b>"])
+def test_ids_are_restricted_to_plain_characters(limits, value):
+    with pytest.raises(InvalidArgument, match="has characters outside"):
+        intake(generate(request_id=value), limits, SchedulerConfig())
+
+
+def test_ordinary_ids_pass(limits):
+    for value in ("agent-7/turn-3", "9f86d081884c7d65", "swarm.a_1:2@host+x=y~z"):
+        accepted = intake(generate(request_id=value, session_id=value), limits, SchedulerConfig())
+        assert accepted.request.request_id == value and accepted.request.session_id == value

@@ -68,6 +68,9 @@ def executor_free_blocks(address: str) -> tuple[int, int]:
         ({"prompt": "hi", "top_k": -3}, "top_k must be >= 0"),
         ({"token_ids": [5, 100000]}, "outside the vocabulary"),
         ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": "hi", "request_id": "x" * 129}, "request_id is 129 bytes; the limit is 128"),
+        ({"prompt": "hi", "session_id": "agent 7"}, "session_id 'agent 7' has characters outside"),
+        ({"prompt": "hi", "session_id": "s", "retention_s": float("inf")}, "retention_s must be a finite number"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(stack, kwargs, field):

@@ -28,6 +28,8 @@ class SchedulerConfig:
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_string_chars: int = 256  # characters per stop string
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -38,6 +40,8 @@ class SchedulerConfig:
             "max_num_batched_tokens",
             "default_max_new_tokens",
             "max_id_bytes",
+            "max_stop_strings",
+            "max_stop_string_chars",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

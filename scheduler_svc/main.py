@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_id_bytes,
         help="longest request_id / session_id in bytes (default %(default)s)",
     )
+    limits.add_argument(
+        "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=defaults.max_stop_string_chars,
+        help="characters per stop string (default %(default)s)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -86,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
     )
 
 

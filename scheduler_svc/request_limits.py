@@ -38,3 +38,13 @@ def check_request_limits(msg: pb.GenerateRequest, config: SchedulerConfig) -> No
     """Raise LimitExceeded for the first limit the request is beyond."""
     check_id("request_id", msg.request_id, config)
     check_id("session_id", msg.session_id, config)
+    if len(msg.stop) > config.max_stop_strings:
+        raise LimitExceeded(
+            f"{len(msg.stop)} stop strings; the limit is {config.max_stop_strings} (--max-stop-strings)"
+        )
+    for i, stop in enumerate(msg.stop):
+        if len(stop) > config.max_stop_string_chars:
+            raise LimitExceeded(
+                f"stop[{i}] is {len(stop)} characters; the limit is {config.max_stop_string_chars} "
+                "(--max-stop-string-chars)"
+            )

@@ -81,3 +81,18 @@ def test_ordinary_ids_pass(limits):
     for value in ("agent-7/turn-3", "9f86d081884c7d65", "swarm.a_1:2@host+x=y~z"):
         accepted = intake(generate(request_id=value, session_id=value), limits, SchedulerConfig())
         assert accepted.request.request_id == value and accepted.request.session_id == value
+
+
+# ---------------------------------------------------------- stop strings (item 3)
+
+
+def test_stop_strings_are_capped_in_count_and_length(limits):
+    config = SchedulerConfig(max_stop_strings=4, max_stop_string_chars=10)
+    assert intake(generate(stop=["x" * 10] * 4), limits, config).stop_strings == ["x" * 10] * 4
+    with pytest.raises(InvalidArgument, match=r"5 stop strings; the limit is 4 \(--max-stop-strings\)"):
+        intake(generate(stop=["x"] * 5), limits, config)
+    with pytest.raises(InvalidArgument, match=r"stop\[1\] is 11 characters; the limit is 10"):
+        intake(generate(stop=["x", "y" * 11]), limits, config)
+    # The case: refused at the defaults, before anything is matched.
+    with pytest.raises(InvalidArgument, match="2000 stop strings"):
+        intake(generate(stop=["z" * 1000] * 2000), limits, SchedulerConfig())

@@ -2,6 +2,12 @@
 
 Everything the executor would refuse is refused here first, with a message a
 person can act on, so a bad request never reaches a step plan.
+
+The server's limits on sizes (request_limits) are checked before anything is
+tokenized or rendered. Tokenizing a long prompt takes seconds, so the server runs
+`intake` on a worker thread, and encodes through `encode_batch`, which releases the
+GIL (`encode` holds it: a 900 KB prompt stalled the event loop, and every stream,
+for 1.3 s).
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
         raise InvalidArgument(f"sampling.{exc}") from None
 
 
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch, not encode: only the batch call releases the GIL while it works.
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
     kind = msg.WhichOneof("prompt")
     if kind is None:
@@ -70,8 +81,13 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
     if kind == "text":
         if not msg.text:
             raise InvalidArgument("text is empty")
-        return limits.tokenizer.encode(msg.text, add_special_tokens=True).ids
+        return _encode(limits.tokenizer, msg.text, add_special_tokens=True)
     if kind == "token_ids":
+        if len(msg.token_ids.ids) >= limits.context_length:  # before reading them
+            raise InvalidArgument(
+                f"the prompt is {len(msg.token_ids.ids)} tokens; the model's context is {limits.context_length} tokens, "
+                "which leaves no room to generate"
+            )
         ids = list(msg.token_ids.ids)
         if not ids:
             raise InvalidArgument("token_ids is empty")
@@ -97,7 +113,7 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
     except ChatTemplateError as exc:
         raise InvalidArgument(f"the chat template failed on these messages: {exc}") from None
     # The template already wrote any BOS it wants.
-    return limits.tokenizer.encode(text, add_special_tokens=False).ids
+    return _encode(limits.tokenizer, text, add_special_tokens=False)
 
 
 def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:

@@ -68,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest request_id / session_id in bytes (default %(default)s)",
     )
     limits.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=defaults.max_prompt_bytes,
+        help="a text prompt, or all chat messages together, in UTF-8 bytes (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-chat-messages", type=int, default=defaults.max_chat_messages, help="messages per chat (default %(default)s)"
+    )
+    limits.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        help="largest gRPC message the scheduler receives (default %(default)s)",
+    )
+    limits.add_argument(
         "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
     )
     limits.add_argument(
@@ -97,6 +112,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_chat_messages=args.max_chat_messages,
+        max_message_bytes=args.max_message_bytes,
     )
 
 

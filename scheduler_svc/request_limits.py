@@ -38,6 +38,22 @@ def check_request_limits(msg: pb.GenerateRequest, config: SchedulerConfig) -> No
     """Raise LimitExceeded for the first limit the request is beyond."""
     check_id("request_id", msg.request_id, config)
     check_id("session_id", msg.session_id, config)
+    kind = msg.WhichOneof("prompt")
+    if kind == "text":
+        size = len(msg.text.encode())
+        if size > config.max_prompt_bytes:
+            raise LimitExceeded(f"text is {size} bytes; the limit is {config.max_prompt_bytes} (--max-prompt-bytes)")
+    elif kind == "chat":
+        messages = msg.chat.messages
+        if len(messages) > config.max_chat_messages:
+            raise LimitExceeded(
+                f"chat has {len(messages)} messages; the limit is {config.max_chat_messages} (--max-chat-messages)"
+            )
+        size = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
+        if size > config.max_prompt_bytes:
+            raise LimitExceeded(
+                f"chat.messages are {size} bytes together; the limit is {config.max_prompt_bytes} (--max-prompt-bytes)"
+            )
     if len(msg.stop) > config.max_stop_strings:
         raise LimitExceeded(
             f"{len(msg.stop)} stop strings; the limit is {config.max_stop_strings} (--max-stop-strings)"

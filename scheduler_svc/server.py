@@ -37,10 +37,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.config = config
         self.loop = loop
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _refuse_unless_serving(self, context: grpc.aio.ServicerContext) -> None:
         loop = self.loop
-        if not loop.is_connected:
-            await loop.wait_connected(CONNECT_GRACE_S)
         if loop.stopped_reason:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
         if not loop.is_connected:
@@ -49,11 +47,23 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
                 "the scheduler keeps retrying",
             )
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        loop = self.loop
+        if not loop.is_connected:
+            await loop.wait_connected(CONNECT_GRACE_S)
+        await self._refuse_unless_serving(context)
         limits = loop.link.limits
         try:
-            accepted = intake(request, limits, self.config)
+            # Off the event loop: tokenizing a long prompt takes seconds (see intake).
+            accepted = await asyncio.to_thread(intake, request, limits, self.config)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._refuse_unless_serving(context)  # the executor may have gone meanwhile
+        if loop.link.limits is not limits:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the executor was replaced while the prompt was tokenized; retry the request"
+            )
         request_id = accepted.request.request_id
         conflict = loop.request_id_conflict(request_id)
         if conflict is not None:
@@ -159,7 +169,10 @@ async def serve(
         metrics.watch(loop)
     server = grpc.aio.server(
         interceptors=telemetry.server_interceptors or None,
-        options=[("grpc.so_reuseport", 0)],  # a taken port must fail, not be shared
+        options=[
+            ("grpc.so_reuseport", 0),  # a taken port must fail, not be shared
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+        ],
     )
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()

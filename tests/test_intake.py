@@ -96,3 +96,36 @@ def test_stop_strings_are_capped_in_count_and_length(limits):
     # The case: refused at the defaults, before anything is matched.
     with pytest.raises(InvalidArgument, match="2000 stop strings"):
         intake(generate(stop=["z" * 1000] * 2000), limits, SchedulerConfig())
+
+
+# ------------------------------------------------------- prompt sizes (item 4)
+
+
+def test_prompt_bytes_and_chat_messages_are_capped_before_tokenizing(limits):
+    config = SchedulerConfig(max_prompt_bytes=1000, max_chat_messages=3)
+    with pytest.raises(InvalidArgument, match=r"text is 1001 bytes; the limit is 1000 \(--max-prompt-bytes\)"):
+        intake(generate(text="x" * 1001), limits, config)
+    with pytest.raises(InvalidArgument, match="text is 1002 bytes"):
+        intake(generate(text="é" * 501), limits, config)  # bytes, not characters
+    chat = lambda n, size: pb.GenerateRequest(  # noqa: E731
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="y" * size) for _ in range(n)])
+    )
+    with pytest.raises(InvalidArgument, match=r"chat has 4 messages; the limit is 3 \(--max-chat-messages\)"):
+        intake(chat(4, 1), limits, config)
+    with pytest.raises(InvalidArgument, match="chat.messages are 1012 bytes together"):
+        intake(chat(2, 502), limits, config)
+    # The cases, at the defaults: refused at once, nothing rendered or tokenized.
+    with pytest.raises(InvalidArgument, match="text is 4194304 bytes"):
+        intake(generate(text="z" * (4 << 20)), limits, SchedulerConfig())
+    with pytest.raises(InvalidArgument, match="chat has 200000 messages"):
+        intake(chat(200_000, 1), limits, SchedulerConfig())
+
+
+def test_token_ids_beyond_the_context_are_refused_before_they_are_read(limits):
+    with pytest.raises(InvalidArgument, match="the prompt is 256 tokens; the model's context is 256"):
+        intake(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 256)), limits, SchedulerConfig())
+
+
+def test_message_size_must_exceed_the_prompt_limit():
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        SchedulerConfig(max_prompt_bytes=4 << 20, max_message_bytes=4 << 20)

@@ -5,6 +5,7 @@ wrapped so a test can hold a step's answer, and planner methods raise where a te
   in flight, never receives the old request's results (issue 12, item 1).
 - A step that raises ends only its own requests, with INTERNAL; the loop goes on.
 - A step loop that dies anyway fails every stream and turns health NOT_SERVING.
+- A long prompt is tokenized off the event loop: other calls are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -210,3 +211,32 @@ def test_a_dead_step_loop_fails_every_stream_and_reports_not_serving(engine):
     in_flight, new = asyncio.run(main())
     assert in_flight.code == grpc.StatusCode.INTERNAL and "step loop stopped" in in_flight.message
     assert new.code == grpc.StatusCode.UNAVAILABLE and "step loop stopped" in new.message
+
+
+def test_a_long_prompt_is_tokenized_without_stalling_the_event_loop(engine):
+    """Issue 12, item 4: a 900 KB prompt held the scheduler's event loop for 1.3 s."""
+    text = "the quick brown fox jumps over the lazy dog, " * 20_000  # ~900 KB, under --max-prompt-bytes
+
+    async def main():
+        async with servers(engine) as (address, loop), AsyncSwarmClient(address) as client:
+            gaps = []
+
+            async def ticker():
+                last = time.monotonic()
+                while True:
+                    await asyncio.sleep(0.005)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticking = asyncio.create_task(ticker())
+            t0 = time.monotonic()
+            with pytest.raises(SwarmServeError) as refused:
+                await asyncio.wait_for(client.complete(text, max_new_tokens=1), 60)
+            elapsed = time.monotonic() - t0
+            ticking.cancel()
+            return refused.value, elapsed, max(gaps)
+
+    error, elapsed, max_gap = asyncio.run(main())
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "the model's context is 256 tokens" in error.message
+    assert max_gap < 0.5 and max_gap < elapsed / 2, f"the event loop stalled {max_gap:.2f} s of {elapsed:.2f} s"

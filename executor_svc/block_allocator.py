@@ -54,7 +54,7 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}  # hash -> registered block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused, unretained: LRU first
         self._retained: dict[int, float] = {}  # cached, unused, retained: block -> deadline
-        self._retained_heap: list[tuple[float, int]] = []  # (deadline, block), lazily cleaned
+        self._retained_heap: list[tuple[float, int]] = []  # (deadline, block), lazily cleaned, compacted
         self._retain_until: dict[int, float] = {}  # deadlines of blocks in use, applied when freed
 
     # ---------------------------------------------------------------- counts
@@ -122,6 +122,7 @@ class BlockAllocator:
             elif deadline is not None and deadline > self._clock():
                 self._retained[block_id] = deadline
                 heapq.heappush(self._retained_heap, (deadline, block_id))
+                self._compact_retained_heap()
             else:
                 self._evictable[block_id] = None
 
@@ -150,6 +151,18 @@ class BlockAllocator:
             del self._evictable[block_id]
         else:
             del self._retained[block_id]  # its heap entry is skipped when popped
+
+    def _compact_retained_heap(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones.
+
+        A retained block that is shared again leaves its entry behind, and each new
+        release pushes another: with deadlines far off nothing is ever popped, so the
+        heap would grow by one entry per block per release. Rebuilding when it is over
+        twice the live size keeps it O(retained blocks), amortised O(1) per push.
+        """
+        if len(self._retained_heap) > 2 * len(self._retained) + 64:
+            self._retained_heap = [(deadline, block_id) for block_id, deadline in self._retained.items()]
+            heapq.heapify(self._retained_heap)
 
     def _promote_expired(self) -> None:
         """Retained blocks past their deadline go first in line for eviction."""

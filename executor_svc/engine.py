@@ -12,6 +12,7 @@ engine carries on serving everyone else.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -231,8 +232,8 @@ class Engine:
             raise InvalidRequestError(
                 f"request {new.request_id!r}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab})"
             )
-        if not new.retention_s >= 0:
-            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be >= 0, got {new.retention_s}")
+        if not (math.isfinite(new.retention_s) and new.retention_s >= 0):
+            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be a finite number >= 0, got {new.retention_s}")
         if new.max_new_tokens <= 0:
             raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
 
@@ -429,6 +430,9 @@ class Engine:
                 raise InvalidRequestError(f"request id {new.request_id!r} appears twice in new_requests")
             new_ids.add(new.request_id)
         gone = set(plan.released) | set(plan.preempted)
+        if len(gone) < len(plan.released) + len(plan.preempted):
+            twice = sorted(r for r in gone if (plan.released + plan.preempted).count(r) > 1)
+            raise InvalidRequestError(f"request ids {twice[:5]} are listed more than once in released and preempted")
         for request_id in plan.preempted:
             if request_id not in self._requests:
                 raise UnknownRequestError(f"cannot preempt unknown request id {request_id!r}")
@@ -460,18 +464,27 @@ class Engine:
                 f"the plan computes {total} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens}"
             )
 
-    def _num_blocks_available(self, plan: StepPlan) -> int:
-        """Free blocks once the plan's releases and preemptions have freed theirs."""
+    def _blocks_freed_by(self, plan: StepPlan) -> set[int]:
+        """Blocks the plan's releases and preemptions leave without a holder."""
         leaving = [self._requests[r] for r in {*plan.released, *plan.preempted} if r in self._requests]
         holders = Counter(b for state in leaving for b in state.block_ids)
-        freed = sum(1 for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n)
-        return self.kv_cache.num_free_blocks + freed
+        return {b for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n}
+
+    def _num_blocks_available(self, plan: StepPlan) -> int:
+        """Free blocks once the plan's releases and preemptions have freed theirs."""
+        return self.kv_cache.num_free_blocks + len(self._blocks_freed_by(plan))
 
     def _num_blocks_needed(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> int:
-        """Free blocks the plan consumes: new blocks, plus cached-but-unused blocks it reuses."""
+        """Free blocks the plan consumes: new blocks, plus cached-but-unused blocks it reuses.
+
+        A hit on a block the same plan's releases free is counted too: the release
+        puts it among the free blocks (see _num_blocks_available), and reusing it takes it out.
+        """
         emptied = {*plan.released, *plan.preempted}
         new_lengths = {n.request_id: len(n.prompt_token_ids) for n in plan.new_requests}
-        needed = len({b for block_ids in hits.values() for b in block_ids if self.kv_cache.allocator.is_evictable(b)})
+        allocator = self.kv_cache.allocator
+        freed = self._blocks_freed_by(plan)
+        needed = len({b for block_ids in hits.values() for b in block_ids if allocator.is_evictable(b) or b in freed})
         for s in plan.scheduled:
             state = self._requests.get(s.request_id)
             if state is None or s.request_id in emptied:  # new, or starting over after a preemption

@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from executor_svc.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Below this, logits / temperature overflows float32 (1e-38 gave NaN probabilities and a
+# garbage token), and the distribution is a point mass on the argmax anyway: greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) = greedy (argmax)
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     min_p: float = 0.0  # drop tokens below min_p × the top token's probability
@@ -35,4 +38,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE

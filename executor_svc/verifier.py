@@ -9,16 +9,19 @@ argmax differs (or row m when all are kept) supplies one more token. Each kept
 token is exactly what plain decoding would have produced, so greedy output does
 not depend on speculation.
 
-Sampling (drafts are point masses, q = δ_d): keep d with probability p(d), where p
-is row j's sampling distribution; on rejection draw from p with d removed and
-renormalised, i.e. the residual (p − q)+. This is standard speculative sampling
-with a deterministic proposal: P(emit x) = [x = d]·p(d) + (1 − p(d))·p(x)/(1 − p(d))
-= p(x) for every x, so the output distribution is exactly plain sampling's. If all m
-drafts are kept, the bonus token is drawn from row m.
+Sampling (drafts are point masses, q = δ_d): draw y_j from row j's sampling
+distribution p_j with the very uniform plain decoding would use for that output
+position, and keep d_{j+1} iff y_j == d_{j+1}; the first y_j that differs (or y_m
+when all are kept) is emitted after the kept drafts. Lossless: every emitted token
+is y_j ~ p_j given exactly the tokens before it, so the output distribution is plain
+sampling's; a draft is kept with probability p_j(d), the same acceptance rate as
+the residual form ((p − q)+) of speculative sampling. And reproducible: the tokens
+are the very ones plain decoding draws with the same seed, whether or not anything
+was drafted (the residual form used a second uniform on rejection, so a seeded
+request's tokens depended on what the drafter proposed: issue 12, item 7).
 
 The uniforms come from the request's counter-based stream (sampler.uniform) keyed
-by the output index, with separate streams for the accept test and the residual
-draw, so a step's outcome does not depend on the batch around it.
+by the output index, so a step's outcome does not depend on the batch around it.
 """
 
 from __future__ import annotations
@@ -28,10 +31,6 @@ from collections.abc import Callable
 import torch
 
 from executor_svc.sampler import SampleSpec, draw, token_probabilities, uniform
-
-ACCEPT_STREAM = 1
-RESIDUAL_STREAM = 2
-
 
 def accept_greedy(argmax_ids: list[int], draft_ids: list[int]) -> tuple[list[int], int]:
     """argmax of rows 0..m and drafts d_1..d_m → (emitted tokens, number of drafts kept)."""
@@ -44,23 +43,20 @@ def accept_greedy(argmax_ids: list[int], draft_ids: list[int]) -> tuple[list[int
 def accept_sampled(
     probs_of_row: Callable[[int], torch.Tensor],
     draft_ids: list[int],
-    uniform_at: Callable[[int, int], float],
+    uniform_at: Callable[[int], float],
 ) -> tuple[list[int], int]:
-    """Speculative sampling with point-mass drafts.
+    """Speculative sampling with point-mass drafts, drawing as plain decoding would.
 
-    probs_of_row(j): row j's sampling distribution [V]; uniform_at(j, stream): a
-    uniform in [0, 1) for output offset j. Returns (emitted tokens, drafts kept).
+    probs_of_row(j): row j's sampling distribution [V]; uniform_at(j): the uniform in
+    [0, 1) of output offset j, the one plain decoding uses there. Returns (emitted
+    tokens, drafts kept).
     """
     for j, draft in enumerate(draft_ids):
-        probs = probs_of_row(j)
-        p_draft = float(probs[draft])
-        if uniform_at(j, ACCEPT_STREAM) < p_draft:
-            continue
-        residual = probs.clone()
-        residual[draft] = 0.0
-        return draft_ids[:j] + [draw(residual / residual.sum(), uniform_at(j, RESIDUAL_STREAM))], j
+        token = draw(probs_of_row(j), uniform_at(j))
+        if token != draft:
+            return draft_ids[:j] + [token], j
     m = len(draft_ids)
-    return draft_ids + [draw(probs_of_row(m), uniform_at(m, 0))], m
+    return draft_ids + [draw(probs_of_row(m), uniform_at(m))], m
 
 
 def verify(logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], spec: SampleSpec) -> tuple[list[int], int]:
@@ -70,5 +66,5 @@ def verify(logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], sp
     return accept_sampled(
         lambda j: token_probabilities(logits[j], spec.params),
         draft_ids,
-        lambda j, stream: uniform(spec.seed, spec.output_index + j, stream),
+        lambda j: uniform(spec.seed, spec.output_index + j),
     )

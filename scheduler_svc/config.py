@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.draft_policy import parse_draft_policy
@@ -24,11 +25,30 @@ class SchedulerConfig:
     spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
+    # Server-side limits on what a client controls (checked at intake, before any expensive work).
+    max_retention_s: float = 600.0  # a session's retention_s is clamped to this
+    max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_string_chars: int = 256  # characters per stop string
+    max_prompt_bytes: int = 1 << 20  # a text prompt, or all chat messages together (UTF-8 bytes)
+    max_chat_messages: int = 2048
+    max_message_bytes: int = 4 << 20  # any gRPC message the scheduler receives
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        for name in ("max_running_requests", "max_queued_requests", "max_num_batched_tokens", "default_max_new_tokens"):
+        for name in (
+            "max_running_requests",
+            "max_queued_requests",
+            "max_num_batched_tokens",
+            "default_max_new_tokens",
+            "max_id_bytes",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_prompt_bytes",
+            "max_chat_messages",
+            "max_message_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
@@ -36,5 +56,12 @@ class SchedulerConfig:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
+        if self.max_message_bytes <= self.max_prompt_bytes:
+            raise ValueError(
+                f"max_message_bytes ({self.max_message_bytes}) must exceed max_prompt_bytes ({self.max_prompt_bytes}), "
+                "or a prompt within its limit could not be received"
+            )
+        if not (math.isfinite(self.max_retention_s) and self.max_retention_s >= 0):
+            raise ValueError(f"max_retention_s must be a finite number >= 0, got {self.max_retention_s}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

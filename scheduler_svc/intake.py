@@ -2,10 +2,17 @@
 
 Everything the executor would refuse is refused here first, with a message a
 person can act on, so a bad request never reaches a step plan.
+
+The server's limits on sizes (request_limits) are checked before anything is
+tokenized or rendered. Tokenizing a long prompt takes seconds, so the server runs
+`intake` on a worker thread, and encodes through `encode_batch`, which releases the
+GIL (`encode` holds it: a 900 KB prompt stalled the event loop, and every stream,
+for 1.3 s).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,10 +23,12 @@ from tokenizers import Tokenizer
 from executor_svc.errors import InvalidRequestError
 from executor_svc.sampling_params import MAX_LOGPROBS, SamplingParams
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
+from scheduler_svc.request_limits import LimitExceeded, check_request_limits
 
 DEFAULT_TEMPERATURE = 1.0
-DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this
+DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
 
 
 class InvalidArgument(ValueError):
@@ -60,6 +69,11 @@ def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
         raise InvalidArgument(f"sampling.{exc}") from None
 
 
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch, not encode: only the batch call releases the GIL while it works.
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
     kind = msg.WhichOneof("prompt")
     if kind is None:
@@ -67,8 +81,13 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
     if kind == "text":
         if not msg.text:
             raise InvalidArgument("text is empty")
-        return limits.tokenizer.encode(msg.text, add_special_tokens=True).ids
+        return _encode(limits.tokenizer, msg.text, add_special_tokens=True)
     if kind == "token_ids":
+        if len(msg.token_ids.ids) >= limits.context_length:  # before reading them
+            raise InvalidArgument(
+                f"the prompt is {len(msg.token_ids.ids)} tokens; the model's context is {limits.context_length} tokens, "
+                "which leaves no room to generate"
+            )
         ids = list(msg.token_ids.ids)
         if not ids:
             raise InvalidArgument("token_ids is empty")
@@ -94,10 +113,15 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
     except ChatTemplateError as exc:
         raise InvalidArgument(f"the chat template failed on these messages: {exc}") from None
     # The template already wrote any BOS it wants.
-    return limits.tokenizer.encode(text, add_special_tokens=False).ids
+    return _encode(limits.tokenizer, text, add_special_tokens=False)
 
 
-def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens: int) -> Intake:
+def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:
+    """Validate a Generate call against the model and the server's limits (`config`)."""
+    try:
+        check_request_limits(msg, config)
+    except LimitExceeded as exc:
+        raise InvalidArgument(str(exc)) from None
     sampling = _sampling(msg)
     if msg.num_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")
@@ -119,7 +143,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
             )
         max_new_tokens = msg.max_new_tokens
     else:
-        max_new_tokens = min(default_max_new_tokens, room)
+        max_new_tokens = min(config.default_max_new_tokens, room)
     bad_stop = [t for t in msg.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidArgument(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {limits.vocab_size})")
@@ -127,13 +151,14 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         raise InvalidArgument("stop strings must not be empty")
     retention_s = 0.0
     if msg.HasField("retention_s"):
-        if not msg.retention_s >= 0:
-            raise InvalidArgument(f"retention_s must be >= 0, got {msg.retention_s}")
+        if not (math.isfinite(msg.retention_s) and msg.retention_s >= 0):
+            raise InvalidArgument(f"retention_s must be a finite number >= 0, got {msg.retention_s}")
         if not msg.session_id:
             raise InvalidArgument("retention_s needs a session_id")
-        retention_s = msg.retention_s
+        # Clamped, not refused: a hint asking for too long still gets the longest the server allows.
+        retention_s = min(msg.retention_s, config.max_retention_s)
     elif msg.session_id:
-        retention_s = DEFAULT_SESSION_RETENTION_S
+        retention_s = min(DEFAULT_SESSION_RETENTION_S, config.max_retention_s)
     request = Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -144,5 +169,6 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, default_max_new_tokens:
         arrival_time=time.monotonic(),
         session_id=msg.session_id,
         retention_s=retention_s,
+        executor_request_id=uuid.uuid4().hex,  # never the client's id: see Request
     )
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)

@@ -54,6 +54,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap prefill chunks so the cost model predicts each step within this many ms",
     )
+    limits = p.add_argument_group("limits on what clients control")
+    limits.add_argument(
+        "--max-retention-s",
+        type=float,
+        default=defaults.max_retention_s,
+        help="a session's retention_s is clamped to this many seconds (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-id-bytes",
+        type=int,
+        default=defaults.max_id_bytes,
+        help="longest request_id / session_id in bytes (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=defaults.max_prompt_bytes,
+        help="a text prompt, or all chat messages together, in UTF-8 bytes (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-chat-messages", type=int, default=defaults.max_chat_messages, help="messages per chat (default %(default)s)"
+    )
+    limits.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        help="largest gRPC message the scheduler receives (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=defaults.max_stop_string_chars,
+        help="characters per stop string (default %(default)s)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -71,6 +108,13 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        max_retention_s=args.max_retention_s,
+        max_id_bytes=args.max_id_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_chat_messages=args.max_chat_messages,
+        max_message_bytes=args.max_message_bytes,
     )
 
 

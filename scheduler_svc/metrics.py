@@ -106,7 +106,7 @@ class SchedulerMetrics:
             if not n:
                 continue
             generated += n
-            request_id = update.request.request_id
+            request_id = update.request.executor_request_id  # unique per submission, like the span keys
             last = self._last_token_s.get(request_id)
             if last is None:
                 exemplar = request_exemplar(request_id) if request_exemplar is not None else None
@@ -122,4 +122,4 @@ class SchedulerMetrics:
         self.requests_finished.labels(finish_reason).inc()
         if request.first_scheduled_time is not None:
             self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
-        self._last_token_s.pop(request.request_id, None)
+        self._last_token_s.pop(request.executor_request_id, None)

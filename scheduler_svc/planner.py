@@ -22,6 +22,9 @@ Each step, under one token budget (`max_num_batched_tokens`):
 With a decode-latency target, prefill chunks (2 and 3) are also capped so the
 cost model predicts the step within the target.
 
+Plans and results name requests by `Request.executor_request_id` (unique per
+submission), never by the client's id; `requests` is keyed the same way.
+
 `static` batching fixes the batch when it forms and admits no one until every
 member has finished: the naive baseline continuous batching is measured against.
 """
@@ -41,7 +44,7 @@ from scheduler_svc.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledTokens:
-    request_id: str
+    request_id: str  # the executor's id for the request (Request.executor_request_id)
     num_tokens: int
     draft_budget: int = 0
 
@@ -67,7 +70,7 @@ class Plan:
 class StepResultView:
     """What the executor reported for one request, as plain data."""
 
-    request_id: str
+    request_id: str  # the executor's id for the request (Request.executor_request_id)
     new_token_ids: list[int]
     finish_reason: str | None  # eos | stop_token | length | context_full
     num_computed_tokens: int
@@ -116,7 +119,9 @@ class Planner:
         self.watermark_blocks = math.ceil(config.kv_watermark * num_kv_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live requests by executor id
+        # Ended by the scheduler, and the executor has not yet confirmed the release (by executor id).
+        self.releasing: dict[str, Request] = {}
         self.failures: list[RequestFailure] = []  # drained by the caller after schedule()
         self._to_release: list[str] = []
         self._static_batch: set[str] = set()
@@ -140,10 +145,10 @@ class Planner:
         return self.blocks_for(num_tokens) <= self.num_kv_blocks - self.watermark_blocks
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.executor_request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r}: executor id {request.executor_request_id!r} is already in flight")
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self.requests[request.executor_request_id] = request
         self.waiting.append(request)
 
     def finish(self, request: Request) -> None:
@@ -155,20 +160,42 @@ class Planner:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.acceptance.forget(request.request_id)
+        self.acceptance.forget(request.executor_request_id)
         if request.is_known_to_executor:
-            self._to_release.append(request.request_id)
+            self._to_release.append(request.executor_request_id)
+            self.releasing[request.executor_request_id] = request
             request.is_known_to_executor = False
-        self.requests.pop(request.request_id, None)
-        self._static_batch.discard(request.request_id)
+        self.requests.pop(request.executor_request_id, None)
+        self._static_batch.discard(request.executor_request_id)
 
-    def abort(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
+    def abort(self, executor_request_id: str) -> Request | None:
+        request = self.requests.get(executor_request_id)
         if request is None:
             return None
         request.is_aborted = True
         self.finish(request)
         return request
+
+    def is_releasing(self, client_request_id: str) -> bool:
+        """Whether a request with this client id ended but the executor may still hold it.
+
+        Until the step carrying its release comes back, a step in flight may still
+        report on it; the id is refused meanwhile so the client cannot mistake one for the other.
+        """
+        return any(r.request_id == client_request_id for r in self.releasing.values())
+
+    def confirm_released(self, plan: Plan) -> None:
+        """The executor ran `plan`: the requests it released are gone there."""
+        for executor_request_id in plan.released:
+            self.releasing.pop(executor_request_id, None)
+
+    def requeue_releases(self, plan: Plan) -> None:
+        """`plan` may never have reached the executor: release its requests again next step.
+
+        Releasing is idempotent on the executor (an unknown id is a no-op), so a
+        release sent twice costs nothing, and one never sent would leak KV.
+        """
+        self._to_release.extend(r for r in plan.released if r not in self._to_release)
 
     def reset_executor_state(self) -> list[Request]:
         """The executor lost (or will drop) everything: end every live request; returns them."""
@@ -177,6 +204,7 @@ class Planner:
             request.is_known_to_executor = False
             self.finish(request)
         self._to_release.clear()
+        self.releasing.clear()
         return live
 
     # --------------------------------------------------------------- planning
@@ -198,21 +226,21 @@ class Planner:
                 continue
             need = request.num_new_blocks(1, self.block_size)
             while need > free:
-                victim = next((r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None)
+                victim = next((r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None)
                 if victim is None:
                     break
                 free += victim.num_exclusive_blocks  # blocks it shares stay held by others
                 self._preempt(victim)
-                plan.preempted.append(victim.request_id)
+                plan.preempted.append(victim.executor_request_id)
             if need > free:
                 if len(self.running) > 1:
                     # Older requests hold the KV: this one (the newest left) waits its turn.
                     self._preempt(request)
-                    plan.preempted.append(request.request_id)
+                    plan.preempted.append(request.executor_request_id)
                 elif not plan.released:  # released blocks would come back next step
                     self._fail(request, free)
                 continue
-            scheduled[request.request_id] = 1
+            scheduled[request.executor_request_id] = 1
             free -= need
             budget -= 1
 
@@ -229,13 +257,13 @@ class Planner:
         for request in self.running:
             if prefill_budget == 0:
                 break
-            if request.request_id in scheduled or request.num_pending_tokens <= 1:
+            if request.executor_request_id in scheduled or request.num_pending_tokens <= 1:
                 continue
             fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_computed_tokens
             n = min(request.num_pending_tokens, prefill_budget, fits)
             if n <= 0:
                 continue
-            scheduled[request.request_id] = n
+            scheduled[request.executor_request_id] = n
             free -= request.num_new_blocks(n, self.block_size)
             prefill_budget -= n
 
@@ -246,7 +274,7 @@ class Planner:
         admitted_static: list[str] = []
         while self.waiting and prefill_budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
-            if self.config.batching == "static" and not forming_static_batch and request.request_id not in self._static_batch:
+            if self.config.batching == "static" and not forming_static_batch and request.executor_request_id not in self._static_batch:
                 break
             need_total = self.blocks_for(request.num_known_tokens + 1)
             if not self.can_ever_fit(request.num_known_tokens + 1):
@@ -258,12 +286,12 @@ class Planner:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted_static.append(request.request_id)
+            admitted_static.append(request.executor_request_id)
             if not request.is_known_to_executor:
                 plan.new_requests.append(request)
                 request.is_known_to_executor = True
             n = min(request.num_pending_tokens, prefill_budget)
-            scheduled[request.request_id] = n
+            scheduled[request.executor_request_id] = n
             # Reserve the whole prompt: cached prefix blocks the executor reuses may come out of the free pool too.
             free -= need_total
             prefill_budget -= n
@@ -278,18 +306,18 @@ class Planner:
 
     def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> dict[str, int]:
         decoding = [
-            r for r in self.running if scheduled.get(r.request_id) == 1 and r.num_pending_tokens == 1
+            r for r in self.running if scheduled.get(r.executor_request_id) == 1 and r.num_pending_tokens == 1
         ]
         if not decoding or self.max_draft_tokens == 0 or self.draft_policy.name == "off":
             self.last_allocation = None
             return {}
         candidates = [
             DraftCandidate(
-                request_id=r.request_id,
+                request_id=r.executor_request_id,
                 num_draftable_tokens=max(
                     0, min(r.num_draftable_tokens, self.max_draft_tokens, r.max_new_tokens - len(r.output_token_ids) - 1)
                 ),
-                acceptance=self.acceptance.estimate(r.request_id),
+                acceptance=self.acceptance.estimate(r.executor_request_id),
                 num_context_tokens=r.num_computed_tokens + 1,
             )
             for r in decoding
@@ -308,12 +336,12 @@ class Planner:
         self.last_allocation = allocation
         drafts = {}
         for r in decoding:  # oldest first: cut each budget to the KV that is left
-            k = allocation.draft_budgets.get(r.request_id, 0)
+            k = allocation.draft_budgets.get(r.executor_request_id, 0)
             base = r.num_new_blocks(1, self.block_size)
             while k > 0 and r.num_new_blocks(1 + k, self.block_size) - base > free:
                 k -= 1
             if k:
-                drafts[r.request_id] = k
+                drafts[r.executor_request_id] = k
                 free -= r.num_new_blocks(1 + k, self.block_size) - base
         return drafts
 
@@ -350,7 +378,7 @@ class Planner:
             request.num_draftable_tokens = result.num_draftable_tokens
             request.num_exclusive_blocks = result.num_exclusive_blocks
             if result.num_drafted_tokens:
-                self.acceptance.observe(request.request_id, result.num_drafted_tokens, result.num_accepted_tokens)
+                self.acceptance.observe(request.executor_request_id, result.num_drafted_tokens, result.num_accepted_tokens)
             if result.new_token_ids:
                 request.output_token_ids.extend(result.new_token_ids)
                 if request.first_token_time is None:

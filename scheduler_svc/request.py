@@ -3,6 +3,12 @@
 The executor owns the truth about KV; the scheduler mirrors just enough of it
 (`num_computed_tokens`, hence the blocks a request holds) to plan the next step
 without asking.
+
+Two ids: `request_id` is the client's (streams, logs, Abort); `executor_request_id`
+is unique per submission and is the only id plans and step results carry. A client
+may reuse its id once a request has ended, while a step still in flight carries
+results for the old one: keyed by the client's id, those results would be applied
+to the new request (issue 12, item 1).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class Request:
     arrival_time: float = 0.0
     session_id: str = ""
     retention_s: float = 0.0
+    executor_request_id: str = ""  # empty: the client's id (pure-core tests); intake always sets a fresh one
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -46,6 +53,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     is_aborted: bool = False  # the client went away or asked to stop; release at the next step
+
+    def __post_init__(self) -> None:
+        if not self.executor_request_id:
+            self.executor_request_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
+from scheduler_svc.request_limits import LimitExceeded, check_id
 from scheduler_svc.request_stream import RequestStream, StreamError
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.telemetry import Telemetry
@@ -36,22 +37,37 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.config = config
         self.loop = loop
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _refuse_unless_serving(self, context: grpc.aio.ServicerContext) -> None:
         loop = self.loop
-        if not loop.is_connected and not await loop.wait_connected(CONNECT_GRACE_S):
+        if loop.stopped_reason:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
+        if not loop.is_connected:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
                 "the scheduler keeps retrying",
             )
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        loop = self.loop
+        if not loop.is_connected:
+            await loop.wait_connected(CONNECT_GRACE_S)
+        await self._refuse_unless_serving(context)
         limits = loop.link.limits
         try:
-            accepted = intake(request, limits, self.config.default_max_new_tokens)
+            # Off the event loop: tokenizing a long prompt takes seconds (see intake).
+            accepted = await asyncio.to_thread(intake, request, limits, self.config)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._refuse_unless_serving(context)  # the executor may have gone meanwhile
+        if loop.link.limits is not limits:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the executor was replaced while the prompt was tokenized; retry the request"
+            )
         request_id = accepted.request.request_id
-        if request_id in loop.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        conflict = loop.request_id_conflict(request_id)
+        if conflict is not None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
         planner = loop.planner
         if not planner.can_ever_fit(accepted.request.num_prompt_tokens + 1):
             await context.abort(
@@ -69,7 +85,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         loop.telemetry.request_started(accepted.request, context.invocation_metadata())
         loop.submit(stream)
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        log.debug("request_queued", prompt_tokens=accepted.request.num_prompt_tokens)
+        log.debug(
+            "request_queued",
+            prompt_tokens=accepted.request.num_prompt_tokens,
+            executor_request_id=accepted.request.executor_request_id,
+        )
         try:
             while True:
                 event = await stream.events.get()
@@ -88,6 +108,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            check_id("request_id", request.request_id, self.config)
+        except LimitExceeded as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.AbortResponse(was_found=self.loop.abort(request.request_id))
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
@@ -119,10 +143,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
 
 async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServicer) -> None:
-    """SERVING while the executor is attached, NOT_SERVING while it is not."""
+    """SERVING while the executor is attached and the step loop runs, NOT_SERVING otherwise."""
     last = None
     while True:
-        status = health_pb2.HealthCheckResponse.SERVING if loop.is_connected else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if loop.is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
         if status != last:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
@@ -145,7 +169,10 @@ async def serve(
         metrics.watch(loop)
     server = grpc.aio.server(
         interceptors=telemetry.server_interceptors or None,
-        options=[("grpc.so_reuseport", 0)],  # a taken port must fail, not be shared
+        options=[
+            ("grpc.so_reuseport", 0),  # a taken port must fail, not be shared
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+        ],
     )
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()

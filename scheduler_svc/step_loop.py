@@ -4,6 +4,11 @@ One asyncio task runs it. Generate handlers only enqueue requests and read their
 streams, so a slow client never slows a step. When the executor cannot be
 reached, every request in flight ends with UNAVAILABLE (no hang), new ones are
 refused the same way, and the loop keeps re-attaching until it is back.
+
+The loop is supervised: a step that raises (a bug, or an answer that cannot be
+applied) ends only that step's requests, with INTERNAL, and the loop goes on. If
+the task ends anyway, every stream is failed and `is_serving` turns False, which
+health reports as NOT_SERVING: never a silent hang behind a SERVING health check.
 """
 
 from __future__ import annotations
@@ -87,12 +92,29 @@ class StepLoop:
         self.last_connect_error = ""
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
+        self.stopped_reason = ""  # set when the loop task has ended: no step will ever run again
 
     # ----------------------------------------------------------- for handlers
 
     @property
     def is_connected(self) -> bool:
         return self.link.is_connected and self.planner is not None
+
+    @property
+    def is_serving(self) -> bool:
+        """Attached, and the loop task is alive to run steps."""
+        return self.is_connected and not self.stopped_reason
+
+    def request_id_conflict(self, request_id: str) -> str | None:
+        """Why a client's request id cannot be used now (a message), or None if it can."""
+        if request_id in self.streams:
+            return f"request id {request_id!r} is already in flight"
+        if self.planner is not None and self.planner.is_releasing(request_id):
+            return (
+                f"request id {request_id!r} has just ended and the executor has not released it yet; "
+                "retry in a moment, or use a new id"
+            )
+        return None
 
     async def wait_connected(self, timeout: float) -> bool:
         try:
@@ -109,12 +131,12 @@ class StepLoop:
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request: it is released at the next step; its stream ends as aborted."""
+        """Stop a request (by the client's id): it is released at the next step; its stream ends as aborted."""
         stream = self.streams.pop(request_id, None)
-        if self.planner is not None:
-            self.planner.abort(request_id)
         if stream is None:
             return False
+        if self.planner is not None:
+            self.planner.abort(stream.request.executor_request_id)
         stream.finish("aborted")
         self._wake.set()
         return True
@@ -122,6 +144,13 @@ class StepLoop:
     # ------------------------------------------------------------------ loop
 
     async def run(self) -> None:
+        try:
+            await self._run_supervised()
+        except BaseException as exc:
+            self._stopped(exc)
+            raise
+
+    async def _run_supervised(self) -> None:
         attempt = 0
         while True:
             if not self.is_connected:
@@ -136,24 +165,34 @@ class StepLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan = planner.schedule()
-            for failure in planner.failures:
-                self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
-            planner.failures.clear()
-            if plan.is_empty:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            await self._run_step(plan)
+            plan = None
+            try:
+                plan = planner.schedule()
+                for failure in planner.failures:
+                    self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
+                planner.failures.clear()
+                if plan.is_empty:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                await self._run_step(plan)
+            except Exception as exc:  # a bug, or a result that cannot be applied: contain it
+                self._step_crashed(plan, exc)
 
     async def _attach(self) -> bool:
         try:
             info = await self.link.attach()
         except grpc.aio.AioRpcError as exc:
             self.last_connect_error = f"{exc.code().name}: {exc.details()}"
+            self._connected.clear()
+            return False
+        except Exception as exc:  # e.g. a tokenizer the scheduler cannot load: keep retrying, say why
+            log.exception("attach_failed", executor=self.link.address)
+            self.last_connect_error = f"{type(exc).__name__}: {exc}"
+            self.link.detach()
             self._connected.clear()
             return False
         cost_model = CostModel(
@@ -184,7 +223,7 @@ class StepLoop:
             step_id=plan.step_id,
             new_requests=[
                 epb.NewRequest(
-                    request_id=r.request_id,
+                    request_id=r.executor_request_id,
                     prompt_token_ids=r.prompt_token_ids,
                     sampling=epb.SamplingParams(
                         temperature=r.sampling.temperature,
@@ -212,19 +251,31 @@ class StepLoop:
 
     async def _run_step(self, plan: Plan) -> None:
         planner = self.planner
-        allocation = planner.last_allocation
+        # Decided before the results change the requests; client ids name the timeline's tracks.
         decode_ids = {s.request_id for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1}
-        num_decode = len(decode_ids)
+        client_ids = {s.request_id: planner.requests[s.request_id].request_id for s in plan.scheduled}
         start = time.monotonic()
         planner.mark_scheduled(plan, start)
         step_scope = self.telemetry.begin_step(plan)
         try:
             with step_scope:  # the step's span (if tracing) is current: the RPC's metadata carries it
                 response = await self.link.step(self._plan_to_pb(plan))
+            planner.confirm_released(plan)
+            self._apply_step(plan, response, start, decode_ids, client_ids, step_scope)
         except grpc.aio.AioRpcError as exc:
             self._lose_executor(exc)
             self.telemetry.step_failed(step_scope, exc)
-            return
+        except Exception as exc:
+            self.telemetry.step_failed(step_scope, exc)
+            raise
+
+    def _apply_step(
+        self, plan: Plan, response: epb.StepResponse, start: float, decode_ids: set[str], client_ids: dict[str, str], step_scope
+    ) -> None:
+        """Fold the executor's answer in: planner state, client streams, the step history."""
+        planner = self.planner
+        allocation = planner.last_allocation
+        num_decode = len(decode_ids)
         end = time.monotonic()
         results = [
             StepResultView(
@@ -248,7 +299,7 @@ class StepLoop:
         updates = planner.apply(results, response.num_free_kv_blocks, end)
         for update in updates:
             stream = self.streams.get(update.request.request_id)
-            if stream is None:
+            if stream is None or stream.request is not update.request:
                 continue
             reason = update.finish_reason
             if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
@@ -272,7 +323,7 @@ class StepLoop:
                 num_free_kv_blocks=response.num_free_kv_blocks,
                 executor_forward_s=t.forward_s,
                 executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
-                request_ids=tuple(s.request_id for s in plan.scheduled),
+                request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
                 num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
                 num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
                 num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
@@ -282,7 +333,7 @@ class StepLoop:
                 ),
                 executor_prepare_s=t.prepare_s,
                 executor_sample_s=t.sample_s,
-                requests=step_request_records(plan.scheduled, decode_ids, results),
+                requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
             )
         )
         self.telemetry.end_step(step_scope, self.history[-1], updates)
@@ -294,11 +345,57 @@ class StepLoop:
         status = grpc.StatusCode.UNAVAILABLE if unreachable else grpc.StatusCode.INTERNAL
         message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
         log.error("step_failed", code=code.name, details=exc.details())
-        for request in self.planner.reset_executor_state():
-            self._fail_stream(request.request_id, status, message)
+        self._reset(status, message)
+
+    def _step_crashed(self, plan: Plan | None, exc: Exception) -> None:
+        """A step raised: end its own requests with INTERNAL; the others go on.
+
+        Releasing is idempotent on the executor (an unknown id is a no-op), so
+        releasing the step's requests next step is right whether or not the plan
+        reached the executor; the plan's own releases are sent again in case it did
+        not. Without a plan (`schedule` itself raised) the planner may be left
+        half-way, so everything is ended and the loop re-attaches under a new
+        incarnation, which makes the executor drop all it held.
+        """
+        step = plan.step_id if plan is not None else None
+        log.error("step_crashed", step_id=step, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        message = (
+            f"the scheduler failed step {step} ({type(exc).__name__}: {exc}); the request was ended. "
+            "This is a bug: please report it with the scheduler's log"
+        )
+        planner = self.planner
+        if plan is None or planner is None:
+            self._reset(grpc.StatusCode.INTERNAL, message)
+            return
+        planner.requeue_releases(plan)
+        affected = {s.request_id for s in plan.scheduled} | {r.executor_request_id for r in plan.new_requests} | set(plan.preempted)
+        for stream in [s for s in self.streams.values() if s.request.executor_request_id in affected]:
+            planner.finish(stream.request)  # no-op if it already ended; else its release goes out next step
+            self._fail_stream(stream.request_id, grpc.StatusCode.INTERNAL, message)
+        self._wake.set()
+
+    def _reset(self, code: grpc.StatusCode, message: str) -> None:
+        """End every request in flight and re-attach under a new incarnation."""
+        if self.planner is not None:
+            self.planner.reset_executor_state()
+        for request_id in list(self.streams):
+            self._fail_stream(request_id, code, message)
         self.planner = None
         self.link.detach()
         self._connected.clear()
+
+    def _stopped(self, exc: BaseException) -> None:
+        """The loop task is ending (cancelled at shutdown, or a bug the supervisor could not contain)."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.stopped_reason = "the scheduler is shutting down"
+            code = grpc.StatusCode.UNAVAILABLE
+        else:
+            log.critical("step_loop_died", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            self.stopped_reason = f"the scheduler's step loop stopped ({type(exc).__name__}: {exc})"
+            code = grpc.StatusCode.INTERNAL
+        self._connected.set()  # wake handlers waiting for a connection: they see `stopped_reason`
+        for request_id in list(self.streams):
+            self._fail_stream(request_id, code, f"{self.stopped_reason}; the request was lost")
 
     def _fail_stream(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         stream = self.streams.pop(request_id, None)

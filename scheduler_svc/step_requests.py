@@ -6,13 +6,13 @@ before the results changed the requests) and the executor's per-request results.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class StepRequestRecord:
-    request_id: str
+    request_id: str  # the client's id
     num_scheduled_tokens: int  # a prefill chunk, or 1 to decode
     is_decode: bool
     num_draft_tokens: int = 0  # draft budget allocated
@@ -22,15 +22,18 @@ class StepRequestRecord:
     finish_reason: str = ""  # empty while the request goes on
 
 
-def step_request_records(scheduled: Iterable, decode_ids: set[str], results: Iterable) -> tuple[StepRequestRecord, ...]:
-    """`scheduled`: the plan's ScheduledTokens; `results`: the step's StepResultViews."""
+def step_request_records(
+    scheduled: Iterable, decode_ids: set[str], results: Iterable, client_ids: Mapping[str, str]
+) -> tuple[StepRequestRecord, ...]:
+    """`scheduled`: the plan's ScheduledTokens; `results`: the step's StepResultViews (both by
+    executor id); `client_ids`: executor id -> the client's id, which names each record."""
     by_id = {r.request_id: r for r in results}
     records = []
     for s in scheduled:
         result = by_id.get(s.request_id)
         records.append(
             StepRequestRecord(
-                request_id=s.request_id,
+                request_id=client_ids[s.request_id],
                 num_scheduled_tokens=s.num_tokens,
                 is_decode=s.request_id in decode_ids,
                 num_draft_tokens=s.draft_budget,

@@ -112,14 +112,16 @@ class StepScope:
             otel_context.detach(self._context_token)
 
     def close(self) -> None:
-        structlog.contextvars.reset_contextvars(**self._log_tokens)
+        if self._log_tokens is not None:  # once: a step that fails after end_step closes it again
+            structlog.contextvars.reset_contextvars(**self._log_tokens)
+            self._log_tokens = None
 
 
 class Telemetry:
     def __init__(self, tracer=None, metrics=None) -> None:
         self.tracer = tracer
         self.metrics = metrics  # SchedulerMetrics
-        self._request_spans: dict = {}  # request id -> its live span
+        self._request_spans: dict = {}  # executor request id (unique per submission) -> its live span
 
     @property
     def client_interceptors(self) -> list:
@@ -148,7 +150,7 @@ class Telemetry:
             start_time=_epoch_ns(request.arrival_time),
             attributes={"swarmserve.request_id": request.request_id, "swarmserve.max_new_tokens": request.max_new_tokens},
         )
-        self._request_spans[request.request_id] = span
+        self._request_spans[request.executor_request_id] = span
         context = span.get_span_context()
         if context.is_valid:
             structlog.contextvars.bind_contextvars(trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x"))
@@ -159,7 +161,7 @@ class Telemetry:
         reason = stream.finish_reason or ("error" if stream.error_code is not None else "aborted")
         if self.metrics is not None:
             self.metrics.observe_request_end(request, reason)
-        span = self._request_spans.pop(request.request_id, None)
+        span = self._request_spans.pop(request.executor_request_id, None)
         if span is not None and span.is_recording():
             span.set_attributes(request_attributes(request, reason))
             if request.first_scheduled_time is not None:
@@ -220,8 +222,12 @@ class Telemetry:
             span.end(end_time=scope.end_ns or None)
         scope.close()
 
-    def step_failed(self, scope: StepScope, error: grpc.aio.AioRpcError) -> None:
+    def step_failed(self, scope: StepScope, error: Exception) -> None:
         if scope.span is not None:
-            scope.span.set_status(Status(StatusCode.ERROR, f"{error.code().name}: {error.details()}"))
+            if isinstance(error, grpc.aio.AioRpcError):
+                description = f"{error.code().name}: {error.details()}"
+            else:
+                description = f"{type(error).__name__}: {error}"
+            scope.span.set_status(Status(StatusCode.ERROR, description))
             scope.span.end(end_time=scope.end_ns or None)
         scope.close()

@@ -21,6 +21,11 @@ def tiny_path(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(context_length=64))
 
 
+@pytest.fixture(scope="module")
+def tiny_path_256(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("m256") / "tiny.gguf", TinyModelSpec(context_length=256))
+
+
 @pytest.fixture()
 def engine(tiny_path):
     return Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=1 << 20))
@@ -131,6 +136,14 @@ def test_empty_prompt_duplicate_id_and_bad_max_new_tokens(engine):
     assert_still_serves(engine)
 
 
+@pytest.mark.parametrize("retention_s", [float("inf"), float("nan"), -1.0])
+def test_retention_must_be_finite(engine, retention_s):
+    """Issue 12, item 8: an infinite retention would hold a session's blocks forever."""
+    with pytest.raises(InvalidRequestError, match="retention_s must be a finite number >= 0"):
+        engine.add_request(NewRequest("r", PROMPT, session_id="s", retention_s=retention_s))
+    assert_still_serves(engine)
+
+
 def test_plan_naming_unknown_request_changes_nothing(engine):
     engine.add_request(NewRequest("known", PROMPT, max_new_tokens=2, ignore_eos=True))
     free_before = engine.kv_cache.num_free_blocks
@@ -218,3 +231,43 @@ def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
         if out.finish_reason:
             break
     assert tokens == expected
+
+
+# ------------------------------------------------- validated before anything changes (item 9)
+
+
+def test_an_id_both_released_and_preempted_is_refused_with_nothing_changed(engine):
+    engine.add_request(NewRequest("twice", PROMPT, max_new_tokens=4, ignore_eos=True))
+    engine.step(StepPlan(scheduled=[ScheduledRequest("twice", len(PROMPT))]))
+    free = engine.kv_cache.num_free_blocks
+    for released, preempted in ((["twice"], ["twice"]), (["twice", "twice"], []), ([], ["twice", "twice"])):
+        with pytest.raises(InvalidRequestError, match="listed more than once"):
+            engine.step(StepPlan(released=released, preempted=preempted))
+        assert engine.has_request("twice") and engine.kv_cache.num_free_blocks == free
+    engine.release("twice")
+    assert_still_serves(engine)
+
+
+def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anything_changes(tiny_path_256):
+    """The released request's cached blocks count as freed and, reused by the hit, as taken
+    again: counting only the first made the plan pass validation and fail half-applied."""
+    probe = Engine(EngineConfig(model=str(tiny_path_256), kv_cache_bytes=1 << 20))
+    bytes_per_block = probe.kv_cache.tensor.nbytes // (probe.kv_cache.num_usable_blocks + 1)
+    engine = Engine(EngineConfig(model=str(tiny_path_256), kv_cache_bytes=8 * bytes_per_block))
+    block = engine.kv_cache.block_size
+    assert engine.kv_cache.num_usable_blocks == 7
+    owner = list(range(40, 40 + 2 * block + 1))  # 2 full blocks (cached) + 1 token: 3 blocks
+    filler = [200] * (3 * block)  # 3 blocks
+    engine.step(
+        StepPlan(
+            new_requests=[NewRequest("owner", owner, max_new_tokens=4), NewRequest("filler", filler, max_new_tokens=4)],
+            scheduled=[ScheduledRequest("owner", len(owner)), ScheduledRequest("filler", len(filler))],
+        )
+    )
+    assert engine.kv_cache.num_free_blocks == 1
+    # Reuses owner's 2 cached blocks and needs 3 more: after owner's 3 go back, 4 are free, 5 are taken.
+    reuser = NewRequest("reuser", owner[: 2 * block] + [100] * (2 * block + 8), max_new_tokens=4)
+    with pytest.raises(OutOfKVBlocksError):
+        engine.step(StepPlan(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
+    assert engine.has_request("owner") and not engine.has_request("reuser")
+    assert engine.kv_cache.num_free_blocks == 1

@@ -45,10 +45,10 @@ class FakeExecutor:
         for rid in plan.preempted:
             self._free(rid)
             self.computed[rid] = 0
-        for r in plan.new_requests:
-            self.known[r.request_id] = r.num_prompt_tokens
-            self.computed[r.request_id] = 0
-            self.outputs[r.request_id] = 0
+        for r in plan.new_requests:  # the executor knows requests by their executor id
+            self.known[r.executor_request_id] = r.num_prompt_tokens
+            self.computed[r.executor_request_id] = 0
+            self.outputs[r.executor_request_id] = 0
         results = []
         for s in plan.scheduled:
             rid = s.request_id
@@ -244,3 +244,25 @@ def test_abort_releases_at_the_next_step_and_frees_the_slot():
     assert "a" not in scheduled(plan) and "c" not in scheduled(plan)
     ex.step(plan)
     assert ex.free == p.num_kv_blocks - math.ceil(7 / BLOCK)  # only b's blocks remain held
+
+
+def test_a_client_id_reused_mid_step_never_receives_the_old_submissions_results():
+    """Issue 12, item 1: plans and results carry per-submission executor ids."""
+    p = make_planner(budget=64)
+    old = Request("X", list(range(1, 11)), SamplingParams(), 100, executor_request_id="x-1")
+    p.add(old)
+    ex = FakeExecutor(p)
+    ex.run_step()  # old X prefilled
+    in_flight = p.schedule()  # old X decodes ...
+    p.abort("x-1")  # ... and is aborted while that step runs
+    assert p.is_releasing("X")
+    new = Request("X", [1, 2], SamplingParams(), 100, executor_request_id="x-2")
+    p.add(new)
+    ex.step(in_flight)  # the old X's token comes back
+    assert new.output_token_ids == [] and new.num_computed_tokens == 0
+    plan = p.schedule()
+    assert plan.released == ["x-1"] and scheduled(plan) == {"x-2": 2}
+    ex.step(plan)
+    p.confirm_released(plan)
+    assert not p.is_releasing("X")
+    assert new.output_token_ids == [7] and new.num_computed_tokens == 2

@@ -117,6 +117,20 @@ def test_eviction_prefers_unretained_then_expired_then_the_earliest_deadline():
         allocator.allocate(1)
 
 
+def test_the_retention_heap_stays_the_size_of_the_retained_blocks():
+    """Issue 12, item 8: a session's blocks reused and released turn after turn left one
+    stale heap entry per block per release, never popped while deadlines were far off."""
+    clock = FakeClock()
+    allocator = BlockAllocator(6, clock)
+    block, _ = cached_block(allocator, root_hash("m"), [1], retain_until=clock.now + 600)
+    for turn in range(10_000):
+        allocator.share(block)  # the session's next turn takes its cached block back ...
+        allocator.free([block], clock.now + 600)  # ... and retains it again when done
+    assert len(allocator._retained_heap) <= 2 * 1 + 64 + 1
+    # Compaction keeps eviction order: the retained block is still evicted last, by deadline.
+    assert allocator.allocate(5)[-1] == block
+
+
 def test_a_cached_block_reused_before_eviction_is_not_evicted():
     allocator = BlockAllocator(3)
     root = root_hash("m")

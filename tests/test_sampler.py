@@ -96,3 +96,19 @@ def test_sampled_tokens_respect_every_filter(top_k, top_p, min_p):
     allowed = set(torch.nonzero(token_probabilities(logits, params)).squeeze(1).tolist())
     for i in range(300):
         assert sample_one(logits, params, seed=9, output_index=i) in allowed
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 9.9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    """Issue 12, item 10: 1e-38 used to overflow into NaN probabilities and a garbage token."""
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy
+    for seed in range(20):
+        logits = torch.randn(50, generator=generator) * 10
+        assert sample_one(logits, params, seed=seed) == int(logits.argmax())
+
+
+def test_the_smallest_sampling_temperature_still_gives_a_distribution():
+    probs = token_probabilities(torch.randn(50) * 30, SamplingParams(temperature=1e-5))
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1.0) < 1e-5

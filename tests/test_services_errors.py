@@ -6,6 +6,7 @@ A tiny random model keeps these fast; what is checked here is the plumbing."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -67,6 +68,9 @@ def executor_free_blocks(address: str) -> tuple[int, int]:
         ({"prompt": "hi", "top_k": -3}, "top_k must be >= 0"),
         ({"token_ids": [5, 100000]}, "outside the vocabulary"),
         ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": "hi", "request_id": "x" * 129}, "request_id is 129 bytes; the limit is 128"),
+        ({"prompt": "hi", "session_id": "agent 7"}, "session_id 'agent 7' has characters outside"),
+        ({"prompt": "hi", "session_id": "s", "retention_s": float("inf")}, "retention_s must be a finite number"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(stack, kwargs, field):
@@ -111,8 +115,14 @@ def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_mo
 
     async def in_flight_then_down():
         async with AsyncSwarmClient(s.scheduler_address) as client:
+            # Frozen first, so the request is certainly in flight (its step sent, never answered)
+            # when the executor dies: a request that finished before the kill would prove nothing.
+            s.executor.send_signal(signal.SIGSTOP)
             task = asyncio.create_task(client.complete("x", max_new_tokens=200, ignore_eos=True))
-            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while (await client.server_info()).num_running_requests != 1:  # scheduled: its step is in flight
+                assert time.monotonic() < deadline and not task.done(), "the request never reached a step"
+                await asyncio.sleep(0.01)
             s.kill_executor()
             t0 = time.monotonic()
             in_flight = await error_of(task)

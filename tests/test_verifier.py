@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc.sampler import draw
 from executor_svc.verifier import accept_greedy, accept_sampled
 
 GRID = 200  # each uniform on a midpoint grid: the integral over it is exact up to 1/GRID
@@ -21,12 +22,12 @@ def output_distribution(rows, drafts, grid_size=None):
     n = grid_size or GRID
     points = [(i + 0.5) / n for i in range(n)]
     dist: dict[tuple[int, ...], float] = {}
-    pending = [{}]  # partial assignments of (position, stream) -> uniform
+    pending = [{}]  # partial assignments of position -> uniform
     while pending:
         assignment = pending.pop()
 
-        def uniform_at(j, stream, assignment=assignment):
-            key = (j, stream)
+        def uniform_at(j, assignment=assignment):
+            key = j
             if key not in assignment:
                 raise _Unassigned(key)
             return assignment[key]
@@ -95,3 +96,20 @@ def test_two_drafts_joint_distribution_matches_plain_sampling():
     for z in range(3):
         assert abs(dist.get((0, 2, z), 0.0) - float(p0[0] * p1[2] * p2[z])) < tol
     assert abs(sum(dist.values()) - 1.0) < 1e-9
+
+
+def test_sampled_verification_emits_exactly_the_tokens_plain_decoding_draws():
+    """Issue 12, item 7: with the same uniforms, whatever was drafted, the emitted tokens are
+    plain decoding's (row j stands for the model after the first j drafts, which is the
+    context plain decoding had whenever those drafts were kept)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        m = int(torch.randint(0, 5, (), generator=generator))
+        rows = [torch.softmax(torch.randn(6, generator=generator, dtype=torch.float64) * 2, -1) for _ in range(m + 1)]
+        uniforms = torch.rand(m + 1, generator=generator, dtype=torch.float64).tolist()
+        plain = [draw(rows[j], uniforms[j]) for j in range(m + 1)]
+        # Drafts that follow plain decoding for a while, then (maybe) diverge.
+        drafts = [plain[j] if torch.rand((), generator=generator) < 0.7 else int(torch.randint(0, 6, (), generator=generator)) for j in range(m)]
+        emitted, kept = accept_sampled(lambda j: rows[j], drafts, lambda j: uniforms[j])
+        assert emitted == plain[: len(emitted)] and kept == len(emitted) - 1
+        assert kept == next((j for j in range(m) if drafts[j] != plain[j]), m)

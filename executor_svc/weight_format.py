@@ -45,10 +45,17 @@ PACKED_TYPES: dict[int, tuple[str, int, int]] = {
 }
 
 
-def _kernels():
-    from executor_svc.cpu_kernels import load
+_qlinear_module = None
 
-    return load("qlinear")
+
+def _kernels():
+    """The compiled qlinear module, looked up once (this is on every matmul's path)."""
+    global _qlinear_module
+    if _qlinear_module is None:
+        from executor_svc.cpu_kernels import load
+
+        _qlinear_module = load("qlinear")
+    return _qlinear_module
 
 
 @dataclass(frozen=True)

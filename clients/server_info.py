@@ -25,6 +25,9 @@ class ServerInfo:
     chat_template: str
     num_steps: int = 0
     num_generated_tokens: int = 0
+    dtype: str = ""
+    device: str = ""
+    weight_bytes: int = 0  # the executor's resident weights
 
     @classmethod
     def from_pb(cls, info: pb.GetServerInfoResponse) -> ServerInfo:
@@ -45,4 +48,7 @@ class ServerInfo:
             chat_template=info.chat_template,
             num_steps=info.num_steps,
             num_generated_tokens=info.num_generated_tokens,
+            dtype=info.dtype,
+            device=info.device,
+            weight_bytes=info.weight_bytes,
         )

@@ -133,6 +133,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             chat_template=info.chat_template if info else "",
             num_steps=loop.num_steps,
             num_generated_tokens=loop.num_generated_tokens,
+            dtype=info.dtype if info else "",
+            device=info.device if info else "",
+            weight_bytes=info.weight_bytes if info else 0,
         )
 
     async def GetTimeline(self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext) -> pb.GetTimelineResponse:

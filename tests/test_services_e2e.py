@@ -230,3 +230,14 @@ def test_cli_generate_json_and_errors(stack, solo_tokens):
 
     streamed = run_cli("generate", kwargs["prompt"], "--server", stack.scheduler_address, "--max-new-tokens", str(n), "--temperature", "0", "--ignore-eos")
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == out["text"].rstrip("\n")
+
+
+def test_server_info_reports_the_packed_weights_at_the_gguf_size(stack, default_model_path):
+    async def main():
+        async with AsyncSwarmClient(stack.scheduler_address) as client:
+            return await client.server_info()
+
+    info = asyncio.run(main())
+    file_size = default_model_path.stat().st_size
+    assert (info.dtype, info.device) == ("float32", "cpu")
+    assert 0.9 * file_size <= info.weight_bytes <= 1.1 * file_size

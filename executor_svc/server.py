@@ -4,10 +4,13 @@ from_pb → engine → to_pb. Steps run one at a time on a worker thread so the
 event loop keeps answering health checks while the model computes. Engine
 exceptions become status codes; the engine stays usable for the next call.
 
-The scheduler is stateless and may restart: every plan carries the scheduler's
-incarnation id. When a new id appears (at GetInfo or at a Step), whatever the
-previous scheduler left in the engine is released; a retired scheduler's later
-steps are refused with FAILED_PRECONDITION so two schedulers never fight.
+Exactly one scheduler drives the executor. A scheduler attaches with GetInfo
+under its id (stable across its restarts); every attach releases whatever the
+engine holds, since an attaching scheduler has lost its state (it restarted, or
+gave up on a broken step). Another scheduler is refused with FAILED_PRECONDITION,
+at GetInfo and at Step, unless it attaches with `take_over`: then the current one
+is retired and its later calls are refused too, so two schedulers never fight.
+A GetInfo without a scheduler id is a read-only query and changes nothing.
 """
 
 from __future__ import annotations
@@ -45,26 +48,42 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    def _adopt_scheduler(self, scheduler_id: str) -> int:
-        """Make `scheduler_id` the current scheduler; returns how many leftovers were released."""
-        if scheduler_id == self._scheduler_id:
-            return 0
+    def _attach_scheduler(self, scheduler_id: str) -> int:
+        """Make `scheduler_id` the current scheduler and release everything the engine holds
+        (its own leftovers, or a replaced scheduler's requests); returns how many."""
         leftovers = self.engine.request_ids
         for request_id in leftovers:
             self.engine.release(request_id)
-        if self._scheduler_id:
+        self._retired_scheduler_ids.discard(scheduler_id)  # a retired scheduler taking the executor back
+        if self._scheduler_id and self._scheduler_id != scheduler_id:
             self._retired_scheduler_ids.add(self._scheduler_id)
+            log.warning("scheduler_taken_over", retired_scheduler_id=self._scheduler_id, scheduler_id=scheduler_id)
         log.info("scheduler_attached", scheduler_id=scheduler_id, released_requests=len(leftovers))
         self._scheduler_id = scheduler_id
         return len(leftovers)
+
+    def _refusal(self, scheduler_id: str) -> str | None:
+        """Why a call from `scheduler_id` (not attaching with take_over) is refused, or None."""
+        if scheduler_id in self._retired_scheduler_ids:
+            return (
+                f"scheduler {scheduler_id!r} was replaced by scheduler {self._scheduler_id!r} (take-over); "
+                "restart it with --take-over to take the executor back"
+            )
+        if self._scheduler_id and scheduler_id != self._scheduler_id:
+            return (
+                f"this executor is driven by scheduler {self._scheduler_id!r}; one executor serves one scheduler. "
+                "Start this scheduler with --take-over to replace it"
+            )
+        return None
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         async with self._lock:
             released = 0
             if request.scheduler_id:
-                if request.scheduler_id in self._retired_scheduler_ids:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
-                released = await self._run(self._adopt_scheduler, request.scheduler_id)
+                refusal = self._refusal(request.scheduler_id)
+                if refusal is not None and not request.take_over:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+                released = await self._run(self._attach_scheduler, request.scheduler_id)
         engine, config, tok = self.engine, self.engine.model_config, self.engine.tokenizer
         return pb.GetInfoResponse(
             model_name=config.name,
@@ -94,10 +113,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         if not request.scheduler_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
         async with self._lock:
-            if request.scheduler_id in self._retired_scheduler_ids:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
+            refusal = self._refusal(request.scheduler_id)
+            if refusal is None and not self._scheduler_id:
+                refusal = f"scheduler {request.scheduler_id!r} has not attached (GetInfo) to this executor; it may have restarted"
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
-                await self._run(self._adopt_scheduler, request.scheduler_id)
                 plan = plan_from_pb(request)
                 output = await self._run(self.engine.step, plan)
             except OutOfKVBlocksError as exc:

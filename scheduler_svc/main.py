@@ -91,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_stop_string_chars,
         help="characters per stop string (default %(default)s)",
     )
+    p.add_argument(
+        "--scheduler-id",
+        default=defaults.scheduler_id,
+        help="how the executor knows this scheduler (default: this host and --listen, the same across restarts)",
+    )
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="attach even if the executor serves another scheduler, which is then refused (default: refuse to)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -108,6 +118,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        scheduler_id=args.scheduler_id,
+        take_over=args.take_over,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,

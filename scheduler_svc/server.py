@@ -10,6 +10,7 @@ request is released at the next step, mid-prefill or mid-decode.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import structlog
@@ -44,8 +45,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if not loop.is_connected:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
-                "the scheduler keeps retrying",
+                f"the executor at {self.config.executor} is unreachable or refuses this scheduler "
+                f"({loop.last_connect_error or 'connecting'}); the scheduler keeps retrying",
             )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -163,7 +164,14 @@ async def serve(
     no interceptor is installed and no span is made.
     """
     telemetry = Telemetry(tracer, metrics)
-    link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s, telemetry.client_interceptors)
+    link = ExecutorLink(
+        config.executor,
+        config.connect_timeout_s,
+        config.executor_timeout_s,
+        telemetry.client_interceptors,
+        scheduler_id=config.scheduler_id or f"{socket.gethostname()}/{config.listen}",
+        take_over=config.take_over,
+    )
     loop = StepLoop(config, link, telemetry)
     if metrics is not None:
         metrics.watch(loop)

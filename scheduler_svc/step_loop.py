@@ -341,7 +341,13 @@ class StepLoop:
     def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
         """A step failed: end every request in flight and re-attach under a new incarnation."""
         code = exc.code()
-        unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        # FAILED_PRECONDITION: another scheduler took the executor over (or it restarted): gone for us too.
+        unreachable = code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
         status = grpc.StatusCode.UNAVAILABLE if unreachable else grpc.StatusCode.INTERNAL
         message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
         log.error("step_failed", code=code.name, details=exc.details())

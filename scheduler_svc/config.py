@@ -21,6 +21,7 @@ class SchedulerConfig:
     default_max_new_tokens: int = 1024  # when a request names none (capped by the context)
     kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
     executor_timeout_s: float = 60.0  # one Step RPC
+    executor_reconnect_timeout_s: float = 60.0  # streams wait this long for a lost executor (0: fail at once)
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
     spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
@@ -56,6 +57,8 @@ class SchedulerConfig:
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
         if self.decode_latency_target_s is not None and self.decode_latency_target_s <= 0:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
+        if not (math.isfinite(self.executor_reconnect_timeout_s) and self.executor_reconnect_timeout_s >= 0):
+            raise ValueError(f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}")
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
         if self.max_message_bytes <= self.max_prompt_bytes:

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="characters per stop string (default %(default)s)",
     )
     p.add_argument(
+        "--executor-reconnect-timeout-s",
+        type=float,
+        default=defaults.executor_reconnect_timeout_s,
+        help="when the executor is lost, streams wait this long for it to come back (0: fail at once; default %(default)s)",
+    )
+    p.add_argument(
         "--scheduler-id",
         default=defaults.scheduler_id,
         help="how the executor knows this scheduler (default: this host and --listen, the same across restarts)",
@@ -118,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        executor_reconnect_timeout_s=args.executor_reconnect_timeout_s,
         scheduler_id=args.scheduler_id,
         take_over=args.take_over,
         max_retention_s=args.max_retention_s,

@@ -52,7 +52,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         loop = self.loop
         if not loop.is_connected:
-            await loop.wait_connected(CONNECT_GRACE_S)
+            # After a crash, as long as the streams in flight wait for the executor to return.
+            await loop.wait_connected(loop.connect_wait_s(CONNECT_GRACE_S))
         await self._refuse_unless_serving(context)
         limits = loop.link.limits
         try:

@@ -111,7 +111,8 @@ def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
 
 
 def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_model, tmp_path_factory):
-    s = tiny_stack(tiny_model, tmp_path_factory).start()
+    # Without waiting for the executor to come back (test_executor_restart_e2e covers the wait).
+    s = tiny_stack(tiny_model, tmp_path_factory, "--executor-reconnect-timeout-s", "0").start()
 
     async def in_flight_then_down():
         async with AsyncSwarmClient(s.scheduler_address) as client:

@@ -233,7 +233,7 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     jaeger_port = jaeger["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
     assert collector["exporters"]["otlp/jaeger"]["endpoint"] == f"jaeger:{jaeger_port}"
     ui_port = jaeger["extensions"]["jaeger_query"]["http"]["endpoint"].rsplit(":", 1)[1]
-    assert f"{ui_port}:{ui_port}" in services["jaeger"]["ports"]
+    assert f"127.0.0.1:{ui_port}:{ui_port}" in services["jaeger"]["ports"]
     assert f"http://127.0.0.1:{ui_port}/" in services["jaeger"]["healthcheck"]["test"]
     health_port = collector["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]
     assert f"http://127.0.0.1:{health_port}/" in services["otel-collector"]["healthcheck"]["test"]
@@ -245,3 +245,12 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     assert (DEPLOY / "grafana" / "dashboards" / Path(home).name).exists()
     providers = load(DEPLOY / "grafana" / "provisioning" / "dashboards" / "dashboards.yml")["providers"]
     assert providers[0]["options"]["path"] == str(Path(home).parent)
+
+
+def test_compose_publishes_on_loopback_only():
+    """Issue 12, item 11: nothing is published on every host interface by default."""
+    services = load(COMPOSE)["services"]
+    published = [(name, port) for name, service in services.items() for port in service.get("ports", [])]
+    assert published, "the compose file should publish the scheduler at least"
+    for name, port in published:
+        assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"

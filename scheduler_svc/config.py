@@ -22,6 +22,7 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
     executor_timeout_s: float = 60.0  # one Step RPC
     executor_reconnect_timeout_s: float = 60.0  # streams wait this long for a lost executor (0: fail at once)
+    drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long (deploy's stop grace matches)
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
     spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
@@ -57,6 +58,8 @@ class SchedulerConfig:
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
         if self.decode_latency_target_s is not None and self.decode_latency_target_s <= 0:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if not (math.isfinite(self.executor_reconnect_timeout_s) and self.executor_reconnect_timeout_s >= 0):
             raise ValueError(f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}")
         if self.min_prefill_chunk <= 0:

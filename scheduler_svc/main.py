@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="characters per stop string (default %(default)s)",
     )
     p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=defaults.drain_timeout_s,
+        help="on SIGTERM, requests in flight may finish for this long while new ones are refused (default %(default)s)",
+    )
+    p.add_argument(
         "--executor-reconnect-timeout-s",
         type=float,
         default=defaults.executor_reconnect_timeout_s,
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
         executor_reconnect_timeout_s=args.executor_reconnect_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
         scheduler_id=args.scheduler_id,
         take_over=args.take_over,
         max_retention_s=args.max_retention_s,
@@ -146,7 +153,16 @@ async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("scheduler_stopping")
+    # Drain: refuse new requests (health says NOT_SERVING), let those in flight finish up to the
+    # deadline; a second signal stops at once. Whatever is left then ends with UNAVAILABLE.
+    stop.clear()
+    log.info("scheduler_draining", requests_in_flight=len(loop.streams), drain_timeout_s=config.drain_timeout_s)
+    loop.start_draining()
+    drained = asyncio.create_task(loop.wait_drained())
+    interrupted = asyncio.create_task(stop.wait())
+    await asyncio.wait({drained, interrupted}, timeout=config.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    interrupted.cancel()
+    log.info("scheduler_stopping", requests_left=len(loop.streams))
     await server.stop(grace=1.0)
     for task in tasks:
         task.cancel()

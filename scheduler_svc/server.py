@@ -42,6 +42,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         loop = self.loop
         if loop.stopped_reason:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
+        if loop.is_draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down (draining requests in flight); retry elsewhere"
+            )
         if not loop.is_connected:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

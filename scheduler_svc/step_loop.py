@@ -100,6 +100,7 @@ class StepLoop:
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self.stopped_reason = ""  # set when the loop task has ended: no step will ever run again
+        self.is_draining = False  # shutting down: no new requests, those in flight finish
         self._orphans: list[Request] = []  # live requests of a lost executor, to send to the next one
         self._lost_since: float | None = None  # when the executor was lost with requests in flight
         self._lost_model: tuple[str, int] | None = None  # (name, vocab size) they were generated with
@@ -112,8 +113,17 @@ class StepLoop:
 
     @property
     def is_serving(self) -> bool:
-        """Attached, and the loop task is alive to run steps."""
-        return self.is_connected and not self.stopped_reason
+        """Attached, the loop task alive to run steps, and taking new requests."""
+        return self.is_connected and not self.stopped_reason and not self.is_draining
+
+    def start_draining(self) -> None:
+        self.is_draining = True
+        self._connected.set()  # wake handlers waiting for the executor: they are refused now
+
+    async def wait_drained(self) -> None:
+        """Until no request is in flight."""
+        while self.streams:
+            await asyncio.sleep(0.05)
 
     def request_id_conflict(self, request_id: str) -> str | None:
         """Why a client's request id cannot be used now (a message), or None if it can."""

@@ -254,3 +254,10 @@ def test_compose_publishes_on_loopback_only():
     assert published, "the compose file should publish the scheduler at least"
     for name, port in published:
         assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
+def test_compose_gives_the_scheduler_time_to_drain():
+    scheduler = load(COMPOSE)["services"]["scheduler"]
+    drain_s = float(next(a.split("=", 1)[1] for a in scheduler["command"] if a.startswith("--drain-timeout-s=")))
+    grace = scheduler["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > drain_s

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the executor is lost, streams wait this long for it to come back (0: fail at once; default %(default)s)",
     )
     p.add_argument(
+        "--api-key-file",
+        default=defaults.api_key_file,
+        help="require 'authorization: Bearer <key>' metadata with a key from this file (one per line); "
+        "health checks stay open (default: no key needed)",
+    )
+    p.add_argument(
         "--scheduler-id",
         default=defaults.scheduler_id,
         help="how the executor knows this scheduler (default: this host and --listen, the same across restarts)",
@@ -133,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         executor_reconnect_timeout_s=args.executor_reconnect_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         scheduler_id=args.scheduler_id,
+        api_key_file=args.api_key_file,
         take_over=args.take_over,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,

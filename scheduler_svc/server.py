@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from scheduler_svc.api_keys import ApiKeyInterceptor, load_api_keys
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
@@ -169,6 +170,9 @@ async def serve(
     no interceptor is installed and no span is made.
     """
     telemetry = Telemetry(tracer, metrics)
+    interceptors = list(telemetry.server_interceptors)
+    if config.api_key_file:
+        interceptors.insert(0, ApiKeyInterceptor(load_api_keys(config.api_key_file)))  # refuse before anything else
     link = ExecutorLink(
         config.executor,
         config.connect_timeout_s,
@@ -181,7 +185,7 @@ async def serve(
     if metrics is not None:
         metrics.watch(loop)
     server = grpc.aio.server(
-        interceptors=telemetry.server_interceptors or None,
+        interceptors=interceptors or None,
         options=[
             ("grpc.so_reuseport", 0),  # a taken port must fail, not be shared
             ("grpc.max_receive_message_length", config.max_message_bytes),

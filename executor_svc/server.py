@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
+from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
@@ -33,6 +34,10 @@ from executor_svc.observability.step_interceptor import executor_interceptors
 log = structlog.get_logger()
 
 SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
+SCHEDULER_TOKEN_REFUSAL = (
+    "missing or wrong scheduler token: this executor serves only a scheduler started with "
+    "--executor-token-file holding the token in its --scheduler-token-file"
+)
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
@@ -131,8 +136,22 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return step_output_to_pb(request.step_id, output)
 
 
+def _interceptors(tracer, metrics, scheduler_token_file: str | None) -> list:
+    interceptors = list(executor_interceptors(tracer, metrics))
+    if scheduler_token_file:  # refuse before anything else
+        keys = load_keys(scheduler_token_file, "scheduler token")
+        interceptors.insert(0, BearerKeyInterceptor(keys, SERVICE_NAME, SCHEDULER_TOKEN_REFUSAL))
+    return interceptors
+
+
 async def serve(
-    engine: Engine, listen: str, calibration: list[CostSample] = (), *, tracer=None, metrics=None
+    engine: Engine,
+    listen: str,
+    calibration: list[CostSample] = (),
+    *,
+    tracer=None,
+    metrics=None,
+    scheduler_token_file: str | None = None,
 ) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it.
 
@@ -142,7 +161,7 @@ async def serve(
     if metrics is not None:
         metrics.watch(engine)
     server = grpc.aio.server(
-        interceptors=executor_interceptors(tracer, metrics) or None,
+        interceptors=_interceptors(tracer, metrics, scheduler_token_file) or None,
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),

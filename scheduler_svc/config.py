@@ -30,6 +30,7 @@ class SchedulerConfig:
     scheduler_id: str = ""  # how the executor knows this scheduler; empty: host/listen address (stable across restarts)
     take_over: bool = False  # attach even if the executor serves another scheduler, retiring it
     api_key_file: str | None = None  # require 'authorization: Bearer <key>' with a key from this file
+    executor_token_file: str | None = None  # the token the executor requires (its --scheduler-token-file)
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         "health checks stay open (default: no key needed)",
     )
     p.add_argument(
+        "--executor-token-file",
+        default=defaults.executor_token_file,
+        help="the token the executor requires (the first line of its --scheduler-token-file; default: none)",
+    )
+    p.add_argument(
         "--scheduler-id",
         default=defaults.scheduler_id,
         help="how the executor knows this scheduler (default: this host and --listen, the same across restarts)",
@@ -140,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         drain_timeout_s=args.drain_timeout_s,
         scheduler_id=args.scheduler_id,
         api_key_file=args.api_key_file,
+        executor_token_file=args.executor_token_file,
         take_over=args.take_over,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,

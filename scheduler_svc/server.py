@@ -18,7 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from scheduler_svc.api_keys import ApiKeyInterceptor, load_api_keys
+from executor_svc.bearer_keys import bearer_key_interceptors, load_keys
+from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
@@ -161,6 +162,13 @@ async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServic
         await asyncio.sleep(0.1)
 
 
+def _executor_token_interceptors(config: SchedulerConfig) -> list:
+    """Send the executor's shared token (the file's first key) with every call to it."""
+    if not config.executor_token_file:
+        return []
+    return bearer_key_interceptors(load_keys(config.executor_token_file, "executor token")[0])
+
+
 async def serve(
     config: SchedulerConfig, *, tracer=None, metrics=None
 ) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
@@ -172,12 +180,12 @@ async def serve(
     telemetry = Telemetry(tracer, metrics)
     interceptors = list(telemetry.server_interceptors)
     if config.api_key_file:
-        interceptors.insert(0, ApiKeyInterceptor(load_api_keys(config.api_key_file)))  # refuse before anything else
+        interceptors.insert(0, api_key_interceptor(config.api_key_file))  # refuse before anything else
     link = ExecutorLink(
         config.executor,
         config.connect_timeout_s,
         config.executor_timeout_s,
-        telemetry.client_interceptors,
+        [*telemetry.client_interceptors, *_executor_token_interceptors(config)],
         scheduler_id=config.scheduler_id or f"{socket.gethostname()}/{config.listen}",
         take_over=config.take_over,
     )

@@ -1,5 +1,5 @@
-"""Bearer keys on gRPC, for both services: the scheduler's API keys (clients → scheduler)
-and the shared token between a scheduler and its executor (scheduler → executor).
+"""Access to the services, shared by both: bearer keys on gRPC (the scheduler's API keys,
+clients → scheduler; the shared token, scheduler → executor) and TLS listening ports.
 
 Server side, `BearerKeyInterceptor` refuses every call to the protected service whose
 metadata lacks `authorization: Bearer <key>` for one of the keys, with UNAUTHENTICATED,
@@ -95,3 +95,13 @@ def bearer_key_interceptors(key: str) -> list:
     so a single class serving both would leave streaming calls without the key."""
     metadatum = (METADATA_KEY, f"Bearer {key}")
     return [_UnaryUnary(metadatum), _UnaryStream(metadatum)]
+
+
+def server_port(server: grpc.aio.Server, listen: str, tls_cert: str | None, tls_key: str | None) -> int:
+    """Listen on `listen`: with TLS when given a certificate and key (PEM files), else in the clear."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    if tls_cert:
+        credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+        return server.add_secure_port(listen, credentials)
+    return server.add_insecure_port(listen)

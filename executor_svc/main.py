@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve only callers sending 'authorization: Bearer <token>' with a token from this file "
         "(the scheduler's --executor-token-file); health checks stay open (default: no token needed)",
     )
+    p.add_argument("--tls-cert", default=None, help="serve over TLS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     add_observability_flags(p)
     return p
 
@@ -89,6 +91,8 @@ async def run(args: argparse.Namespace) -> None:
         tracer=telemetry.tracer,
         metrics=telemetry.metrics,
         scheduler_token_file=args.scheduler_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     log.info(
         "executor_listening",

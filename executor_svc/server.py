@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys
+from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
@@ -152,6 +152,8 @@ async def serve(
     tracer=None,
     metrics=None,
     scheduler_token_file: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it.
 
@@ -171,7 +173,7 @@ async def serve(
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    port = server_port(server, listen, tls_cert, tls_key)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

@@ -31,6 +31,9 @@ class SchedulerConfig:
     take_over: bool = False  # attach even if the executor serves another scheduler, retiring it
     api_key_file: str | None = None  # require 'authorization: Bearer <key>' with a key from this file
     executor_token_file: str | None = None  # the token the executor requires (its --scheduler-token-file)
+    tls_cert: str | None = None  # serve over TLS with this certificate (PEM) ...
+    tls_key: str | None = None  # ... and its private key
+    executor_ca: str | None = None  # reach the executor over TLS, verifying it against this CA (PEM)
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
@@ -66,6 +69,8 @@ class SchedulerConfig:
             raise ValueError(f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}")
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
         if self.max_message_bytes <= self.max_prompt_bytes:
             raise ValueError(
                 f"max_message_bytes ({self.max_message_bytes}) must exceed max_prompt_bytes ({self.max_prompt_bytes}), "

@@ -12,6 +12,8 @@ forth.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -30,15 +32,18 @@ class ExecutorLink:
         *,
         scheduler_id: str,
         take_over: bool = False,
+        ca_file: str | None = None,
     ) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.step_timeout_s = step_timeout_s
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-            interceptors=list(interceptors) or None,  # e.g. trace context propagation
-        )
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        interceptors = list(interceptors) or None  # e.g. trace context propagation, the executor's token
+        if ca_file:  # TLS, the executor's certificate verified against this CA
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
         self.scheduler_id = scheduler_id
         self.take_over = take_over

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.executor_token_file,
         help="the token the executor requires (the first line of its --scheduler-token-file; default: none)",
     )
+    p.add_argument("--tls-cert", default=defaults.tls_cert, help="serve over TLS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=defaults.tls_key, help="the private key of --tls-cert (PEM)")
+    p.add_argument(
+        "--executor-ca",
+        default=defaults.executor_ca,
+        help="reach the executor over TLS, verifying its certificate against this CA (PEM; default: in the clear)",
+    )
     p.add_argument(
         "--scheduler-id",
         default=defaults.scheduler_id,
@@ -146,6 +153,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         scheduler_id=args.scheduler_id,
         api_key_file=args.api_key_file,
         executor_token_file=args.executor_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        executor_ca=args.executor_ca,
         take_over=args.take_over,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from executor_svc.bearer_keys import bearer_key_interceptors, load_keys
+from executor_svc.bearer_keys import bearer_key_interceptors, load_keys, server_port
 from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
@@ -187,6 +187,7 @@ async def serve(
         config.executor_timeout_s,
         [*telemetry.client_interceptors, *_executor_token_interceptors(config)],
         scheduler_id=config.scheduler_id or f"{socket.gethostname()}/{config.listen}",
+        ca_file=config.executor_ca,
         take_over=config.take_over,
     )
     loop = StepLoop(config, link, telemetry)
@@ -202,7 +203,7 @@ async def serve(
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.listen)
+    port = server_port(server, config.listen, config.tls_cert, config.tls_key)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()

@@ -82,3 +82,13 @@ def drive(
         step += 1
     run.num_steps = step
     return run
+
+
+def num_held_requests(engine: Engine) -> int:
+    """Requests the engine holds, read from a thread other than the engine's (which may be
+    changing its table: then read again)."""
+    while True:
+        try:
+            return len(engine.request_ids)
+        except RuntimeError:
+            continue

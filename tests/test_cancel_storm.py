@@ -20,6 +20,7 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from tests.engine_driver import num_held_requests
 from tests.stack import free_port
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -70,9 +71,9 @@ def test_cancel_storm_leaves_no_request_and_no_kv_block(tmp_path):
                 for start in range(0, NUM_REQUESTS, 40):  # waves, so the queue fills and drains
                     await asyncio.gather(*(one(i) for i in range(start, min(start + 40, NUM_REQUESTS))))
             idle = time.monotonic()
-            while engine.request_ids or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
+            while num_held_requests(engine) or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
                 assert time.monotonic() - idle < 1.0, (
-                    f"{len(engine.request_ids)} requests and "
+                    f"{num_held_requests(engine)} requests and "
                     f"{engine.kv_cache.num_usable_blocks - engine.kv_cache.num_free_blocks} KV blocks still held 1 s after idle"
                 )
                 await asyncio.sleep(0.02)

@@ -24,6 +24,7 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from tests.engine_driver import num_held_requests
 from tests.stack import free_port
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -144,7 +145,7 @@ def test_fuzzed_generate_requests_get_defined_codes_and_leak_nothing(servers):
         channel.close()
     assert not step_loop.stopped_reason and step_loop.is_connected
     deadline = time.monotonic() + 10
-    while engine.request_ids or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
+    while num_held_requests(engine) or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
         assert time.monotonic() < deadline, "requests or KV blocks are still held after going idle"
         time.sleep(0.05)
     assert seen.get(grpc.StatusCode.OK, 0) > 0 and seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 0, seen

@@ -261,3 +261,9 @@ def test_compose_gives_the_scheduler_time_to_drain():
     drain_s = float(next(a.split("=", 1)[1] for a in scheduler["command"] if a.startswith("--drain-timeout-s=")))
     grace = scheduler["stop_grace_period"]
     assert grace.endswith("s") and float(grace[:-1]) > drain_s
+
+
+def test_compose_scheduler_keeps_its_id_across_container_recreation():
+    """The executor serves one scheduler id; the default (host/listen) changes with the container."""
+    command = load(COMPOSE)["services"]["scheduler"]["command"]
+    assert any(a.startswith("--scheduler-id=") for a in command)

@@ -216,6 +216,9 @@ class StepLoop:
         except grpc.aio.AioRpcError as exc:
             self.last_connect_error = f"{exc.code().name}: {exc.details()}"
             self._connected.clear()
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._orphans:
+                # Another scheduler has the executor: the requests waiting for it will not get it back.
+                self._end_orphans(f"the executor at {self.link.address} refuses this scheduler ({self.last_connect_error})")
             return False
         except Exception as exc:  # e.g. a tokenizer the scheduler cannot load: keep retrying, say why
             log.exception("attach_failed", executor=self.link.address)
@@ -374,7 +377,10 @@ class StepLoop:
         code = exc.code()
         log.error("step_failed", code=code.name, details=exc.details())
         unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-        if unreachable and self.config.executor_reconnect_timeout_s > 0:
+        # FAILED_PRECONDITION: the executor restarted (it does not know us) or another scheduler took
+        # it over; which one, the re-attach tells (see _attach).
+        lost = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
+        if lost and self.config.executor_reconnect_timeout_s > 0:
             info = self.link.info
             self._orphans = self.planner.take_live_requests()
             self._lost_since = time.monotonic()
@@ -384,9 +390,7 @@ class StepLoop:
             self.link.detach()
             self._connected.clear()
             return
-        # FAILED_PRECONDITION: another scheduler took the executor over: gone for us too.
-        gone = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
-        status = grpc.StatusCode.UNAVAILABLE if gone else grpc.StatusCode.INTERNAL
+        status = grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL
         message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
         self._reset(status, message)
 
@@ -416,14 +420,17 @@ class StepLoop:
         waited = time.monotonic() - self._lost_since
         if waited < self.config.executor_reconnect_timeout_s:
             return
-        message = (
+        self._end_orphans(
             f"the executor at {self.link.address} was lost {waited:.0f} s ago and has not come back "
             f"({self.last_connect_error or 'unreachable'}; executor_reconnect_timeout_s="
-            f"{self.config.executor_reconnect_timeout_s:g}); the request was lost"
+            f"{self.config.executor_reconnect_timeout_s:g})"
         )
+
+    def _end_orphans(self, reason: str) -> None:
+        """The requests waiting for a lost executor will not get one: end their streams."""
         self._orphans, self._lost_since = [], None
         for request_id in list(self.streams):
-            self._fail_stream(request_id, grpc.StatusCode.UNAVAILABLE, message)
+            self._fail_stream(request_id, grpc.StatusCode.UNAVAILABLE, f"{reason}; the request was lost")
 
     def _step_crashed(self, plan: Plan | None, exc: Exception) -> None:
         """A step raised: end its own requests with INTERNAL; the others go on.

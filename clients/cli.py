@@ -76,6 +76,19 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="deadline in seconds for the whole call (default: none)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file whose first line is the API key, for a scheduler started with --api-key-file",
+    )
+    parser.add_argument("--tls-ca", default=None, help="reach the scheduler over TLS, verified against this CA (PEM)")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if not args.api_key_file:
+        return None
+    with open(args.api_key_file) as f:
+        return f.readline().strip() or None
 
 
 def _add_request_flags(parser: argparse.ArgumentParser) -> None:
@@ -346,7 +359,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt: dict[str, Any] = {"token_ids": args.token_ids}
     else:
         prompt = {"prompt": sys.stdin.read() if args.prompt == "-" else args.prompt}
-    with SwarmClient(args.server, timeout=args.timeout) as client:
+    with SwarmClient(args.server, timeout=args.timeout, api_key=_api_key(args), tls_ca=args.tls_ca) as client:
         _stream_turn(client, args, is_chat=False, **prompt)
     return 0
 
@@ -358,7 +371,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     piped input the script stops there, since later lines assumed that reply.
     """
     history = [{"role": "system", "content": args.system}] if args.system is not None else []
-    with SwarmClient(args.server, timeout=args.timeout) as client:
+    with SwarmClient(args.server, timeout=args.timeout, api_key=_api_key(args), tls_ca=args.tls_ca) as client:
         if args.message is not None:
             _stream_turn(client, args, is_chat=True, messages=[*history, {"role": "user", "content": args.message}])
             return 0
@@ -392,7 +405,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    with SwarmClient(args.server, timeout=args.timeout) as client:
+    with SwarmClient(args.server, timeout=args.timeout, api_key=_api_key(args), tls_ca=args.tls_ca) as client:
         info = client.server_info()
     print(json.dumps(dataclasses.asdict(info), indent=2), flush=True)
     return 0

@@ -17,6 +17,7 @@ import grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from clients.api_key import api_key_interceptors
 from clients.completion import Completion, collect_completion
 from clients.errors import SwarmServeError
 from clients.generate_request import build_generate_request
@@ -29,11 +30,22 @@ DEFAULT_SCHEDULER_ADDRESS = "127.0.0.1:50051"
 
 class AsyncSwarmClient:
     """`timeout` is the default deadline in seconds for every call (for Generate: the whole
-    stream); None means no deadline. Each method's own `timeout` overrides it."""
+    stream); None means no deadline. Each method's own `timeout` overrides it. `api_key`:
+    for a scheduler started with --api-key-file. `tls_ca`: a CA file (PEM) to reach a
+    scheduler serving TLS and verify its certificate."""
 
-    def __init__(self, address: str = DEFAULT_SCHEDULER_ADDRESS, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_SCHEDULER_ADDRESS,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        self._api_key = api_key
+        self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerServiceStub | None = None
         self._is_closed = False
@@ -42,7 +54,14 @@ class AsyncSwarmClient:
         if self._is_closed:
             raise RuntimeError("the client is closed")
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=list(FAST_RECONNECT_OPTIONS))
+            interceptors = api_key_interceptors(self._api_key) if self._api_key else None
+            options = list(FAST_RECONNECT_OPTIONS)
+            if self._tls_ca:
+                with open(self._tls_ca, "rb") as f:
+                    credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+                self._channel = grpc.aio.secure_channel(self.address, credentials, options=options, interceptors=interceptors)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.address, options=options, interceptors=interceptors)
             self._stub = pb_grpc.SchedulerServiceStub(self._channel)
         return self._stub
 

@@ -83,8 +83,15 @@ class SyncGenerateStream:
 class SwarmClient:
     """Blocking twin of AsyncSwarmClient: same methods, same arguments, same errors."""
 
-    def __init__(self, address: str = DEFAULT_SCHEDULER_ADDRESS, *, timeout: float | None = None) -> None:
-        self._async = AsyncSwarmClient(address, timeout=timeout)
+    def __init__(
+        self,
+        address: str = DEFAULT_SCHEDULER_ADDRESS,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+    ) -> None:
+        self._async = AsyncSwarmClient(address, timeout=timeout, api_key=api_key, tls_ca=tls_ca)
         self._loop = asyncio.new_event_loop()
         # Daemon: a client never closed must not keep the interpreter from exiting.
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarmserve-client", daemon=True)

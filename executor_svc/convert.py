@@ -39,6 +39,7 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
         ignore_eos=msg.ignore_eos,
         session_id=msg.session_id,
         retention_s=msg.retention_s,
+        output_token_ids=tuple(msg.output_token_ids),
     )
 
 

@@ -217,12 +217,18 @@ class Engine:
             raise InvalidRequestError(f"request id {new.request_id!r} is already in flight")
         if not new.prompt_token_ids:
             raise InvalidRequestError(f"request {new.request_id!r}: prompt_token_ids is empty")
-        if len(new.prompt_token_ids) >= ctx:
+        if len(new.prompt_token_ids) + len(new.output_token_ids) >= ctx:
+            already = f" (+ {len(new.output_token_ids)} already generated)" if new.output_token_ids else ""
             raise InvalidRequestError(
-                f"request {new.request_id!r}: prompt of {len(new.prompt_token_ids)} tokens leaves no room "
+                f"request {new.request_id!r}: prompt of {len(new.prompt_token_ids)} tokens{already} leaves no room "
                 f"to generate in the model's context of {ctx} tokens"
             )
-        bad = [t for t in new.prompt_token_ids if not 0 <= t < vocab]
+        if len(new.output_token_ids) >= new.max_new_tokens > 0:
+            raise InvalidRequestError(
+                f"request {new.request_id!r}: {len(new.output_token_ids)} tokens already generated, "
+                f"max_new_tokens={new.max_new_tokens}: nothing is left to generate"
+            )
+        bad = [t for t in (*new.prompt_token_ids, *new.output_token_ids) if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
                 f"request {new.request_id!r}: prompt_token_ids {bad[:5]} outside the vocabulary [0, {vocab})"
@@ -245,7 +251,7 @@ class Engine:
         seed = new.sampling.seed if new.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._requests[new.request_id] = RequestState(
             request_id=new.request_id,
-            token_ids=list(new.prompt_token_ids),
+            token_ids=new.token_ids,
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling=new.sampling,
             seed=seed,
@@ -255,7 +261,7 @@ class Engine:
             session_id=new.session_id,
             retention_s=new.retention_s,
         )
-        self.drafter.add_request(new.request_id, new.prompt_token_ids)
+        self.drafter.add_request(new.request_id, new.token_ids)
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV; releasing an unknown (e.g. already finished) id is a no-op."""
@@ -444,7 +450,7 @@ class Engine:
             seen.add(s.request_id)
             if s.request_id in new_ids:
                 new = next(n for n in plan.new_requests if n.request_id == s.request_id)
-                num_computed, num_known = 0, len(new.prompt_token_ids)
+                num_computed, num_known = 0, len(new.token_ids)
             elif s.request_id in self._requests and s.request_id not in plan.released:
                 state = self._requests[s.request_id]
                 num_known = len(state.token_ids)
@@ -481,7 +487,7 @@ class Engine:
         puts it among the free blocks (see _num_blocks_available), and reusing it takes it out.
         """
         emptied = {*plan.released, *plan.preempted}
-        new_lengths = {n.request_id: len(n.prompt_token_ids) for n in plan.new_requests}
+        new_lengths = {n.request_id: len(n.token_ids) for n in plan.new_requests}
         allocator = self.kv_cache.allocator
         freed = self._blocks_freed_by(plan)
         needed = len({b for block_ids in hits.values() for b in block_ids if allocator.is_evictable(b) or b in freed})
@@ -524,7 +530,7 @@ class Engine:
             state = self._requests.get(s.request_id)
             if state is not None and s.request_id not in emptied and (state.num_computed_tokens or state.block_ids):
                 continue
-            token_ids = new[s.request_id].prompt_token_ids if state is None else state.token_ids
+            token_ids = new[s.request_id].token_ids if state is None else state.token_ids
             block_hashes = [] if state is None else state.block_hashes
             max_blocks = (len(token_ids) - 1) // self.kv_cache.block_size
             self._extend_block_hashes(token_ids, block_hashes, max_blocks)

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--scheduler-token-file",
+        default=None,
+        help="serve only callers sending 'authorization: Bearer <token>' with a token from this file "
+        "(the scheduler's --executor-token-file); health checks stay open (default: no token needed)",
+    )
+    p.add_argument("--tls-cert", default=None, help="serve over TLS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     add_observability_flags(p)
     return p
 
@@ -81,7 +89,16 @@ async def run(args: argparse.Namespace) -> None:
     engine = Engine(config_from_args(args))
     calibration = [] if args.no_calibration else engine.calibrate()
     log.info("calibrated", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
-    server = await serve(engine, args.listen, calibration, tracer=telemetry.tracer, metrics=telemetry.metrics)
+    server = await serve(
+        engine,
+        args.listen,
+        calibration,
+        tracer=telemetry.tracer,
+        metrics=telemetry.metrics,
+        scheduler_token_file=args.scheduler_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
     log.info(
         "executor_listening",
         address=args.listen,

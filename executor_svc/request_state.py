@@ -25,6 +25,12 @@ class NewRequest:
     ignore_eos: bool = False
     session_id: str = ""  # an agent's conversation: its KV is preferred when evicting...
     retention_s: float = 0.0  # ... for this long after the request ends (0: no preference)
+    output_token_ids: tuple[int, ...] = ()  # already generated (resubmitted after an executor restart)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Everything the request starts with: prompt, then any output it already has."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
 
 @dataclass

@@ -4,10 +4,13 @@ from_pb → engine → to_pb. Steps run one at a time on a worker thread so the
 event loop keeps answering health checks while the model computes. Engine
 exceptions become status codes; the engine stays usable for the next call.
 
-The scheduler is stateless and may restart: every plan carries the scheduler's
-incarnation id. When a new id appears (at GetInfo or at a Step), whatever the
-previous scheduler left in the engine is released; a retired scheduler's later
-steps are refused with FAILED_PRECONDITION so two schedulers never fight.
+Exactly one scheduler drives the executor. A scheduler attaches with GetInfo
+under its id (stable across its restarts); every attach releases whatever the
+engine holds, since an attaching scheduler has lost its state (it restarted, or
+gave up on a broken step). Another scheduler is refused with FAILED_PRECONDITION,
+at GetInfo and at Step, unless it attaches with `take_over`: then the current one
+is retired and its later calls are refused too, so two schedulers never fight.
+A GetInfo without a scheduler id is a read-only query and changes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
+from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
@@ -30,6 +34,10 @@ from executor_svc.observability.step_interceptor import executor_interceptors
 log = structlog.get_logger()
 
 SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
+SCHEDULER_TOKEN_REFUSAL = (
+    "missing or wrong scheduler token: this executor serves only a scheduler started with "
+    "--executor-token-file holding the token in its --scheduler-token-file"
+)
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
@@ -45,26 +53,42 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    def _adopt_scheduler(self, scheduler_id: str) -> int:
-        """Make `scheduler_id` the current scheduler; returns how many leftovers were released."""
-        if scheduler_id == self._scheduler_id:
-            return 0
+    def _attach_scheduler(self, scheduler_id: str) -> int:
+        """Make `scheduler_id` the current scheduler and release everything the engine holds
+        (its own leftovers, or a replaced scheduler's requests); returns how many."""
         leftovers = self.engine.request_ids
         for request_id in leftovers:
             self.engine.release(request_id)
-        if self._scheduler_id:
+        self._retired_scheduler_ids.discard(scheduler_id)  # a retired scheduler taking the executor back
+        if self._scheduler_id and self._scheduler_id != scheduler_id:
             self._retired_scheduler_ids.add(self._scheduler_id)
+            log.warning("scheduler_taken_over", retired_scheduler_id=self._scheduler_id, scheduler_id=scheduler_id)
         log.info("scheduler_attached", scheduler_id=scheduler_id, released_requests=len(leftovers))
         self._scheduler_id = scheduler_id
         return len(leftovers)
+
+    def _refusal(self, scheduler_id: str) -> str | None:
+        """Why a call from `scheduler_id` (not attaching with take_over) is refused, or None."""
+        if scheduler_id in self._retired_scheduler_ids:
+            return (
+                f"scheduler {scheduler_id!r} was replaced by scheduler {self._scheduler_id!r} (take-over); "
+                "restart it with --take-over to take the executor back"
+            )
+        if self._scheduler_id and scheduler_id != self._scheduler_id:
+            return (
+                f"this executor is driven by scheduler {self._scheduler_id!r}; one executor serves one scheduler. "
+                "Start this scheduler with --take-over to replace it"
+            )
+        return None
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         async with self._lock:
             released = 0
             if request.scheduler_id:
-                if request.scheduler_id in self._retired_scheduler_ids:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
-                released = await self._run(self._adopt_scheduler, request.scheduler_id)
+                refusal = self._refusal(request.scheduler_id)
+                if refusal is not None and not request.take_over:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+                released = await self._run(self._attach_scheduler, request.scheduler_id)
         engine, config, tok = self.engine, self.engine.model_config, self.engine.tokenizer
         return pb.GetInfoResponse(
             model_name=config.name,
@@ -95,10 +119,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         if not request.scheduler_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
         async with self._lock:
-            if request.scheduler_id in self._retired_scheduler_ids:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
+            refusal = self._refusal(request.scheduler_id)
+            if refusal is None and not self._scheduler_id:
+                refusal = f"scheduler {request.scheduler_id!r} has not attached (GetInfo) to this executor; it may have restarted"
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
-                await self._run(self._adopt_scheduler, request.scheduler_id)
                 plan = plan_from_pb(request)
                 output = await self._run(self.engine.step, plan)
             except OutOfKVBlocksError as exc:
@@ -111,8 +137,24 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return step_output_to_pb(request.step_id, output)
 
 
+def _interceptors(tracer, metrics, scheduler_token_file: str | None) -> list:
+    interceptors = list(executor_interceptors(tracer, metrics))
+    if scheduler_token_file:  # refuse before anything else
+        keys = load_keys(scheduler_token_file, "scheduler token")
+        interceptors.insert(0, BearerKeyInterceptor(keys, SERVICE_NAME, SCHEDULER_TOKEN_REFUSAL))
+    return interceptors
+
+
 async def serve(
-    engine: Engine, listen: str, calibration: list[CostSample] = (), *, tracer=None, metrics=None
+    engine: Engine,
+    listen: str,
+    calibration: list[CostSample] = (),
+    *,
+    tracer=None,
+    metrics=None,
+    scheduler_token_file: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it.
 
@@ -122,7 +164,7 @@ async def serve(
     if metrics is not None:
         metrics.watch(engine)
     server = grpc.aio.server(
-        interceptors=executor_interceptors(tracer, metrics) or None,
+        interceptors=_interceptors(tracer, metrics, scheduler_token_file) or None,
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
@@ -132,7 +174,7 @@ async def serve(
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    port = server_port(server, listen, tls_cert, tls_key)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

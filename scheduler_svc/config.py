@@ -21,10 +21,19 @@ class SchedulerConfig:
     default_max_new_tokens: int = 1024  # when a request names none (capped by the context)
     kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
     executor_timeout_s: float = 60.0  # one Step RPC
+    executor_reconnect_timeout_s: float = 60.0  # streams wait this long for a lost executor (0: fail at once)
+    drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long (deploy's stop grace matches)
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
     spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
+    scheduler_id: str = ""  # how the executor knows this scheduler; empty: host/listen address (stable across restarts)
+    take_over: bool = False  # attach even if the executor serves another scheduler, retiring it
+    api_key_file: str | None = None  # require 'authorization: Bearer <key>' with a key from this file
+    executor_token_file: str | None = None  # the token the executor requires (its --scheduler-token-file)
+    tls_cert: str | None = None  # serve over TLS with this certificate (PEM) ...
+    tls_key: str | None = None  # ... and its private key
+    executor_ca: str | None = None  # reach the executor over TLS, verifying it against this CA (PEM)
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
@@ -54,8 +63,14 @@ class SchedulerConfig:
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
         if self.decode_latency_target_s is not None and self.decode_latency_target_s <= 0:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
+        if not (math.isfinite(self.executor_reconnect_timeout_s) and self.executor_reconnect_timeout_s >= 0):
+            raise ValueError(f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}")
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
         if self.max_message_bytes <= self.max_prompt_bytes:
             raise ValueError(
                 f"max_message_bytes ({self.max_message_bytes}) must exceed max_prompt_bytes ({self.max_prompt_bytes}), "

@@ -1,13 +1,18 @@
 """The scheduler's connection to the executor: attach, fetch the model's limits, send plans.
 
-Every attach uses a fresh scheduler incarnation id, so the executor releases
-whatever an earlier incarnation (a crashed scheduler, or this one before a
-broken step) left behind.
+The scheduler attaches under its id, which stays the same across its restarts
+(host and listen address by default: two live schedulers cannot share both).
+Every attach makes the executor release whatever it holds, since an attaching
+scheduler has lost its state: after a crash, or after giving up on a broken
+step. The executor serves one scheduler: another one is refused
+(FAILED_PRECONDITION), unless it was started with --take-over, which applies to
+its first attach only, so two such schedulers cannot take the executor back and
+forth.
 """
 
 from __future__ import annotations
 
-import uuid
+from pathlib import Path
 
 import grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
@@ -18,17 +23,30 @@ from scheduler_svc.intake import ModelLimits
 
 
 class ExecutorLink:
-    def __init__(self, address: str, connect_timeout_s: float, step_timeout_s: float, interceptors=()) -> None:
+    def __init__(
+        self,
+        address: str,
+        connect_timeout_s: float,
+        step_timeout_s: float,
+        interceptors=(),
+        *,
+        scheduler_id: str,
+        take_over: bool = False,
+        ca_file: str | None = None,
+    ) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.step_timeout_s = step_timeout_s
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-            interceptors=list(interceptors) or None,  # e.g. trace context propagation
-        )
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        interceptors = list(interceptors) or None  # e.g. trace context propagation, the executor's token
+        if ca_file:  # TLS, the executor's certificate verified against this CA
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
-        self.scheduler_id = ""
+        self.scheduler_id = scheduler_id
+        self.take_over = take_over
         self.info: pb.GetInfoResponse | None = None
         self.limits: ModelLimits | None = None
 
@@ -37,11 +55,13 @@ class ExecutorLink:
         return self.info is not None
 
     async def attach(self) -> pb.GetInfoResponse:
-        """GetInfo under a new incarnation id; raises grpc.aio.AioRpcError when unreachable."""
-        scheduler_id = uuid.uuid4().hex
+        """GetInfo under this scheduler's id; raises grpc.aio.AioRpcError when unreachable or refused."""
         info = await self.stub.GetInfo(
-            pb.GetInfoRequest(scheduler_id=scheduler_id), timeout=self.connect_timeout_s, wait_for_ready=False
+            pb.GetInfoRequest(scheduler_id=self.scheduler_id, take_over=self.take_over),
+            timeout=self.connect_timeout_s,
+            wait_for_ready=False,
         )
+        self.take_over = False  # once: never take the executor back from a scheduler that took it over
         if self.info is None or info.executor_id != self.info.executor_id:
             self.limits = ModelLimits(
                 tokenizer=Tokenizer.from_str(info.tokenizer_json),
@@ -51,7 +71,6 @@ class ExecutorLink:
                 context_length=info.context_length,
                 vocab_size=info.vocab_size,
             )
-        self.scheduler_id = scheduler_id
         self.info = info
         return info
 

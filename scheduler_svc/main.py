@@ -91,6 +91,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_stop_string_chars,
         help="characters per stop string (default %(default)s)",
     )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=defaults.drain_timeout_s,
+        help="on SIGTERM, requests in flight may finish for this long while new ones are refused (default %(default)s)",
+    )
+    p.add_argument(
+        "--executor-reconnect-timeout-s",
+        type=float,
+        default=defaults.executor_reconnect_timeout_s,
+        help="when the executor is lost, streams wait this long for it to come back (0: fail at once; default %(default)s)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=defaults.api_key_file,
+        help="require 'authorization: Bearer <key>' metadata with a key from this file (one per line); "
+        "health checks stay open (default: no key needed)",
+    )
+    p.add_argument(
+        "--executor-token-file",
+        default=defaults.executor_token_file,
+        help="the token the executor requires (the first line of its --scheduler-token-file; default: none)",
+    )
+    p.add_argument("--tls-cert", default=defaults.tls_cert, help="serve over TLS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=defaults.tls_key, help="the private key of --tls-cert (PEM)")
+    p.add_argument(
+        "--executor-ca",
+        default=defaults.executor_ca,
+        help="reach the executor over TLS, verifying its certificate against this CA (PEM; default: in the clear)",
+    )
+    p.add_argument(
+        "--scheduler-id",
+        default=defaults.scheduler_id,
+        help="how the executor knows this scheduler (default: this host and --listen, the same across restarts)",
+    )
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="attach even if the executor serves another scheduler, which is then refused (default: refuse to)",
+    )
     p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
@@ -108,6 +148,15 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        executor_reconnect_timeout_s=args.executor_reconnect_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        scheduler_id=args.scheduler_id,
+        api_key_file=args.api_key_file,
+        executor_token_file=args.executor_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        executor_ca=args.executor_ca,
+        take_over=args.take_over,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,
@@ -127,7 +176,16 @@ async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         event_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("scheduler_stopping")
+    # Drain: refuse new requests (health says NOT_SERVING), let those in flight finish up to the
+    # deadline; a second signal stops at once. Whatever is left then ends with UNAVAILABLE.
+    stop.clear()
+    log.info("scheduler_draining", requests_in_flight=len(loop.streams), drain_timeout_s=config.drain_timeout_s)
+    loop.start_draining()
+    drained = asyncio.create_task(loop.wait_drained())
+    interrupted = asyncio.create_task(stop.wait())
+    await asyncio.wait({drained, interrupted}, timeout=config.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    interrupted.cancel()
+    log.info("scheduler_stopping", requests_left=len(loop.streams))
     await server.stop(grace=1.0)
     for task in tasks:
         task.cancel()

@@ -197,6 +197,20 @@ class Planner:
         """
         self._to_release.extend(r for r in plan.released if r not in self._to_release)
 
+    def take_live_requests(self) -> list[Request]:
+        """The executor was lost: every live request, in arrival order, reset to be sent again
+        (prompt + output so far, nothing in KV) to the next planner. This planner is done."""
+        live = sorted([*self.running, *self.waiting], key=lambda r: r.arrival_time)
+        for request in live:
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.is_known_to_executor = False
+            request.num_exclusive_blocks = request.num_draftable_tokens = 0
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        return live
+
     def reset_executor_state(self) -> list[Request]:
         """The executor lost (or will drop) everything: end every live request; returns them."""
         live = list(self.running) + list(self.waiting)

@@ -10,6 +10,7 @@ request is released at the next step, mid-prefill or mid-decode.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import structlog
@@ -17,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from executor_svc.bearer_keys import bearer_key_interceptors, load_keys, server_port
+from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import InvalidArgument, intake
@@ -41,17 +44,22 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         loop = self.loop
         if loop.stopped_reason:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
+        if loop.is_draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down (draining requests in flight); retry elsewhere"
+            )
         if not loop.is_connected:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the executor at {self.config.executor} is unreachable ({loop.last_connect_error or 'connecting'}); "
-                "the scheduler keeps retrying",
+                f"the executor at {self.config.executor} is unreachable or refuses this scheduler "
+                f"({loop.last_connect_error or 'connecting'}); the scheduler keeps retrying",
             )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         loop = self.loop
         if not loop.is_connected:
-            await loop.wait_connected(CONNECT_GRACE_S)
+            # After a crash, as long as the streams in flight wait for the executor to return.
+            await loop.wait_connected(loop.connect_wait_s(CONNECT_GRACE_S))
         await self._refuse_unless_serving(context)
         limits = loop.link.limits
         try:
@@ -157,6 +165,13 @@ async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServic
         await asyncio.sleep(0.1)
 
 
+def _executor_token_interceptors(config: SchedulerConfig) -> list:
+    """Send the executor's shared token (the file's first key) with every call to it."""
+    if not config.executor_token_file:
+        return []
+    return bearer_key_interceptors(load_keys(config.executor_token_file, "executor token")[0])
+
+
 async def serve(
     config: SchedulerConfig, *, tracer=None, metrics=None
 ) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
@@ -166,12 +181,23 @@ async def serve(
     no interceptor is installed and no span is made.
     """
     telemetry = Telemetry(tracer, metrics)
-    link = ExecutorLink(config.executor, config.connect_timeout_s, config.executor_timeout_s, telemetry.client_interceptors)
+    interceptors = list(telemetry.server_interceptors)
+    if config.api_key_file:
+        interceptors.insert(0, api_key_interceptor(config.api_key_file))  # refuse before anything else
+    link = ExecutorLink(
+        config.executor,
+        config.connect_timeout_s,
+        config.executor_timeout_s,
+        [*telemetry.client_interceptors, *_executor_token_interceptors(config)],
+        scheduler_id=config.scheduler_id or f"{socket.gethostname()}/{config.listen}",
+        ca_file=config.executor_ca,
+        take_over=config.take_over,
+    )
     loop = StepLoop(config, link, telemetry)
     if metrics is not None:
         metrics.watch(loop)
     server = grpc.aio.server(
-        interceptors=telemetry.server_interceptors or None,
+        interceptors=interceptors or None,
         options=[
             ("grpc.so_reuseport", 0),  # a taken port must fail, not be shared
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -180,7 +206,7 @@ async def serve(
     pb_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(config, loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.listen)
+    port = server_port(server, config.listen, config.tls_cert, config.tls_key)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()

@@ -1,9 +1,15 @@
 """The step loop: plan, send, apply, stream — once per step, for as long as there is work.
 
 One asyncio task runs it. Generate handlers only enqueue requests and read their
-streams, so a slow client never slows a step. When the executor cannot be
-reached, every request in flight ends with UNAVAILABLE (no hang), new ones are
-refused the same way, and the loop keeps re-attaching until it is back.
+streams, so a slow client never slows a step.
+
+Streams survive the executor: when a step finds it unreachable (it crashed or
+restarted), the loop keeps every request and re-attaches; once the executor is
+back, each request is sent again as its prompt plus the tokens already streamed,
+and its stream goes on with no error and no repeated or missing text (greedy and
+seeded sampling continue token for token: the executor's random numbers are keyed
+by output position). New requests wait meanwhile. Only if the executor is not back
+within `executor_reconnect_timeout_s` do the streams end with UNAVAILABLE.
 
 The loop is supervised: a step that raises (a bug, or an answer that cannot be
 applied) ends only that step's requests, with INTERNAL, and the loop goes on. If
@@ -27,6 +33,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
 from scheduler_svc.telemetry import Telemetry
@@ -93,6 +100,10 @@ class StepLoop:
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self.stopped_reason = ""  # set when the loop task has ended: no step will ever run again
+        self.is_draining = False  # shutting down: no new requests, those in flight finish
+        self._orphans: list[Request] = []  # live requests of a lost executor, to send to the next one
+        self._lost_since: float | None = None  # when the executor was lost with requests in flight
+        self._lost_model: tuple[str, int] | None = None  # (name, vocab size) they were generated with
 
     # ----------------------------------------------------------- for handlers
 
@@ -102,8 +113,17 @@ class StepLoop:
 
     @property
     def is_serving(self) -> bool:
-        """Attached, and the loop task is alive to run steps."""
-        return self.is_connected and not self.stopped_reason
+        """Attached, the loop task alive to run steps, and taking new requests."""
+        return self.is_connected and not self.stopped_reason and not self.is_draining
+
+    def start_draining(self) -> None:
+        self.is_draining = True
+        self._connected.set()  # wake handlers waiting for the executor: they are refused now
+
+    async def wait_drained(self) -> None:
+        """Until no request is in flight."""
+        while self.streams:
+            await asyncio.sleep(0.05)
 
     def request_id_conflict(self, request_id: str) -> str | None:
         """Why a client's request id cannot be used now (a message), or None if it can."""
@@ -115,6 +135,13 @@ class StepLoop:
                 "retry in a moment, or use a new id"
             )
         return None
+
+    def connect_wait_s(self, grace_s: float) -> float:
+        """How long a new request waits for the executor: `grace_s`, or while streams of a
+        lost executor wait for it to come back, as long as they may still wait."""
+        if self._lost_since is None:
+            return grace_s
+        return max(grace_s, self.config.executor_reconnect_timeout_s - (time.monotonic() - self._lost_since))
 
     async def wait_connected(self, timeout: float) -> bool:
         try:
@@ -157,6 +184,7 @@ class StepLoop:
                 if await self._attach():
                     attempt = 0
                 else:
+                    self._give_up_on_lost_executor()
                     await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
                     attempt += 1
                 continue
@@ -188,6 +216,9 @@ class StepLoop:
         except grpc.aio.AioRpcError as exc:
             self.last_connect_error = f"{exc.code().name}: {exc.details()}"
             self._connected.clear()
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._orphans:
+                # Another scheduler has the executor: the requests waiting for it will not get it back.
+                self._end_orphans(f"the executor at {self.link.address} refuses this scheduler ({self.last_connect_error})")
             return False
         except Exception as exc:  # e.g. a tokenizer the scheduler cannot load: keep retrying, say why
             log.exception("attach_failed", executor=self.link.address)
@@ -208,6 +239,7 @@ class StepLoop:
         )
         self.planner.num_free_blocks = info.num_free_kv_blocks
         self.last_connect_error = ""
+        self._resubmit_orphans(info)
         self._connected.set()
         log.info(
             "executor_attached",
@@ -238,6 +270,7 @@ class StepLoop:
                     ignore_eos=r.ignore_eos,
                     session_id=r.session_id,
                     retention_s=r.retention_s,
+                    output_token_ids=r.output_token_ids,  # non-empty only when resubmitted
                 )
                 for r in plan.new_requests
             ],
@@ -339,13 +372,65 @@ class StepLoop:
         self.telemetry.end_step(step_scope, self.history[-1], updates)
 
     def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
-        """A step failed: end every request in flight and re-attach under a new incarnation."""
+        """A step failed. Unreachable: keep the requests for the executor's return.
+        Refused (a bug, bad state, another scheduler took over): end them all. Either way re-attach."""
         code = exc.code()
-        unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-        status = grpc.StatusCode.UNAVAILABLE if unreachable else grpc.StatusCode.INTERNAL
-        message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
         log.error("step_failed", code=code.name, details=exc.details())
+        unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        # FAILED_PRECONDITION: the executor restarted (it does not know us) or another scheduler took
+        # it over; which one, the re-attach tells (see _attach).
+        lost = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
+        if lost and self.config.executor_reconnect_timeout_s > 0:
+            info = self.link.info
+            self._orphans = self.planner.take_live_requests()
+            self._lost_since = time.monotonic()
+            self._lost_model = (info.model_name, info.vocab_size) if info is not None else None
+            log.warning("executor_lost", executor=self.link.address, requests_waiting=len(self._orphans))
+            self.planner = None
+            self.link.detach()
+            self._connected.clear()
+            return
+        status = grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL
+        message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
         self._reset(status, message)
+
+    def _resubmit_orphans(self, info: epb.GetInfoResponse) -> None:
+        """Re-attached after losing the executor: queue its requests (still streaming) again."""
+        orphans, self._orphans, self._lost_since = self._orphans, [], None
+        live = [r for r in orphans if (s := self.streams.get(r.request_id)) is not None and s.request is r]
+        if not live:
+            return
+        if self._lost_model != (info.model_name, info.vocab_size):
+            for request in live:
+                self._fail_stream(
+                    request.request_id,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the executor came back with another model ({info.model_name}); the request was lost",
+                )
+            return
+        for request in live:
+            self.planner.add(request)
+        log.info("requests_resubmitted", num_requests=len(live))
+        self._wake.set()
+
+    def _give_up_on_lost_executor(self) -> None:
+        """Still no executor: once the streams have waited long enough, end them."""
+        if self._lost_since is None:
+            return
+        waited = time.monotonic() - self._lost_since
+        if waited < self.config.executor_reconnect_timeout_s:
+            return
+        self._end_orphans(
+            f"the executor at {self.link.address} was lost {waited:.0f} s ago and has not come back "
+            f"({self.last_connect_error or 'unreachable'}; executor_reconnect_timeout_s="
+            f"{self.config.executor_reconnect_timeout_s:g})"
+        )
+
+    def _end_orphans(self, reason: str) -> None:
+        """The requests waiting for a lost executor will not get one: end their streams."""
+        self._orphans, self._lost_since = [], None
+        for request_id in list(self.streams):
+            self._fail_stream(request_id, grpc.StatusCode.UNAVAILABLE, f"{reason}; the request was lost")
 
     def _step_crashed(self, plan: Plan | None, exc: Exception) -> None:
         """A step raised: end its own requests with INTERNAL; the others go on.
@@ -376,6 +461,7 @@ class StepLoop:
 
     def _reset(self, code: grpc.StatusCode, message: str) -> None:
         """End every request in flight and re-attach under a new incarnation."""
+        self._orphans, self._lost_since = [], None
         if self.planner is not None:
             self.planner.reset_executor_state()
         for request_id in list(self.streams):

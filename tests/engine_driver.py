@@ -56,7 +56,7 @@ def drive(
         while waiting and arrival_steps.get(waiting[0].request_id, 0) <= step:
             request = waiting.pop(0)
             new.append(request)
-            known[request.request_id] = len(request.prompt_token_ids)
+            known[request.request_id] = len(request.token_ids)  # prompt + any output it is resubmitted with
             computed[request.request_id] = 0
             run.tokens[request.request_id] = []
             run.logprobs[request.request_id] = []
@@ -82,3 +82,13 @@ def drive(
         step += 1
     run.num_steps = step
     return run
+
+
+def num_held_requests(engine: Engine) -> int:
+    """Requests the engine holds, read from a thread other than the engine's (which may be
+    changing its table: then read again)."""
+    while True:
+        try:
+            return len(engine.request_ids)
+        except RuntimeError:
+            continue

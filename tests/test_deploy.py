@@ -233,7 +233,7 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     jaeger_port = jaeger["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
     assert collector["exporters"]["otlp/jaeger"]["endpoint"] == f"jaeger:{jaeger_port}"
     ui_port = jaeger["extensions"]["jaeger_query"]["http"]["endpoint"].rsplit(":", 1)[1]
-    assert f"{ui_port}:{ui_port}" in services["jaeger"]["ports"]
+    assert f"127.0.0.1:{ui_port}:{ui_port}" in services["jaeger"]["ports"]
     assert f"http://127.0.0.1:{ui_port}/" in services["jaeger"]["healthcheck"]["test"]
     health_port = collector["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]
     assert f"http://127.0.0.1:{health_port}/" in services["otel-collector"]["healthcheck"]["test"]
@@ -245,3 +245,25 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     assert (DEPLOY / "grafana" / "dashboards" / Path(home).name).exists()
     providers = load(DEPLOY / "grafana" / "provisioning" / "dashboards" / "dashboards.yml")["providers"]
     assert providers[0]["options"]["path"] == str(Path(home).parent)
+
+
+def test_compose_publishes_on_loopback_only():
+    """Issue 12, item 11: nothing is published on every host interface by default."""
+    services = load(COMPOSE)["services"]
+    published = [(name, port) for name, service in services.items() for port in service.get("ports", [])]
+    assert published, "the compose file should publish the scheduler at least"
+    for name, port in published:
+        assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
+def test_compose_gives_the_scheduler_time_to_drain():
+    scheduler = load(COMPOSE)["services"]["scheduler"]
+    drain_s = float(next(a.split("=", 1)[1] for a in scheduler["command"] if a.startswith("--drain-timeout-s=")))
+    grace = scheduler["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > drain_s
+
+
+def test_compose_scheduler_keeps_its_id_across_container_recreation():
+    """The executor serves one scheduler id; the default (host/listen) changes with the container."""
+    command = load(COMPOSE)["services"]["scheduler"]["command"]
+    assert any(a.startswith("--scheduler-id=") for a in command)

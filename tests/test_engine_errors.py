@@ -271,3 +271,11 @@ def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anythin
         engine.step(StepPlan(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
     assert engine.has_request("owner") and not engine.has_request("reuser")
     assert engine.kv_cache.num_free_blocks == 1
+
+
+def test_a_resubmitted_request_must_have_something_left_to_generate(engine):
+    with pytest.raises(InvalidRequestError, match="3 tokens already generated, max_new_tokens=3"):
+        engine.add_request(NewRequest("done", PROMPT, max_new_tokens=3, output_token_ids=(1, 2, 3)))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request(NewRequest("bad", PROMPT, max_new_tokens=3, output_token_ids=(10**6,)))
+    assert_still_serves(engine)

@@ -111,7 +111,8 @@ def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
 
 
 def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_model, tmp_path_factory):
-    s = tiny_stack(tiny_model, tmp_path_factory).start()
+    # Without waiting for the executor to come back (test_executor_restart_e2e covers the wait).
+    s = tiny_stack(tiny_model, tmp_path_factory, "--executor-reconnect-timeout-s", "0").start()
 
     async def in_flight_then_down():
         async with AsyncSwarmClient(s.scheduler_address) as client:
@@ -172,4 +173,46 @@ def test_no_kv_survives_a_scheduler_restart(tiny_model, tmp_path_factory):
         free, total = executor_free_blocks(s.executor_address)
         assert free == total, f"{total - free} KV blocks survived the scheduler restart"
     finally:
+        s.stop()
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_zero(tiny_model, tmp_path_factory):
+    s = tiny_stack(tiny_model, tmp_path_factory, "--drain-timeout-s", "60").start()
+
+    async def main():
+        async with AsyncSwarmClient(s.scheduler_address) as client:
+            first = asyncio.Event()
+
+            async def stream():
+                token_ids = []
+                async for event in client.generate("x", max_new_tokens=200, ignore_eos=True, temperature=0.0):
+                    token_ids.extend(getattr(event, "token_ids", ()))
+                    first.set()
+                return token_ids
+
+            in_flight = asyncio.create_task(stream())
+            await asyncio.wait_for(first.wait(), 30)
+            s.executor.send_signal(signal.SIGSTOP)  # so the request is certainly still in flight at SIGTERM
+            s.scheduler.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await client.complete("y", max_new_tokens=2, timeout=5)
+                except SwarmServeError as error:
+                    if "shutting down" in error.message:
+                        refused = error
+                        break
+                assert time.monotonic() < deadline, "new requests should be refused while draining"
+                await asyncio.sleep(0.05)
+            assert s.scheduler.poll() is None, "the scheduler should wait for the request in flight"
+            s.executor.send_signal(signal.SIGCONT)
+            return refused, await asyncio.wait_for(in_flight, 60)
+
+    try:
+        refused, token_ids = asyncio.run(main())
+        assert refused.code == grpc.StatusCode.UNAVAILABLE
+        assert len(token_ids) == 200
+        assert s.scheduler.wait(30) == 0
+    finally:
+        s.executor.send_signal(signal.SIGCONT)
         s.stop()

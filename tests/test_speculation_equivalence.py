@@ -176,3 +176,16 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_and_off(tiny_
     assert len({tuple(t) for t in off.values()}) > 20, "the seeds should sample different tokens"
     assert run_on.num_drafted > 50 and run_on.num_accepted > 10, "speculation was not exercised"
     assert on == off
+
+
+@pytest.mark.parametrize("temperature", [0.0, TINY_MODEL_TEMPERATURE])
+def test_a_request_sent_again_with_its_output_so_far_continues_token_for_token(tiny_engine, temperature):
+    """What the scheduler does after an executor restart: prompt + the tokens already streamed,
+    as output_token_ids; greedy and seeded sampling go on exactly as undisturbed."""
+    prompt = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42]
+    params = SamplingParams(temperature=temperature, seed=7)
+    whole = drive(tiny_engine, [NewRequest("whole", prompt, params, 24, ignore_eos=True)], draft_budget=4).tokens["whole"]
+    for cut in (1, 9, 23):
+        again = NewRequest(f"again{cut}", prompt, params, 24, ignore_eos=True, output_token_ids=tuple(whole[:cut]))
+        rest = drive(tiny_engine, [again], draft_budget=4).tokens[again.request_id]
+        assert whole[:cut] + rest == whole, cut

@@ -24,6 +24,7 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from tests.engine_driver import num_held_requests
 from tests.stack import free_port
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -84,10 +85,7 @@ async def servers(engine: Engine, **scheduler_config):
 
 
 def executor_is_empty(engine: Engine) -> bool:
-    try:
-        return not engine.request_ids
-    except RuntimeError:  # the engine's thread changed its table mid-read: look again
-        return False
+    return num_held_requests(engine) == 0
 
 
 async def wait_for_health(address: str, status) -> None:

@@ -112,12 +112,13 @@ async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: i
 async def _main(args: argparse.Namespace) -> list[dict]:
     results = []
     with open(args.log, "ab") as log_file:
-        # One executor for every configuration; each (policy, B) gets a fresh scheduler.
+        # One executor for every configuration; each (policy, B) gets a fresh scheduler, which
+        # takes the executor over from the one before (an executor serves one scheduler).
         async with start_services(log_file, model=args.model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb) as services:
             for policy in args.policies.split(","):
                 for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
                     async with start_scheduler(
-                        services.executor_address, log_file, "--spec", policy, max_running_requests=batch_size
+                        services.executor_address, log_file, "--spec", policy, "--take-over", max_running_requests=batch_size
                     ) as address:
                         for kind in args.workloads.split(","):
                             row = await run_config(address, kind, batch_size, args.num_new_tokens)

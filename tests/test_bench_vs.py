@@ -86,13 +86,13 @@ def test_helpers():
 
 
 def _run(kind, streams, tokens, theirs_tps, ours_tps, text_a="abc", text_b="abd"):
-    theirs = None if theirs_tps is None else {"tokens_per_s": theirs_tps, "texts": [text_a]}
+    theirs = None if theirs_tps is None else {"tokens_per_s": theirs_tps, "texts": [text_a], "load_avg_1m": 2.0}
     row = {
         "kind": kind,
         "streams": streams,
         "max_tokens": tokens,
         "llama_cpp": theirs,
-        "swarmserve": {"tokens_per_s": ours_tps, "texts": [text_b], "drafted_tokens": 100, "accepted_tokens": 80},
+        "swarmserve": {"tokens_per_s": ours_tps, "texts": [text_b], "drafted_tokens": 100, "accepted_tokens": 80, "load_avg_1m": 1.5},
         "ratio": speed_ratio(ours_tps, theirs_tps),
     }
     if theirs:
@@ -126,11 +126,11 @@ def test_report_has_a_row_per_run_ratios_and_memory():
     report = format_report(_result(with_llama=True, weight_bytes=105 * 2**20))
     lines = report.splitlines()
     row = next(line for line in lines if line.startswith("N=1 x 128 tok"))
-    assert [cell.strip() for cell in row.split("|")] == ["N=1 x 128 tok", "130.0", "13.0", "0.10x"]
+    assert [cell.strip() for cell in row.split("|")] == ["N=1 x 128 tok", "130.0", "13.0", "0.10x", "2.0/1.5"]
     row = next(line for line in lines if line.startswith("N=16 x 128 tok"))
-    assert row.split("|")[-1].strip() == "2.00x"
+    assert row.split("|")[3].strip() == "2.00x"
     row = next(line for line in lines if line.startswith("copy turn, 1 x 256 tok"))
-    assert row.split("|")[-1].strip() == "2.50x"
+    assert row.split("|")[3].strip() == "2.50x"
     assert "100 draft tokens, 80 accepted (80%)" in report
     assert "agree on the first 2 of 3 chars" in report
     assert "GGUF file              100.0 MiB" in report
@@ -142,7 +142,7 @@ def test_report_has_a_row_per_run_ratios_and_memory():
 def test_report_without_llama_cpp_shows_dashes():
     report = format_report(_result(with_llama=False, weight_bytes=None))
     row = next(line for line in report.splitlines() if line.startswith("N=16 x 128 tok"))
-    assert [cell.strip() for cell in row.split("|")] == ["N=16 x 128 tok", MISSING, "500.0", MISSING]
+    assert [cell.strip() for cell in row.split("|")] == ["N=16 x 128 tok", MISSING, "500.0", MISSING, f"{MISSING}/1.5"]
     assert "not run (no --llama-server)" in report
     assert f"llama-server           {MISSING}" in report
     assert "not reported by GetInfo" in report

@@ -210,7 +210,14 @@ def read_resident(pid: int) -> Resident:
 
 
 def run_result(num_tokens: int, wall_s: float, **extra) -> dict:
-    return {"tokens": num_tokens, "wall_s": wall_s, "tokens_per_s": tokens_per_s(num_tokens, wall_s), **extra}
+    # The 1-minute load average at the end: above the core count, other work shared the cores.
+    return {
+        "tokens": num_tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens_per_s(num_tokens, wall_s),
+        "load_avg_1m": os.getloadavg()[0],
+        **extra,
+    }
 
 
 # -- the two engines' sides ---------------------------------------------------------------
@@ -368,6 +375,10 @@ def _speed(run: dict | None) -> str:
     return MISSING if run is None else f"{run['tokens_per_s']:.1f}"
 
 
+def _load(run: dict | None) -> str:
+    return MISSING if run is None or "load_avg_1m" not in run else f"{run['load_avg_1m']:.1f}"
+
+
 def _ratio(ratio: float | None) -> str:
     return MISSING if ratio is None else f"{ratio:.2f}x"
 
@@ -390,15 +401,18 @@ def format_report(result: dict) -> str:
         + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
         + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
         "",
-        f"{'run':<24} | {'llama.cpp tok/s':>15} | {'swarmserve tok/s':>16} | {'swarmserve / llama.cpp':>22}",
-        f"{'-' * 24}-+-{'-' * 15}-+-{'-' * 16}-+-{'-' * 22}",
+        f"{'run':<24} | {'llama.cpp tok/s':>15} | {'swarmserve tok/s':>16} | {'swarmserve / llama.cpp':>22} | {'load 1m':>9}",
+        f"{'-' * 24}-+-{'-' * 15}-+-{'-' * 16}-+-{'-' * 22}-+-{'-' * 9}",
     ]
     for row in result["rows"]:
         if row["kind"] == "copy":
             label = f"copy turn, 1 x {row['max_tokens']} tok"
         else:
             label = f"N={row['streams']} x {row['max_tokens']} tok"
-        lines.append(f"{label:<24} | {_speed(row['llama_cpp']):>15} | {_speed(row['swarmserve']):>16} | {_ratio(row['ratio']):>22}")
+        lines.append(
+            f"{label:<24} | {_speed(row['llama_cpp']):>15} | {_speed(row['swarmserve']):>16} | {_ratio(row['ratio']):>22} | "
+            f"{_load(row['llama_cpp']) + '/' + _load(row['swarmserve']):>9}"
+        )
     copy_rows = [row for row in result["rows"] if row["kind"] == "copy"]
     for row in copy_rows:
         ours = row["swarmserve"]
@@ -415,6 +429,8 @@ def format_report(result: dict) -> str:
             )
     weight_bytes = result.get("swarmserve_weight_bytes")
     lines += [
+        f"  load 1m: the 1-minute load average after each engine's run (llama.cpp/swarmserve) on {os.cpu_count()} cores;",
+        "  above the core count, other processes shared the cores and the numbers are not comparable.",
         "",
         "resident memory after load (and a first run):",
         f"  {'GGUF file':<22} {_mib(gguf)}",

@@ -66,9 +66,16 @@ def test_prompts_are_distinct_and_the_copy_prompt_holds_the_file():
     for n in (1, 8, 16, 40):
         prompts = stream_prompts(n)
         assert len(prompts) == len(set(prompts)) == n
+    lead = "".join(COPY_SOURCE.splitlines(keepends=True)[:3])
     prompt = copy_prompt()
-    assert COPY_SOURCE in prompt
-    assert prompt.endswith("".join(COPY_SOURCE.splitlines(keepends=True)[:3]))
+    assert COPY_SOURCE in prompt and prompt.endswith(f"```python\n{lead}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    prompt = copy_prompt(template)
+    assert prompt.startswith("<|im_start|>user\nHere is a file:\n```python\n" + COPY_SOURCE)
+    assert prompt.endswith(f"Rewrite the file exactly.<|im_end|>\n<|im_start|>assistant\n```python\n{lead}")
 
 
 def test_helpers():

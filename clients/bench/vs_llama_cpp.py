@@ -4,8 +4,9 @@ For each N in `--streams`: N concurrent greedy streams of `--max-tokens` tokens 
 ignored, so every stream is exactly that long), end to end: ours through the scheduler's
 gRPC API, llama.cpp through its HTTP `/completion`. tok/s = tokens generated / wall time
 from the first request sent to the last token received. Then a copy-heavy agent turn: one
-agent asked to repeat a ~400-token source file it was shown (ours with its speculation on,
-llama.cpp as a user runs it by default: no speculation).
+agent asked to repeat a ~400-token source file it was shown, in the model's chat template,
+with the answer's first lines given (ours with its speculation on, llama.cpp as a user runs
+it by default: no speculation).
 
 The engines take turns, never run at once (the machine's cores are shared): for each N,
 llama.cpp runs first on a fresh `llama-server -np N -c N*192`, then swarmserve, whose
@@ -120,12 +121,25 @@ class JobQueue:
         return finished
 '''
 COPY_LEAD_LINES = 3  # the answer is started with the file's first lines, as an agent's edit would be
+COPY_REQUEST = "Here is a file:\n```python\n{source}```\nRewrite the file exactly."
 
 
-def copy_prompt(source: str = COPY_SOURCE) -> str:
-    """The file, the instruction, and the start of the answer, so greedy decoding copies."""
+def copy_prompt(chat_template: str = "", *, bos_token: str | None = None, eos_token: str | None = None, source: str = COPY_SOURCE) -> str:
+    """The agent's turn as one raw text, the same for both engines: the model's chat template
+    around a request to repeat `source`, and the start of the answer, so greedy decoding copies.
+
+    Without a chat template, plain text. Both engines parse the special tokens in raw text.
+    """
     lead = "".join(source.splitlines(keepends=True)[:COPY_LEAD_LINES])
-    return f"Here is a file:\n```python\n{source}```\nRewrite the file exactly:\n```python\n{lead}"
+    request = COPY_REQUEST.format(source=source)
+    if not chat_template:
+        return f"{request}\n```python\n{lead}"
+    from scheduler_svc.chat_template import render_chat_template  # the scheduler's own rendering
+
+    turn = render_chat_template(
+        chat_template, [{"role": "user", "content": request}], add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token
+    )
+    return f"{turn}```python\n{lead}"
 
 
 def stream_prompts(num_streams: int) -> list[str]:
@@ -347,7 +361,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
                 result["rows"].append(row)
                 _print_progress(row)
             if args.copy_tokens:
-                prompts = [copy_prompt()]
+                prompts = [copy_prompt(info.chat_template, bos_token=info.bos_token or None, eos_token=info.eos_token or None)]
                 theirs = await measure_llama_cpp(args, model, log_file, prompts, args.copy_tokens) if args.llama_server else None
                 ours = await measure_swarmserve(services.scheduler_address, prompts, args.copy_tokens)
                 row = _row("copy", 1, args.copy_tokens, theirs, ours)

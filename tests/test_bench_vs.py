@@ -34,16 +34,17 @@ def test_flags_parse_with_defaults_and_passthrough():
     assert args.model == "default"
     assert args.streams == (1, 8, 16)
     assert (args.max_tokens, args.copy_tokens, args.threads) == (128, 256, 2)
-    assert args.executor_arg == [] and args.scheduler_arg == []
+    assert args.executor_arg == [] and args.scheduler_arg == [] and args.llama_args == ""
 
     args = parse_args(
         ["bench", "vs", "--llama-server", "/x/llama-server", "--streams", "2,4", "--executor-arg=--dtype=bfloat16",
-         "--executor-arg=--kv-cache-gb=0.5", "--scheduler-arg=--spec=off", "--json", "out.json"]
+         "--executor-arg=--kv-cache-gb=0.5", "--scheduler-arg=--spec=off", "--llama-args", "--poll 0", "--json", "out.json"]
     )  # fmt: skip
     assert args.llama_server == "/x/llama-server"
     assert args.streams == (2, 4)
     assert args.executor_arg == ["--dtype=bfloat16", "--kv-cache-gb=0.5"]
     assert args.scheduler_arg == ["--spec=off"]
+    assert args.llama_args == "--poll 0"
     assert args.json == "out.json"
 
 
@@ -88,6 +89,9 @@ def test_helpers():
     assert resident.rss > 0 and resident.anon > 0
     assert llama_server_command("bin", "m.gguf", num_slots=8, context_length=8 * 192, threads=2, port=9) == [
         "bin", "-m", "m.gguf", "-np", "8", "-c", "1536", "-t", "2", "--host", "127.0.0.1", "--port", "9",
+    ]  # fmt: skip
+    assert llama_server_command("bin", "m", num_slots=1, context_length=192, threads=1, port=9, extra_args=["--poll", "0"])[-2:] == [
+        "--poll", "0",
     ]  # fmt: skip
     assert completion_body("p", 128) == {"prompt": "p", "n_predict": 128, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -37,7 +37,9 @@ class LlamaCompletion:
     num_tokens: int  # tokens generated, as the server counted them
 
 
-def llama_server_command(binary: str, model: str, *, num_slots: int, context_length: int, threads: int, port: int) -> list[str]:
+def llama_server_command(
+    binary: str, model: str, *, num_slots: int, context_length: int, threads: int, port: int, extra_args: Sequence[str] = ()
+) -> list[str]:
     """`-c` is the whole KV cache; llama-server splits it across the `-np` slots."""
     return [
         binary, "-m", model,
@@ -46,6 +48,7 @@ def llama_server_command(binary: str, model: str, *, num_slots: int, context_len
         "-t", str(threads),
         "--host", "127.0.0.1",
         "--port", str(port),
+        *extra_args,
     ]  # fmt: skip
 
 
@@ -83,12 +86,13 @@ async def start_llama_server(
     num_slots: int,
     context_length: int,
     threads: int,
+    extra_args: Sequence[str] = (),
     startup_timeout_s: float = 180.0,
 ) -> AsyncIterator[LlamaServer]:
     """A llama-server on a free loopback port, healthy (model loaded); stopped on exit, errors included."""
     port = free_port()
     command = llama_server_command(
-        binary, model, num_slots=num_slots, context_length=context_length, threads=threads, port=port
+        binary, model, num_slots=num_slots, context_length=context_length, threads=threads, port=port, extra_args=extra_args
     )
     process = await asyncio.create_subprocess_exec(*command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     try:

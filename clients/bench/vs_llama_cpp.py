@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,12 +66,12 @@ STREAM_PROMPTS = (
     "Notes from the design review:",
 )
 
-# A source file an agent has in its context and is asked to reproduce (~400 tokens).
+# A source file an agent has in its context and is asked to reproduce (~400 tokens). Single
+# blank lines: with PEP 8's double ones the 135M default model drops one and paraphrases on.
 COPY_SOURCE = '''import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 @dataclass
 class RetryPolicy:
@@ -80,7 +81,6 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         return min(self.max_delay_s, self.base_delay_s * 2**attempt)
-
 
 @dataclass
 class JobQueue:
@@ -247,6 +247,7 @@ async def measure_llama_cpp(args: argparse.Namespace, model: str, log_file, prom
         num_slots=len(prompts),
         context_length=len(prompts) * slot_context,
         threads=args.threads,
+        extra_args=shlex.split(args.llama_args),
     ) as server:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts) + 1)) as http:
             await llama_complete(http, server, WARM_UP_PROMPT, NUM_WARM_UP_TOKENS)
@@ -334,6 +335,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
         "executor_args": list(executor_args),
         "scheduler_args": list(scheduler_args),
         "llama_server": args.llama_server,
+        "llama_args": shlex.split(args.llama_args),
         "llama_server_version": llama_server_version(args.llama_server) if args.llama_server else None,
         "rows": [],
     }
@@ -410,7 +412,8 @@ def format_report(result: dict) -> str:
     gguf = result["gguf_bytes"]
     lines = [
         f"model {Path(result['model']).name} ({_mib(gguf)}), greedy, EOS ignored, {result['threads']} threads",
-        f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}",
+        f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}"
+        + (f", args {' '.join(result['llama_args'])}" if result.get("llama_args") else ""),
         f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, spec {result.get('swarmserve_spec', '?')}"
         + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
         + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
@@ -472,6 +475,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduler-arg", action="append", default=[], metavar="FLAG", help="extra scheduler flag, repeatable: --scheduler-arg=--spec=off"
+    )
+    parser.add_argument(
+        "--llama-args", default="", metavar="ARGS", help="extra llama-server flags as one string: --llama-args '--poll 0'"
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results to this file")
     parser.add_argument("--log", default="bench_vs.log", help="where both engines' logs go (default %(default)s)")

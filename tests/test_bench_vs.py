@@ -117,6 +117,7 @@ def _result(with_llama: bool, weight_bytes: int | None) -> dict:
         "model": "/m/SmolLM2.gguf",
         "gguf_bytes": 100 * mib,
         "threads": 2,
+        "cpu_count": 2,
         "executor_args": ["--threads", "2"],
         "scheduler_args": [],
         "llama_server_version": "version: 1 (abc)" if with_llama else None,
@@ -148,6 +149,16 @@ def test_report_has_a_row_per_run_ratios_and_memory():
     assert "llama-server           VmRSS 150.0 MiB (1.50x the GGUF" in report
     assert "swarmserve executor    VmRSS 1000.0 MiB (10.00x the GGUF" in report
     assert "105.0 MiB (1.05x the GGUF), as GetInfo reports" in report
+
+
+def test_a_busy_machine_is_flagged_when_llama_cpp_ran():
+    result = _result(with_llama=True, weight_bytes=None)
+    assert "WARNING: the machine was busy" not in format_report(result)  # loads 2.0 and 1.5 on 2 cores
+    result["rows"][1]["swarmserve"]["load_avg_1m"] = 4.5
+    assert "WARNING: the machine was busy (load up to 4.5 on 2 cores)" in format_report(result)
+    result = _result(with_llama=False, weight_bytes=None)
+    result["rows"][1]["swarmserve"]["load_avg_1m"] = 4.5
+    assert "WARNING" not in format_report(result)  # nothing to compare against
 
 
 def test_report_without_llama_cpp_shows_dashes():

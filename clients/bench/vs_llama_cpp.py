@@ -332,6 +332,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "copy_tokens": args.copy_tokens,
         "threads": args.threads,
+        "cpu_count": os.cpu_count(),
         "executor_args": list(executor_args),
         "scheduler_args": list(scheduler_args),
         "llama_server": args.llama_server,
@@ -408,6 +409,24 @@ def _resident_line(name: str, resident: dict | None, gguf_bytes: int) -> str:
     )
 
 
+def busy_machine_warning(result: dict) -> list[str]:
+    """A warning when some run's load average exceeded the cores and llama.cpp ran multi-threaded.
+
+    llama.cpp's threads meet at a barrier after every op, hundreds per token; when one of
+    them is descheduled the others wait out its time slice. Measured on a shared 2-core
+    machine (load ~4): -t 2 gave 3 tok/s for one stream where -t 1 gave 82.
+    """
+    loads = [run["load_avg_1m"] for row in result["rows"] for run in (row["llama_cpp"], row["swarmserve"]) if run and "load_avg_1m" in run]
+    cpu_count = result.get("cpu_count") or 1
+    if not loads or max(loads) <= cpu_count or not result.get("llama_server_version"):
+        return []
+    return [
+        f"  WARNING: the machine was busy (load up to {max(loads):.1f} on {cpu_count} cores). llama.cpp's threads wait for",
+        "  each other after every op, so a busy machine costs it far more than swarmserve: rerun on a quiet",
+        "  machine, or compare against one llama.cpp thread with --llama-args '-t 1'.",
+    ]
+
+
 def format_report(result: dict) -> str:
     gguf = result["gguf_bytes"]
     lines = [
@@ -446,8 +465,9 @@ def format_report(result: dict) -> str:
             )
     weight_bytes = result.get("swarmserve_weight_bytes")
     lines += [
-        f"  load 1m: the 1-minute load average after each engine's run (llama.cpp/swarmserve) on {os.cpu_count()} cores;",
+        f"  load 1m: the 1-minute load average after each engine's run (llama.cpp/swarmserve) on {result['cpu_count']} cores;",
         "  above the core count, other processes shared the cores and the numbers are not comparable.",
+        *busy_machine_warning(result),
         "",
         "resident memory after load (and a first run):",
         f"  {'GGUF file':<22} {_mib(gguf)}",

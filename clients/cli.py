@@ -21,6 +21,7 @@ from clients.bench import batching as bench_batching
 from clients.bench import speculation as bench_speculation
 from clients.bench import swarm as bench_swarm
 from clients.bench import tracing as bench_tracing
+from clients.bench import vs_llama_cpp as bench_vs
 from clients.cli_output import completion_to_json, format_error, format_serve_banner, format_summary
 from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.completion import Completion, collect_completion
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     tracing = benches.add_parser("tracing", help="per-step overhead of tracing on vs off")
     bench_tracing.add_arguments(tracing)
     tracing.set_defaults(run=bench_tracing.run)
+    vs = benches.add_parser("vs", help="swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory")
+    bench_vs.add_arguments(vs)
+    vs.set_defaults(run=bench_vs.run)
 
     serve = commands.add_parser("serve", help="start the executor and the scheduler and supervise them until Ctrl-C")
     defaults = ServeConfig()

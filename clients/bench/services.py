@@ -29,9 +29,10 @@ def free_port() -> int:
 class Services:
     executor_address: str
     scheduler_address: str
+    executor_pid: int | None = None  # for reading its resident memory
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
+async def stop_process(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         process.terminate()
         try:
@@ -56,7 +57,7 @@ async def start_scheduler(executor_address: str, log_file, *extra_args: str, max
             await client.wait_ready(120)
         yield config.scheduler_listen
     finally:
-        await _stop(process)
+        await stop_process(process)
 
 
 @asynccontextmanager
@@ -85,6 +86,6 @@ async def start_services(
         async with start_scheduler(
             connect_address(config.executor_listen), log_file, *scheduler_args, max_running_requests=max_running_requests
         ) as scheduler_address:
-            yield Services(connect_address(config.executor_listen), scheduler_address)
+            yield Services(connect_address(config.executor_listen), scheduler_address, executor.pid)
     finally:
-        await _stop(executor)
+        await stop_process(executor)

@@ -4,6 +4,11 @@ from_pb → engine → to_pb. Steps run one at a time on a worker thread so the
 event loop keeps answering health checks while the model computes. Engine
 exceptions become status codes; the engine stays usable for the next call.
 
+An overlapped scheduler keeps two steps in flight: a plan built ahead names the
+step it follows (`planned_after_step_id`) and runs only once that step is done
+(so two concurrent RPCs can never run out of order); if that step failed, it is
+refused with ABORTED, since it was built on a state that never came to be.
+
 The scheduler is stateless and may restart: every plan carries the scheduler's
 incarnation id. When a new id appears (at GetInfo or at a Step), whatever the
 previous scheduler left in the engine is released; a retired scheduler's later
@@ -29,6 +34,8 @@ from executor_svc.observability.step_interceptor import executor_interceptors
 
 log = structlog.get_logger()
 
+STEP_ORDER_TIMEOUT_S = 30.0  # how long a plan built ahead waits for the step it follows to arrive
+
 SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
 
 
@@ -41,6 +48,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._retired_scheduler_ids: set[str] = set()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = asyncio.Lock()
+        # The current scheduler's steps as they end (plans built ahead wait for the one they follow).
+        self._step_done = asyncio.Condition()
+        self._last_step_id = 0
+        self._failed_step_ids: set[int] = set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -56,6 +67,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self._retired_scheduler_ids.add(self._scheduler_id)
         log.info("scheduler_attached", scheduler_id=scheduler_id, released_requests=len(leftovers))
         self._scheduler_id = scheduler_id
+        self._last_step_id = 0
+        self._failed_step_ids.clear()
         return len(leftovers)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -91,9 +104,45 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             calibration=self.calibration,
         )
 
+    async def _wait_for_step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> None:
+        """Hold a plan built ahead until the step it follows is done; refuse it if that step failed."""
+        after = request.planned_after_step_id
+        if not after or request.scheduler_id != self._scheduler_id:
+            return
+        async with self._step_done:
+            try:
+                await asyncio.wait_for(self._step_done.wait_for(lambda: self._last_step_id >= after), STEP_ORDER_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.ABORTED, f"step {request.step_id} follows step {after}, which never arrived"
+                )
+        if after in self._failed_step_ids:
+            await context.abort(
+                grpc.StatusCode.ABORTED, f"step {request.step_id} was planned after step {after}, which failed"
+            )
+
+    async def _step_ended(self, request: pb.StepRequest, is_ok: bool) -> None:
+        if request.scheduler_id != self._scheduler_id:
+            return
+        async with self._step_done:
+            self._last_step_id = max(self._last_step_id, request.step_id)
+            if not is_ok:
+                self._failed_step_ids.add(request.step_id)
+            self._step_done.notify_all()
+
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         if not request.scheduler_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
+        is_ok = False
+        try:
+            await self._wait_for_step(request, context)
+            response = await self._step(request, context)
+            is_ok = True
+            return response
+        finally:
+            await self._step_ended(request, is_ok)
+
+    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         async with self._lock:
             if request.scheduler_id in self._retired_scheduler_ids:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")

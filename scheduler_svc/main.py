@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap prefill chunks so the cost model predicts each step within this many ms",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.async_scheduling,
+        help="overlapped scheduling: plan and send step N+1 while the executor runs step N (default %(default)s)",
+    )
     limits = p.add_argument_group("limits on what clients control")
     limits.add_argument(
         "--max-retention-s",
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         spec=args.spec,
         decode_latency_target_s=None if args.decode_latency_target_ms is None else args.decode_latency_target_ms / 1e3,
+        async_scheduling=args.async_scheduling,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,

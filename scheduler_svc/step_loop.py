@@ -90,6 +90,13 @@ class StepInFlight:
     client_ids: dict[str, str]  # executor id -> the client's id, decided at send
 
 
+def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
+    """A start-up measurement in the terms of real steps (an older executor reports forward time only)."""
+    if not c.num_requests:
+        return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s)
+    return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
+
+
 def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
     return [
         spb.TokenLogprob(
@@ -224,9 +231,7 @@ class StepLoop:
             self.link.detach()
             self._connected.clear()
             return False
-        cost_model = CostModel(
-            calibration=[StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s) for c in info.calibration if c.forward_s > 0]
-        )
+        cost_model = CostModel(calibration=[_calibration_sample(c) for c in info.calibration if c.forward_s > 0])
         self.planner = Planner(
             self.config,
             info.kv_block_size,

@@ -1,5 +1,6 @@
 """Both real services on loopback with the embedded model: continuous and static batching
-give every stream its solo tokens; cancellations free everything; text deltas are exact."""
+give every stream its solo tokens; cancellations free everything; text deltas are exact.
+All of it with one step in flight and with overlapped scheduling, which must agree."""
 
 from __future__ import annotations
 
@@ -25,9 +26,17 @@ def start_stack(tmp_path_factory, *scheduler_args):
     return Stack(EXECUTOR_ARGS, list(scheduler_args), log_dir=tmp_path_factory.mktemp("logs")).start()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory, "--max-running-requests", "16", "--max-num-batched-tokens", "128")
+SCHEDULING_MODES = {"sync": "--no-async-scheduling", "overlapped": "--async-scheduling"}
+SOLO_TOKENS_BY_MODE: dict[str, dict] = {}  # each mode's solo runs: the modes must agree with each other too
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def stack(request, tmp_path_factory):
+    """Every test here runs with one step in flight and with overlapped scheduling (two)."""
+    s = start_stack(
+        tmp_path_factory, "--max-running-requests", "16", "--max-num-batched-tokens", "128", SCHEDULING_MODES[request.param]
+    )
+    s.scheduling_mode = request.param
     yield s
     s.stop()
 
@@ -78,7 +87,11 @@ def solo_tokens(stack):
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             return {rid: await run_greedy(client, rid, kwargs, n) for rid, kwargs, n in workload()}
 
-    return asyncio.run(main())
+    tokens = asyncio.run(main())
+    for mode, other in SOLO_TOKENS_BY_MODE.items():
+        assert tokens == other, f"{stack.scheduling_mode} and {mode} scheduling disagree"
+    SOLO_TOKENS_BY_MODE[stack.scheduling_mode] = tokens
+    return tokens
 
 
 async def concurrent_tokens(address):
@@ -230,3 +243,24 @@ def test_cli_generate_json_and_errors(stack, solo_tokens):
 
     streamed = run_cli("generate", kwargs["prompt"], "--server", stack.scheduler_address, "--max-new-tokens", str(n), "--temperature", "0", "--ignore-eos")
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == out["text"].rstrip("\n")
+
+
+SEEDED_TOKENS_BY_MODE: dict[str, list] = {}
+
+
+def test_seeded_sampling_is_the_same_whatever_the_scheduling_mode(stack):
+    async def main():
+        async with AsyncSwarmClient(stack.scheduler_address) as client:
+            completions = await asyncio.gather(
+                *(
+                    client.complete(PLAIN_PROMPTS[i % len(PLAIN_PROMPTS)], max_new_tokens=24 + 3 * i, temperature=0.8, seed=100 + i, ignore_eos=True)
+                    for i in range(6)
+                )
+            )
+        return [list(c.token_ids) for c in completions]
+
+    tokens = asyncio.run(main())
+    assert [len(t) for t in tokens] == [24 + 3 * i for i in range(6)]
+    for mode, other in SEEDED_TOKENS_BY_MODE.items():
+        assert tokens == other, f"{stack.scheduling_mode} and {mode} scheduling disagree"
+    SEEDED_TOKENS_BY_MODE[stack.scheduling_mode] = tokens

@@ -303,7 +303,7 @@ class StepLoop:
         """Wait for the oldest step in flight and fold its result in."""
         step = self.in_flight[0]
         try:
-            response = await asyncio.shield(step.call)
+            response = await step.call
         except grpc.aio.AioRpcError as exc:
             self.in_flight.popleft()
             self.planner.answered(step.plan)
@@ -464,6 +464,7 @@ class StepLoop:
             self.stopped_reason = f"the scheduler's step loop stopped ({type(exc).__name__}: {exc})"
             code = grpc.StatusCode.INTERNAL
         self._connected.set()  # wake handlers waiting for a connection: they see `stopped_reason`
+        self._cancel_in_flight()
         for request_id in list(self.streams):
             self._fail_stream(request_id, code, f"{self.stopped_reason}; the request was lost")
 

@@ -57,5 +57,5 @@ def test_every_policy_streams_the_tokens_of_spec_off(executor, scheduling):
         drafted = sum(c.usage.drafted_tokens for c in completions)
         accepted = sum(c.usage.accepted_tokens for c in completions)
         assert accepted <= drafted
-        if policy != "seed":  # the seed rule may find no slack on this CPU at batch size 4
+        if policy not in ("off", "seed"):  # the seed rule may find no slack on this CPU at batch size 4
             assert accepted > 0, f"{policy}: no draft was accepted on copy prompts"

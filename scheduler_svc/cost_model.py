@@ -27,6 +27,17 @@ from a line, ≈ 25 from the hinge, and the seeds measured ~24). The knee is
 chosen from a grid by least squares, and the hinge is kept only if it halves
 the line's residual, so noise never invents a knee.
 
+**The level follows the machine.** The fit gives the step's shape (what a token,
+a KV token, a row, a request cost relative to each other); the overall level
+moves with what else the machine runs (other processes on shared cores, clocks,
+thermal limits), and a calibration taken at start-up under a different load can
+sit 2× off. Coefficients fixed by calibration alone (every real step had one
+request, say) cannot move, and non-negativity stops the intercept from making
+up for them, so the fit alone never catches up. Every prediction is therefore
+scaled by the median of actual/fitted over the last `level_window` steps,
+updated at every step: the error on the steps the scheduler plans converges
+within a few steps, and the fit still decides how steps of other shapes compare.
+
 The fit is weighted non-negative least squares (exact: with 6 coefficients
 every active set can be tried), over the calibration samples plus a bounded
 window of recent steps weighted by recency, refitted with Huber weights so a
@@ -131,13 +142,15 @@ class CostModelConfig:
     # workload never visits, little enough that a full window of real steps outvotes a stale calibration.
     calibration_weight: float = 0.25
     refit_every: int = 16  # online samples between refits
+    level_window: int = 16  # recent steps whose median actual/fitted ratio scales every prediction
+    min_level_samples: int = 3  # ... once there are this many
     max_num_tokens: int = 8192  # the largest step any query is answered for (bounds the searches)
     # Used before there is data, and for a coefficient the data cannot determine (all samples at one T,
     # or one K). Pessimistic on purpose: with no evidence, extra tokens are not assumed free.
     prior: StepCost = field(default_factory=lambda: StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=0.0))
 
     def __post_init__(self) -> None:
-        for name in ("max_online_samples", "refit_every", "max_num_tokens"):
+        for name in ("max_online_samples", "refit_every", "max_num_tokens", "level_window", "min_level_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("half_life_samples", "calibration_weight"):
@@ -149,11 +162,11 @@ class CostModelConfig:
 class CostModel:
     """Step-time predictions from calibration plus recent steps; refits itself every few steps.
 
-    `observe` is called once per step: it appends to a bounded window and refits
-    after the 1st, 2nd, 4th and 8th online sample, then every `refit_every`
-    samples (a few ms over a full window on one CPU core, amortized well under
-    1 ms per step). `predict` and the budget queries only read the current
-    coefficients. Every `observe` also scores the prediction the current
+    `observe` is called once per step: it appends to a bounded window, updates
+    the level, and refits after the 1st, 2nd, 4th and 8th online sample, then
+    every `refit_every` samples (a few ms over a full window on one CPU core,
+    amortized well under 1 ms per step). `predict` and the budget queries only
+    read the current coefficients. Every `observe` also scores the prediction the current
     coefficients make for the step before it is folded in: `errors` holds
     |predicted − actual| / actual, the model's own report card.
     """
@@ -165,7 +178,10 @@ class CostModel:
         self._num_unfitted = 0
         self._num_observed = 0
         self.errors: deque[float] = deque(maxlen=self.config.max_online_samples)  # relative, oldest first
-        self.coefficients: StepCost = self.config.prior
+        self.fitted: StepCost = self.config.prior  # the least-squares fit
+        self.level = 1.0  # median actual/fitted over recent steps
+        self.coefficients: StepCost = self.config.prior  # the fit scaled by the level: what predictions use
+        self.num_refits = 0
         self.max_observed_tokens = 0  # the largest T among the fitted samples: S never claims beyond it
         self.refit()
 
@@ -190,13 +206,39 @@ class CostModel:
         self._num_observed += 1
         if self._num_unfitted >= self.config.refit_every or self._num_observed in _EARLY_REFITS:
             self.refit()
+        else:
+            self._update_level()
+
+    def _update_level(self) -> None:
+        """Scale the fit to the median actual/fitted ratio of the last `level_window` steps."""
+        recent = list(self._online)[-self.config.level_window :]
+        if len(recent) >= self.config.min_level_samples:
+            ratios = [
+                s.step_s / max(self.fitted.predict(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests), 1e-12)
+                for s in recent
+            ]
+            self.level = float(np.median(ratios))
+        else:
+            self.level = 1.0
+        f = self.fitted
+        self.coefficients = replace(
+            f,
+            fixed_s=f.fixed_s * self.level,
+            per_token_s=f.per_token_s * self.level,
+            per_kv_token_s=f.per_kv_token_s * self.level,
+            per_token_past_knee_s=f.per_token_past_knee_s * self.level,
+            per_logits_row_s=f.per_logits_row_s * self.level,
+            per_request_s=f.per_request_s * self.level,
+        )
 
     def refit(self) -> StepCost:
         samples = self._calibration + list(self._online)
         self._num_unfitted = 0
+        self.num_refits += 1
         self.max_observed_tokens = max((s.num_tokens for s in samples), default=0)
         if not samples:
-            self.coefficients = self.config.prior
+            self.fitted = self.config.prior
+            self._update_level()
             return self.coefficients
         columns = np.array(
             [(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests) for s in samples], dtype=np.float64
@@ -210,9 +252,10 @@ class CostModel:
                 np.exp2(-ages / self.config.half_life_samples),
             ]
         )
-        self.coefficients = fit_step_cost(
+        self.fitted = fit_step_cost(
             columns[:, 0], columns[:, 1], step_s, weights, self.config.prior, columns[:, 2], columns[:, 3]
         )
+        self._update_level()
         return self.coefficients
 
     # ----------------------------------------------------------------- queries

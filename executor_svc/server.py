@@ -136,20 +136,21 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         is_ok = False
         try:
             await self._wait_for_step(request, context)
-            response = await self._step(request, context)
+            output = await self._step(request, context)
             is_ok = True
-            return response
         finally:
+            # As soon as the engine is done: the next plan runs while this answer is encoded and sent.
             await self._step_ended(request, is_ok)
+        return step_output_to_pb(request.step_id, output)
 
-    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext):
         async with self._lock:
             if request.scheduler_id in self._retired_scheduler_ids:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler id was superseded by a newer scheduler")
             try:
-                await self._run(self._adopt_scheduler, request.scheduler_id)
-                plan = plan_from_pb(request)
-                output = await self._run(self.engine.step, plan)
+                if request.scheduler_id != self._scheduler_id:
+                    await self._run(self._adopt_scheduler, request.scheduler_id)
+                return await self._run(self.engine.step, plan_from_pb(request))
             except OutOfKVBlocksError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except InvalidRequestError as exc:
@@ -157,7 +158,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             except Exception as exc:  # a bug, not bad input: say so, keep serving
                 log.exception("step_failed", step_id=request.step_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {type(exc).__name__}: {exc}")
-        return step_output_to_pb(request.step_id, output)
 
 
 async def serve(

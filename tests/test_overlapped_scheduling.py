@@ -199,3 +199,52 @@ def test_a_plan_built_ahead_computes_at_most_what_is_left(engine):
     with pytest.raises(InvalidRequestError, match="not yet in KV"):
         engine.step(StepPlan(scheduled=[ScheduledRequest("a", 3)]))
     engine.step(StepPlan(released=["a"]))
+
+
+# ------------------------------------------------------------------ the executor's servicer
+
+
+def test_the_servicer_runs_a_plan_built_ahead_only_after_the_step_it_follows(engine):
+    import asyncio
+
+    import grpc
+    from swarmserve.executor.v1 import executor_pb2 as pb
+    from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+    from executor_svc.server import serve
+    from tests.stack import free_port
+
+    async def main():
+        address = f"127.0.0.1:{free_port()}"
+        server = await serve(engine, address)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.ExecutorServiceStub(channel)
+                await stub.GetInfo(pb.GetInfoRequest(scheduler_id="s"))
+                new = pb.NewRequest(request_id="q", prompt_token_ids=[4, 5, 6, 7], max_new_tokens=8, ignore_eos=True,
+                                    sampling=pb.SamplingParams(top_p=1.0))  # fmt: skip
+                # Step 2 arrives first: it must wait for step 1 (it decodes the token step 1 samples).
+                second = asyncio.ensure_future(
+                    stub.Step(pb.StepRequest(step_id=2, scheduler_id="s", planned_after_step_id=1,
+                                             scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)]))  # fmt: skip
+                )
+                await asyncio.sleep(0.3)
+                assert not second.done()
+                first = await stub.Step(pb.StepRequest(step_id=1, scheduler_id="s", new_requests=[new],
+                                                       scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=4)]))  # fmt: skip
+                second = await second
+                assert len(first.results[0].new_token_ids) == len(second.results[0].new_token_ids) == 1
+                # A step that fails takes the plan built ahead of it down too: that plan assumed a state that never was.
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.Step(pb.StepRequest(step_id=3, scheduler_id="s",
+                                                   scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=9)]))  # fmt: skip
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(grpc.aio.AioRpcError) as aborted:
+                    await stub.Step(pb.StepRequest(step_id=4, scheduler_id="s", planned_after_step_id=3,
+                                                   scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)]))  # fmt: skip
+                assert aborted.value.code() == grpc.StatusCode.ABORTED and "failed" in aborted.value.details()
+                await stub.Step(pb.StepRequest(step_id=5, scheduler_id="s", released=["q"]))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -203,7 +203,8 @@ def test_stop_strings_and_finish_reasons(stack, solo_tokens):
 def test_duplicate_request_id_is_refused_while_in_flight(stack):
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:
-            first = asyncio.create_task(client.complete("hello", max_new_tokens=30, ignore_eos=True, request_id="same"))
+            # Long enough to outlast the sleep however fast the steps are.
+            first = asyncio.create_task(client.complete("hello", max_new_tokens=300, ignore_eos=True, request_id="same"))
             await asyncio.sleep(0.5)
             with pytest.raises(SwarmServeError) as info:
                 await client.complete("hello", max_new_tokens=5, request_id="same")

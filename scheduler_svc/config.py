@@ -26,6 +26,7 @@ class SchedulerConfig:
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
     # Overlapped scheduling: build and send step N+1 while the executor runs step N (two steps in flight).
+    # Off by default: on a CPU-only box the scheduler's overlapped work takes the executor's cores (README).
     async_scheduling: bool = False
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this

@@ -18,6 +18,7 @@ from typing import Any
 
 from clients import timeline
 from clients.bench import batching as bench_batching
+from clients.bench import overlap as bench_overlap
 from clients.bench import speculation as bench_speculation
 from clients.bench import swarm as bench_swarm
 from clients.bench import tracing as bench_tracing
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     swarm = benches.add_parser("swarm", help="agents x turns with a shared system prompt, tool pauses and copy-heavy turns")
     bench_swarm.add_arguments(swarm)
     swarm.set_defaults(run=bench_swarm.run)
+    overlap = benches.add_parser("overlap", help="scheduler + RPC share of each step, sync vs overlapped scheduling; cost-model error")
+    bench_overlap.add_arguments(overlap)
+    overlap.set_defaults(run=bench_overlap.run)
     tracing = benches.add_parser("tracing", help="per-step overhead of tracing on vs off")
     bench_tracing.add_arguments(tracing)
     tracing.set_defaults(run=bench_tracing.run)

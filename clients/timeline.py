@@ -26,6 +26,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.errors import SwarmServeError
+from clients.step_stats import DEFAULT_SKIP_STEPS, prediction_error, scheduler_overhead
 
 SCHEDULER_PID, EXECUTOR_PID, REQUESTS_PID = 1, 2, 3
 STEPS_TID = EXECUTOR_TID = 1
@@ -86,6 +87,7 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
             "free_token_budget": step.num_free_tokens,
             "predicted_ms": round(step.predicted_duration_s * 1e3, 3),
             "actual_ms": round(step.duration_s * 1e3, 3),
+            "executor_ms": round((step.executor_prepare_s + step.executor_forward_s + step.executor_sample_s) * 1e3, 3),
             "free_kv_blocks": step.num_free_kv_blocks,
             "new_requests": step.num_new_requests,
             "preempted": step.num_preempted,
@@ -145,6 +147,18 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
     }
 
 
+def print_step_stats(steps) -> None:
+    """The cost model's prediction error and the scheduler's share of each step (see clients/step_stats.py)."""
+    error = prediction_error(steps)
+    print(
+        f"cost model |predicted - executor| / executor (steps after the first {DEFAULT_SKIP_STEPS}): "
+        + (str(error) if error else "no steps yet")
+    )
+    overhead = scheduler_overhead(steps)
+    if overhead:
+        print(f"scheduler overhead: {overhead}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=DEFAULT_SCHEDULER_ADDRESS, help="scheduler address (default %(default)s)")
     parser.add_argument("--out", required=True, metavar="PREFIX", help="write PREFIX.json (Chrome trace) and PREFIX.png")
@@ -163,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(trace))
     info = trace["otherData"]
     print(f"{json_path}: {info['num_steps']} steps, {info['num_requests']} requests (open in ui.perfetto.dev)")
+    print_step_stats(timeline.steps)
     try:
         plot_timeline(timeline, png_path)
     except RuntimeError as error:  # no matplotlib

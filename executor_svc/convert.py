@@ -49,6 +49,7 @@ def plan_from_pb(msg: pb.StepRequest) -> StepPlan:
         new_requests=[new_request_from_pb(r) for r in msg.new_requests],
         released=list(msg.released),
         preempted=list(msg.preempted),
+        planned_after_step_id=msg.planned_after_step_id,
     )
 
 
@@ -83,6 +84,8 @@ def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
         num_total_kv_blocks=out.num_total_blocks,
         num_computed_tokens=out.num_computed_tokens,
         num_kv_tokens=out.num_kv_tokens,
+        num_logits_rows=out.num_logits_rows,
+        num_requests=out.num_requests,
         timings=pb.StepTimings(
             prepare_s=out.timings.prepare_s, forward_s=out.timings.forward_s, sample_s=out.timings.sample_s
         ),
@@ -90,4 +93,14 @@ def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
 
 
 def cost_samples_to_pb(samples: list[CostSample]) -> list[pb.CostSample]:
-    return [pb.CostSample(num_tokens=c.num_tokens, num_kv_tokens=c.num_kv_tokens, forward_s=c.forward_s) for c in samples]
+    return [
+        pb.CostSample(
+            num_tokens=c.num_tokens,
+            num_kv_tokens=c.num_kv_tokens,
+            forward_s=c.forward_s,
+            num_logits_rows=c.num_logits_rows,
+            num_requests=c.num_requests,
+            step_s=c.step_s,
+        )
+        for c in samples
+    ]

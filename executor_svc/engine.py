@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,7 @@ from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
@@ -126,6 +127,8 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # finished or aborted: free everything
     preempted: list[str] = field(default_factory=list)  # free KV, keep tokens, recompute later
+    # Nonzero: built by an overlapped scheduler before that step's result was known (see Engine.rebase).
+    planned_after_step_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,9 @@ class CostSample:
     num_tokens: int  # tokens computed
     num_kv_tokens: int  # KV tokens read
     forward_s: float
+    num_logits_rows: int = 1  # rows the LM head and the sampler ran on
+    num_requests: int = 1
+    step_s: float = 0.0  # forward plus picking the tokens (argmax), as a real step's prepare + forward + sample
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,8 @@ class StepOutput:
     num_free_blocks: int
     num_total_blocks: int
     timings: StepTimings
+    num_logits_rows: int = 0  # rows the LM head and the sampler ran on: for the cost model
+    num_requests: int = 0  # requests the step computed tokens for
 
 
 class Engine:
@@ -191,6 +199,9 @@ class Engine:
         is_dense_cpu = self.device.type == "cpu" and not weights.is_packed
         self._row_multiple = 4 if config.batch_invariant and is_dense_cpu else 1
         self._requests: dict[str, RequestState] = {}
+        # Ids of requests the engine ended itself (a finish reason), newest last: a plan built ahead of
+        # the step that ended one may still schedule it (see rebase).
+        self._finished_ids: OrderedDict[str, None] = OrderedDict()
         # KV depends on the weights and the dtype: a cached block is only valid for this model as loaded.
         self._prefix_root = root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}")
 
@@ -248,6 +259,7 @@ class Engine:
         self._insert(new)
 
     def _insert(self, new: NewRequest) -> None:
+        self._finished_ids.pop(new.request_id, None)
         seed = new.sampling.seed if new.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._requests[new.request_id] = RequestState(
             request_id=new.request_id,
@@ -281,34 +293,63 @@ class Engine:
     # -------------------------------------------------------------- calibration
 
     def calibrate(
-        self, token_counts: tuple[int, ...] = (1, 4, 8, 16, 32, 64), context_lens: tuple[int, ...] = (0, 512), reps: int = 1
+        self,
+        token_counts: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
+        context_lens: tuple[int, ...] = (0, 512),
+        reps: int = 1,
+        batch_sizes: tuple[int, ...] = (4, 16),
     ) -> list[CostSample]:
-        """Time forward passes of a scratch request over a grid of step shapes.
+        """Time forward passes (and the argmax that picks their tokens) of scratch requests over a grid of step shapes.
 
-        The scheduler's cost model starts from these before any real step has run.
-        Uses free KV blocks and gives them back; call it while no request runs.
+        One request computing T tokens at each context length (a prefill chunk
+        ending its prompt: one logits row), then B requests decoding one token
+        each and one request verifying T − 1 drafts (T logits rows), so the
+        scheduler's cost model can tell per-token, per-row and per-request
+        costs apart before any real step has run. Uses free KV blocks and
+        gives them back; call it while no request runs.
         """
-        samples = []
-        max_context = self.model_config.context_length - max(token_counts)
+        bs = self.kv_cache.block_size
+        shapes = []  # (context length, tokens per request, logits rows per request, requests)
         for context_len in context_lens:
+            shapes += [(context_len, n, 1, 1) for n in token_counts]
+            shapes += [(context_len, 1, 1, b) for b in batch_sizes]
+            shapes += [(context_len, n, n, 1) for n in token_counts if 1 < n <= 16]
+        max_context = self.model_config.context_length - max(token_counts)
+        samples = []
+        for context_len, num_tokens, num_logits, num_requests in shapes:
             context_len = min(context_len, max_context)
-            block_ids: list[int] = []
-            needed = self.kv_cache.num_blocks_for(context_len + max(token_counts))
+            needed = num_requests * self.kv_cache.num_blocks_for(context_len + num_tokens)
             if needed > self.kv_cache.num_free_blocks:
                 continue
-            self.kv_cache.grow(block_ids, context_len + max(token_counts))
+            block_lists: list[list[int]] = [[] for _ in range(num_requests)]
             try:
-                for num_tokens in token_counts:
-                    piece = RequestSlice([0] * num_tokens, context_len, block_ids, 1)
-                    times = []
-                    for _ in range(reps + 1):  # the first pass warms up
-                        batch = RaggedBatch.build([piece], self.kv_cache.block_size, self.device, self._row_multiple)
-                        t0 = time.perf_counter()
-                        self.model.forward(batch, self.kv_cache)
-                        times.append(time.perf_counter() - t0)
-                    samples.append(CostSample(num_tokens, context_len + num_tokens, min(times[1:])))
+                for block_ids in block_lists:
+                    self.kv_cache.grow(block_ids, context_len + num_tokens)
+                pieces = [RequestSlice([0] * num_tokens, context_len, block_ids, num_logits) for block_ids in block_lists]
+                forward_times, step_times = [], []
+                for _ in range(reps + 1):  # the first pass warms up
+                    t0 = time.perf_counter()
+                    batch = RaggedBatch.build(pieces, bs, self.device, self._row_multiple)
+                    t1 = time.perf_counter()
+                    logits = self.model.forward(batch, self.kv_cache)
+                    t2 = time.perf_counter()
+                    logits.argmax(dim=-1).tolist()
+                    t3 = time.perf_counter()
+                    forward_times.append(t2 - t1)
+                    step_times.append(t3 - t0)
+                samples.append(
+                    CostSample(
+                        num_tokens * num_requests,
+                        (context_len + num_tokens) * num_requests,
+                        min(forward_times[1:]),
+                        num_logits * num_requests,
+                        num_requests,
+                        min(step_times[1:]),
+                    )
+                )
             finally:
-                self.kv_cache.release(block_ids)
+                for block_ids in block_lists:
+                    self.kv_cache.release(block_ids)
         return samples
 
     # -------------------------------------------------------------------- steps
@@ -317,6 +358,7 @@ class Engine:
         """Execute one plan. Raises InvalidRequestError or OutOfKVBlocksError with
         nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
+        plan = self.rebase(plan)
         self._validate(plan)
         hits = self._prefix_hits(plan)
         drafts = self._propose_drafts(plan)
@@ -344,7 +386,7 @@ class Engine:
             num_tokens = min(s.num_tokens, len(state.token_ids) - state.num_computed_tokens)
             work.append((state, num_tokens, drafts.get(s.request_id, [])))
         if not work:
-            return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
+            return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
         slices = []
         for state, num_tokens, draft_ids in work:
             start = state.num_computed_tokens
@@ -395,8 +437,41 @@ class Engine:
             )
             if state.finish_reason is not None:
                 self.release(state.request_id)
+                self._finished_ids[state.request_id] = None
+                if len(self._finished_ids) > MAX_FINISHED_IDS:
+                    self._finished_ids.popitem(last=False)
         t3 = time.perf_counter()
-        return self._step_output(outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2))
+        return self._step_output(
+            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2), batch.num_logits
+        )
+
+    def rebase(self, plan: StepPlan) -> StepPlan:
+        """A plan built ahead (overlapped scheduling), made exact against what the previous step left.
+
+        The scheduler built it before the previous step's result was known,
+        expecting every scheduled request's tokens to go into KV and one that
+        reached its last known token to sample one more. What it cannot know:
+        - a request the previous step finished (EOS, a stop token, length, a full
+          context) is gone here: it is skipped, in `scheduled` and `preempted`,
+          and gets no result (the scheduler saw its finish in that step's result);
+        - a prefix hit may have covered more of a prompt than planned: each
+          `num_tokens` is an upper bound, cut to the tokens not yet in KV (for a
+          decode that is exactly the token the previous step sampled).
+        A plan not built ahead is returned unchanged, and stays strictly validated.
+        """
+        if not plan.planned_after_step_id:
+            return plan
+        emptied = {*plan.released, *plan.preempted}
+        scheduled = []
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if state is None and s.request_id in self._finished_ids:
+                continue
+            if state is not None and s.request_id not in emptied:
+                s = replace(s, num_tokens=min(s.num_tokens, state.num_uncomputed_tokens))
+            scheduled.append(s)
+        preempted = [r for r in plan.preempted if r in self._requests or r not in self._finished_ids]
+        return replace(plan, scheduled=scheduled, preempted=preempted)
 
     def _propose_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
@@ -574,8 +649,12 @@ class Engine:
             return FinishReason.CONTEXT_FULL
         return None
 
-    def _step_output(self, outputs: list[RequestOutput], num_tokens: int, num_kv_tokens: int, timings: StepTimings) -> StepOutput:
+    def _step_output(
+        self, outputs: list[RequestOutput], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
+    ) -> StepOutput:
         return StepOutput(
+            num_logits_rows=num_logits_rows,
+            num_requests=len(outputs),
             outputs=outputs,
             num_computed_tokens=num_tokens,
             num_kv_tokens=num_kv_tokens,

@@ -11,6 +11,11 @@ gave up on a broken step). Another scheduler is refused with FAILED_PRECONDITION
 at GetInfo and at Step, unless it attaches with `take_over`: then the current one
 is retired and its later calls are refused too, so two schedulers never fight.
 A GetInfo without a scheduler id is a read-only query and changes nothing.
+
+An overlapped scheduler keeps two steps in flight: a plan built ahead names the
+step it follows (`planned_after_step_id`) and runs only once that step is done
+(so two concurrent RPCs can never run out of order); if that step failed, it is
+refused with ABORTED, since it was built on a state that never came to be.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from executor_svc.observability.step_interceptor import executor_interceptors
 
 log = structlog.get_logger()
 
+STEP_ORDER_TIMEOUT_S = 30.0  # how long a plan built ahead waits for the step it follows to arrive
+
 SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
 SCHEDULER_TOKEN_REFUSAL = (
     "missing or wrong scheduler token: this executor serves only a scheduler started with "
@@ -49,6 +56,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._retired_scheduler_ids: set[str] = set()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = asyncio.Lock()
+        # The current scheduler's steps as they end (plans built ahead wait for the one they follow).
+        self._step_done = asyncio.Condition()
+        self._last_step_id = 0
+        self._failed_step_ids: set[int] = set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -65,6 +76,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             log.warning("scheduler_taken_over", retired_scheduler_id=self._scheduler_id, scheduler_id=scheduler_id)
         log.info("scheduler_attached", scheduler_id=scheduler_id, released_requests=len(leftovers))
         self._scheduler_id = scheduler_id
+        self._last_step_id = 0
+        self._failed_step_ids.clear()
         return len(leftovers)
 
     def _refusal(self, scheduler_id: str) -> str | None:
@@ -115,9 +128,46 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             calibration=self.calibration,
         )
 
+    async def _wait_for_step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> None:
+        """Hold a plan built ahead until the step it follows is done; refuse it if that step failed."""
+        after = request.planned_after_step_id
+        if not after or request.scheduler_id != self._scheduler_id:
+            return
+        async with self._step_done:
+            try:
+                await asyncio.wait_for(self._step_done.wait_for(lambda: self._last_step_id >= after), STEP_ORDER_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.ABORTED, f"step {request.step_id} follows step {after}, which never arrived"
+                )
+        if after in self._failed_step_ids:
+            await context.abort(
+                grpc.StatusCode.ABORTED, f"step {request.step_id} was planned after step {after}, which failed"
+            )
+
+    async def _step_ended(self, request: pb.StepRequest, is_ok: bool) -> None:
+        if request.scheduler_id != self._scheduler_id:
+            return
+        async with self._step_done:
+            self._last_step_id = max(self._last_step_id, request.step_id)
+            if not is_ok:
+                self._failed_step_ids.add(request.step_id)
+            self._step_done.notify_all()
+
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         if not request.scheduler_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
+        is_ok = False
+        try:
+            await self._wait_for_step(request, context)
+            output = await self._step(request, context)
+            is_ok = True
+        finally:
+            # As soon as the engine is done: the next plan runs while this answer is encoded and sent.
+            await self._step_ended(request, is_ok)
+        return step_output_to_pb(request.step_id, output)
+
+    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext):
         async with self._lock:
             refusal = self._refusal(request.scheduler_id)
             if refusal is None and not self._scheduler_id:
@@ -125,8 +175,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             if refusal is not None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
-                plan = plan_from_pb(request)
-                output = await self._run(self.engine.step, plan)
+                return await self._run(self.engine.step, plan_from_pb(request))
             except OutOfKVBlocksError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except InvalidRequestError as exc:
@@ -134,7 +183,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             except Exception as exc:  # a bug, not bad input: say so, keep serving
                 log.exception("step_failed", step_id=request.step_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {type(exc).__name__}: {exc}")
-        return step_output_to_pb(request.step_id, output)
 
 
 def _interceptors(tracer, metrics, scheduler_token_file: str | None) -> list:

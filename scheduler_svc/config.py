@@ -34,6 +34,9 @@ class SchedulerConfig:
     tls_cert: str | None = None  # serve over TLS with this certificate (PEM) ...
     tls_key: str | None = None  # ... and its private key
     executor_ca: str | None = None  # reach the executor over TLS, verifying it against this CA (PEM)
+    # Overlapped scheduling: build and send step N+1 while the executor runs step N (two steps in flight).
+    # Off by default: on a CPU-only box the scheduler's overlapped work takes the executor's cores (README).
+    async_scheduling: bool = False
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines

@@ -65,9 +65,10 @@ class DraftStep:
     num_prefill_output_tokens: int = 0  # tokens the prefill chunks emit (1 per chunk that ends its prompt)
     max_num_draft_tokens: int | None = None  # what the step's token/KV budget leaves for drafts; None = no cap
     query_tile_tokens: int = DEFAULT_QUERY_TILE_TOKENS  # 1 = the attention reads KV once per query token
+    num_requests: int = 0  # requests in the step, decoding or prefilling (0: the decoding candidates alone)
 
     def __post_init__(self) -> None:
-        for name in ("num_other_tokens", "num_kv_tokens", "num_prefill_output_tokens"):
+        for name in ("num_other_tokens", "num_kv_tokens", "num_prefill_output_tokens", "num_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_draft_tokens is not None and self.max_num_draft_tokens < 0:
@@ -88,6 +89,12 @@ class DraftAllocation:
     @property
     def num_draft_tokens(self) -> int:
         return sum(self.draft_budgets.values())
+
+
+def _step_time(cost_model: CostModel, step: DraftStep, num_candidates: int, num_tokens: int, num_kv_tokens: int, num_drafts: int) -> float:
+    """The cost model's time for the step with `num_drafts` drafts in all: each draft is a token and a logits row."""
+    num_logits_rows = num_candidates + step.num_prefill_output_tokens + num_drafts
+    return cost_model.predict(num_tokens, num_kv_tokens, num_logits_rows, max(step.num_requests, num_candidates, 1))
 
 
 def draft_kv_tokens(num_context_tokens: int, num_draft_tokens: int, query_tile_tokens: int) -> int:
@@ -131,7 +138,7 @@ class DraftPolicy(ABC):
             draft_budgets=budgets,
             num_free_tokens=cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE),
             num_expected_tokens=expected,
-            predicted_step_s=cost_model.predict(num_tokens, num_kv_tokens),
+            predicted_step_s=_step_time(cost_model, step, len(candidates), num_tokens, num_kv_tokens, sum(budgets.values())),
         )
 
 
@@ -227,8 +234,8 @@ class GoodputPolicy(DraftPolicy):
     α_i^(k_i+1) (a linear draft is accepted up to its first miss), so gains
     only fall as a request's draft grows. The step's expected output is
     E = B + prefill outputs + Σ_i Σ_{j≤k_i} α_i^j and its time
-    t = cost_model.predict(T, K), where each draft adds 1 to T and
-    `draft_kv_tokens` to K. The best candidate (gain g) is taken iff
+    t = cost_model.predict(T, K, L, R), where each draft adds 1 to T and to
+    the logits rows L, and `draft_kv_tokens` to K. The best candidate (gain g) is taken iff
     (E + g) / t(T + 1, K + ΔK) > E / t(T, K), i.e. it raises expected tokens
     per second; a candidate that does not is dropped and the next is tried
     (its KV cost may be lower). Ties go to the smaller request id.
@@ -256,7 +263,8 @@ class GoodputPolicy(DraftPolicy):
         heapq.heapify(heap)
         num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
         expected = float(len(candidates) + step.num_prefill_output_tokens)
-        step_s = cost_model.predict(num_tokens, num_kv_tokens)
+        num_drafts = 0
+        step_s = _step_time(cost_model, step, len(candidates), num_tokens, num_kv_tokens, num_drafts)
         while heap and room > 0:
             negative_gain, request_id, c = heapq.heappop(heap)
             gain = -negative_gain
@@ -266,11 +274,12 @@ class GoodputPolicy(DraftPolicy):
             kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
                 c.num_context_tokens, k, step.query_tile_tokens
             )
-            next_step_s = cost_model.predict(num_tokens + 1, num_kv_tokens + kv_step)
+            next_step_s = _step_time(cost_model, step, len(candidates), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1)
             if not (expected + gain) * step_s > expected * next_step_s:
                 continue
             budgets[request_id] = k + 1
             num_tokens, num_kv_tokens, step_s = num_tokens + 1, num_kv_tokens + kv_step, next_step_s
+            num_drafts += 1
             expected += gain
             room -= 1
             if k + 1 < c.num_draftable_tokens:

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap prefill chunks so the cost model predicts each step within this many ms",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.async_scheduling,
+        help="overlapped scheduling: plan and send step N+1 while the executor runs step N (default %(default)s)",
+    )
     limits = p.add_argument_group("limits on what clients control")
     limits.add_argument(
         "--max-retention-s",
@@ -157,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         tls_key=args.tls_key,
         executor_ca=args.executor_ca,
         take_over=args.take_over,
+        async_scheduling=args.async_scheduling,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,

@@ -27,6 +27,18 @@ submission), never by the client's id; `requests` is keyed the same way.
 
 `static` batching fixes the batch when it forms and admits no one until every
 member has finished: the naive baseline continuous batching is measured against.
+
+**Overlapped scheduling** (`schedule(ahead=True)`): the next plan is built while
+the plans in `in_flight` still run, from the state they are expected to leave
+(`_expect_in_flight`): each scheduled request's tokens go into KV, and one that
+reaches its last known token samples one more, so a prefill that ends becomes a
+decode and a decode stays one. The executor makes this exact (see the proto's
+`planned_after_step_id`): it clamps each `num_tokens` to what is really left and
+skips requests it has finished meanwhile. What cannot be planned ahead is not:
+a plan that would have to preempt or fail a running request returns None, and
+the caller plans it again once the step in flight has answered. KV is counted
+pessimistically ahead: the blocks in-flight plans reserved are taken off the last
+report, and one more block per running request covers accepted drafts.
 """
 
 from __future__ import annotations
@@ -56,6 +68,11 @@ class Plan:
     scheduled: list[ScheduledTokens] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    planned_after_step_id: int = 0  # the step in flight this plan was built ahead of (0: none)
+    decode_ids: set[str] = field(default_factory=set)  # scheduled requests that decode (the rest prefill)
+    predicted_step_s: float = 0.0  # the cost model's executor time for the step as planned
+    num_reserved_blocks: int = 0  # KV blocks the plan may take (drafts and whole prompts included)
+    num_free_tokens: int = 0  # the free-token budget S the draft policy saw (0 without speculation)
 
     @property
     def is_empty(self) -> bool:
@@ -96,6 +113,10 @@ class RequestFailure:
     message: str
 
 
+class _CannotPlanAhead(Exception):
+    """The plan would preempt or fail a running request: plan it once the step in flight has answered."""
+
+
 class Planner:
     def __init__(
         self,
@@ -126,6 +147,7 @@ class Planner:
         self._to_release: list[str] = []
         self._static_batch: set[str] = set()
         self._step_id = 0
+        self.in_flight: deque[Plan] = deque()  # sent, not answered yet, oldest first (overlapped scheduling)
 
     # ------------------------------------------------------------------ queue
 
@@ -219,16 +241,53 @@ class Planner:
             self.finish(request)
         self._to_release.clear()
         self.releasing.clear()
+        self.in_flight.clear()
         return live
 
     # --------------------------------------------------------------- planning
 
-    def schedule(self) -> Plan:
+    def schedule(self, ahead: bool = False) -> Plan | None:
+        """The next plan. `ahead`: built while `in_flight` plans still run (None: it cannot be, see the docstring)."""
+        if ahead and not self.in_flight:
+            raise ValueError("schedule(ahead=True) needs a plan in flight")
+        self._expect_in_flight()
         self._step_id += 1
         plan = Plan(step_id=self._step_id, released=self._to_release)
         self._to_release = []
+        try:
+            return self._schedule(plan, ahead)
+        except _CannotPlanAhead:
+            self._step_id -= 1
+            self._to_release = plan.released + self._to_release
+            return None
+
+    def _expect_in_flight(self) -> None:
+        """Set each running request's in-flight counts from the plans sent but not answered yet.
+
+        The executor computes min(num_tokens, tokens not yet in KV) of a plan
+        built ahead, so the same clamp here keeps the expectation exact whatever
+        the earlier plans turned out to do (prefix hits only shorten a prefill;
+        accepted drafts leave a decode with one pending token, like rejected ones).
+        """
+        for request in self.running:
+            request.num_in_flight_tokens = request.num_in_flight_samples = 0
+        for plan in self.in_flight:
+            for s in plan.scheduled:
+                request = self.requests.get(s.request_id)
+                if request is None or request.status != RequestStatus.RUNNING:
+                    continue
+                n = min(s.num_tokens, request.num_pending_tokens)
+                request.num_in_flight_tokens += n
+                if request.num_pending_tokens == 0:  # the step computes its last known token: it samples one
+                    request.num_in_flight_samples += 1
+
+    def _schedule(self, plan: Plan, ahead: bool) -> Plan:
         # Blocks of requests released by this plan come back only in the next report.
         free = self.num_free_blocks
+        if ahead:
+            plan.planned_after_step_id = self.in_flight[-1].step_id
+            free -= sum(p.num_reserved_blocks for p in self.in_flight) + len(self.running)
+        free_at_start = free
         budget = self.token_budget
         scheduled: dict[str, int] = {}
 
@@ -238,7 +297,11 @@ class Planner:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.num_expected_output_tokens >= request.max_new_tokens:
+                continue  # its step in flight ends it (length): nothing left to plan
             need = request.num_new_blocks(1, self.block_size)
+            if need > free and ahead:
+                raise _CannotPlanAhead
             while need > free:
                 victim = next((r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None)
                 if victim is None:
@@ -260,7 +323,7 @@ class Planner:
 
         prefill_budget = budget
         if self.config.decode_latency_target_s is not None:
-            decode_kv = sum(self.requests[rid].num_computed_tokens + 1 for rid in scheduled)
+            decode_kv = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
             cap = self.cost_model.max_chunk_tokens(
                 len(scheduled), decode_kv, self.config.decode_latency_target_s, self.config.min_prefill_chunk
             )
@@ -273,7 +336,7 @@ class Planner:
                 break
             if request.executor_request_id in scheduled or request.num_pending_tokens <= 1:
                 continue
-            fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_computed_tokens
+            fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_expected_computed_tokens
             n = min(request.num_pending_tokens, prefill_budget, fits)
             if n <= 0:
                 continue
@@ -314,29 +377,48 @@ class Planner:
         budget += prefill_budget
 
         # 4. Draft budgets for the decoding requests, within what budget and KV are left.
-        drafts = self._draft_budgets(scheduled, budget, free)
+        drafts, free = self._draft_budgets(scheduled, budget, free)
         plan.scheduled = [ScheduledTokens(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
+        plan.decode_ids = {rid for rid, n in scheduled.items() if n == 1 and self.requests[rid].num_pending_tokens == 1}
+        plan.num_reserved_blocks = free_at_start - free
+        plan.predicted_step_s = self._predict(plan)
+        plan.num_free_tokens = self.last_allocation.num_free_tokens if self.last_allocation else 0
         return plan
 
-    def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> dict[str, int]:
+    def _predict(self, plan: Plan) -> float:
+        """The cost model's executor time for `plan`, in the executor's own terms (see cost_model.py):
+        tokens computed, KV tokens read (Σ context lengths), logits rows, requests."""
+        num_tokens = num_kv_tokens = num_logits_rows = 0
+        for s in plan.scheduled:
+            request = self.requests[s.request_id]
+            num_tokens += s.num_tokens + s.draft_budget
+            num_kv_tokens += request.num_expected_computed_tokens + s.num_tokens + s.draft_budget
+            if s.num_tokens == request.num_pending_tokens:  # computes its last known token: samples (and verifies)
+                num_logits_rows += 1 + s.draft_budget
+        if not num_tokens:
+            return 0.0
+        return self.cost_model.predict(num_tokens, num_kv_tokens, num_logits_rows, len(plan.scheduled))
+
+    def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> tuple[dict[str, int], int]:
+        """Draft budgets by request id, and the free blocks they leave."""
         decoding = [
             r for r in self.running if scheduled.get(r.executor_request_id) == 1 and r.num_pending_tokens == 1
         ]
         if not decoding or self.max_draft_tokens == 0 or self.draft_policy.name == "off":
             self.last_allocation = None
-            return {}
+            return {}, free
         candidates = [
             DraftCandidate(
                 request_id=r.executor_request_id,
                 num_draftable_tokens=max(
-                    0, min(r.num_draftable_tokens, self.max_draft_tokens, r.max_new_tokens - len(r.output_token_ids) - 1)
+                    0, min(r.num_draftable_tokens, self.max_draft_tokens, r.max_new_tokens - r.num_expected_output_tokens - 1)
                 ),
                 acceptance=self.acceptance.estimate(r.executor_request_id),
-                num_context_tokens=r.num_computed_tokens + 1,
+                num_context_tokens=r.num_expected_computed_tokens + 1,
             )
             for r in decoding
         ]
-        num_kv_tokens = sum(self.requests[rid].num_computed_tokens + n for rid, n in scheduled.items())
+        num_kv_tokens = sum(self.requests[rid].num_expected_computed_tokens + n for rid, n in scheduled.items())
         num_prefill_outputs = sum(
             1 for rid, n in scheduled.items() if n > 1 and self.requests[rid].num_pending_tokens == n
         )
@@ -345,6 +427,7 @@ class Planner:
             num_kv_tokens=num_kv_tokens,
             num_prefill_output_tokens=num_prefill_outputs,
             max_num_draft_tokens=budget,
+            num_requests=len(scheduled),
         )
         allocation = self.draft_policy.allocate(candidates, step, self.cost_model)
         self.last_allocation = allocation
@@ -357,7 +440,7 @@ class Planner:
             if k:
                 drafts[r.executor_request_id] = k
                 free -= r.num_new_blocks(1 + k, self.block_size) - base
-        return drafts
+        return drafts, free
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -377,8 +460,21 @@ class Planner:
 
     # ---------------------------------------------------------------- results
 
+    def sent(self, plan: Plan) -> None:
+        """`plan` went to the executor: until `answered`, later plans are built ahead of it."""
+        self.in_flight.append(plan)
+
+    def answered(self, plan: Plan) -> None:
+        """The executor answered `plan` (or failed it): its result, if any, is applied next."""
+        if plan in self.in_flight:
+            self.in_flight.remove(plan)
+
     def apply(self, results: list[StepResultView], num_free_blocks: int, now: float) -> list[RequestUpdate]:
-        """Fold one step's results in; returns the updates of requests still live."""
+        """Fold one step's results in; returns the updates of requests still live.
+
+        Plans built ahead never preempt, so the requests a result names still
+        hold what the executor reports, whatever is in flight behind it.
+        """
         self.num_free_blocks = num_free_blocks
         updates = []
         for result in results:

@@ -53,6 +53,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     is_aborted: bool = False  # the client went away or asked to stop; release at the next step
+    # Overlapped scheduling: what the plans sent but not answered yet are expected to add (the planner
+    # sets both before each plan; both 0 when nothing is in flight): tokens into KV, and tokens sampled.
+    num_in_flight_tokens: int = 0
+    num_in_flight_samples: int = 0
 
     def __post_init__(self) -> None:
         if not self.executor_request_id:
@@ -68,17 +72,27 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_expected_computed_tokens(self) -> int:
+        """Tokens in KV once the steps in flight are done (as the executor reported, when none is)."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def num_expected_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_in_flight_samples
+
+    @property
     def num_pending_tokens(self) -> int:
-        """Tokens not yet in KV: a prefill remainder, or 1 (the last sampled token) when decoding."""
-        return self.num_known_tokens - self.num_computed_tokens
+        """Tokens not yet in KV once the steps in flight are done: a prefill remainder, or 1 (the
+        last sampled token) when decoding."""
+        return self.num_known_tokens + self.num_in_flight_samples - self.num_expected_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
     def num_blocks(self, block_size: int) -> int:
-        return math.ceil(self.num_computed_tokens / block_size)
+        return math.ceil(self.num_expected_computed_tokens / block_size)
 
     def num_new_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks the executor must add to compute `num_tokens` more tokens."""
-        return math.ceil((self.num_computed_tokens + num_tokens) / block_size) - self.num_blocks(block_size)
+        return math.ceil((self.num_expected_computed_tokens + num_tokens) / block_size) - self.num_blocks(block_size)

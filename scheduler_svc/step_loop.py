@@ -11,6 +11,15 @@ seeded sampling continue token for token: the executor's random numbers are keye
 by output position). New requests wait meanwhile. Only if the executor is not back
 within `executor_reconnect_timeout_s` do the streams end with UNAVAILABLE.
 
+With `--async-scheduling` the loop keeps two steps in flight (overlapped
+scheduling): as soon as plan N is sent, plan N+1 is built from the state N is
+expected to leave (see planner.py) and sent too, so the executor starts N+1 the
+moment N is done, and the scheduler's own time (planning, protobufs, the RPC,
+applying results, streaming) hides under the executor's. Results are applied
+strictly in step order. What N+1 planned for a request that N finished (EOS,
+length, a stop string the scheduler found, an abort) is skipped by the executor
+or discarded here: no token past a request's end is ever streamed.
+
 The loop is supervised: a step that raises (a bug, or an answer that cannot be
 applied) ends only that step's requests, with INTERNAL, and the loop goes on. If
 the task ends anyway, every stream is failed and `is_serving` turns False, which
@@ -20,6 +29,7 @@ health reports as NOT_SERVING: never a silent hang behind a SERVING health check
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,7 +46,7 @@ from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
-from scheduler_svc.telemetry import Telemetry
+from scheduler_svc.telemetry import StepScope, Telemetry
 
 log = structlog.get_logger()
 
@@ -55,7 +65,7 @@ class StepRecord:
 
     step_id: int
     start_s: float  # time.monotonic() when the plan was sent
-    wall_s: float  # plan sent → result back
+    wall_s: float  # plan sent → result back (with overlapped scheduling: including the wait behind the step before)
     num_requests: int
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -69,10 +79,29 @@ class StepRecord:
     num_drafted_tokens: int = 0  # drafts the executor proposed and verified
     num_accepted_tokens: int = 0
     num_free_tokens: int = 0  # the free-token budget S the policy saw (0 without speculation)
-    predicted_step_s: float = 0.0  # the cost model's prediction for the step as planned
+    predicted_step_s: float = 0.0  # the cost model's prediction of executor_total_s for the step as planned
     executor_prepare_s: float = 0.0
     executor_sample_s: float = 0.0  # sampling and draft verification
     requests: tuple[StepRequestRecord, ...] = ()  # each request's part: one timeline track per request
+
+
+@dataclass
+class StepInFlight:
+    """A plan sent to the executor whose result has not been applied yet."""
+
+    plan: Plan
+    call: asyncio.Future  # the Step RPC
+    start_s: float
+    scope: StepScope  # entered in `context` at send, left when the result is in
+    context: contextvars.Context  # the step's own context: its span and log bindings never leak into the next step's
+    client_ids: dict[str, str]  # executor id -> the client's id, decided at send
+
+
+def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
+    """A start-up measurement in the terms of real steps (an older executor reports forward time only)."""
+    if not c.num_requests:
+        return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s)
+    return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
 
 
 def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
@@ -104,6 +133,8 @@ class StepLoop:
         self._orphans: list[Request] = []  # live requests of a lost executor, to send to the next one
         self._lost_since: float | None = None  # when the executor was lost with requests in flight
         self._lost_model: tuple[str, int] | None = None  # (name, vocab size) they were generated with
+        self.in_flight: deque[StepInFlight] = deque()  # oldest first; at most max_steps_in_flight
+        self.max_steps_in_flight = 2 if config.async_scheduling else 1
 
     # ----------------------------------------------------------- for handlers
 
@@ -189,24 +220,29 @@ class StepLoop:
                     attempt += 1
                 continue
             planner = self.planner
-            if not planner.has_work:
+            if not planner.has_work and not self.in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             plan = None
             try:
-                plan = planner.schedule()
-                for failure in planner.failures:
-                    self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
-                planner.failures.clear()
-                if plan.is_empty:
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), 0.05)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue
-                await self._run_step(plan)
+                if len(self.in_flight) < self.max_steps_in_flight and planner.has_work:
+                    plan = planner.schedule(ahead=bool(self.in_flight))
+                    for failure in planner.failures:
+                        self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
+                    planner.failures.clear()
+                    if plan is not None and not plan.is_empty:
+                        await self._send(plan)
+                        continue  # fill the pipeline before waiting on it
+                    if not self.in_flight:  # nothing to do until a request arrives (or a prefill can be admitted)
+                        self._wake.clear()
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), 0.05)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue
+                plan = self.in_flight[0].plan
+                await self._finish_step()
             except Exception as exc:  # a bug, or a result that cannot be applied: contain it
                 self._step_crashed(plan, exc)
 
@@ -226,9 +262,7 @@ class StepLoop:
             self.link.detach()
             self._connected.clear()
             return False
-        cost_model = CostModel(
-            calibration=[StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s) for c in info.calibration if c.forward_s > 0]
-        )
+        cost_model = CostModel(calibration=[_calibration_sample(c) for c in info.calibration if c.forward_s > 0])
         self.planner = Planner(
             self.config,
             info.kv_block_size,
@@ -280,34 +314,64 @@ class StepLoop:
             ],
             released=plan.released,
             preempted=plan.preempted,
+            planned_after_step_id=plan.planned_after_step_id,
         )
 
-    async def _run_step(self, plan: Plan) -> None:
+    async def _send(self, plan: Plan) -> None:
+        """Send `plan` (the RPC runs as its own task) and queue it to be finished in order."""
         planner = self.planner
-        # Decided before the results change the requests; client ids name the timeline's tracks.
-        decode_ids = {s.request_id for s in plan.scheduled if s.num_tokens == 1 and planner.requests[s.request_id].num_pending_tokens == 1}
+        # Client ids name the timeline's tracks; decided now, before results change the requests.
         client_ids = {s.request_id: planner.requests[s.request_id].request_id for s in plan.scheduled}
         start = time.monotonic()
         planner.mark_scheduled(plan, start)
-        step_scope = self.telemetry.begin_step(plan)
+        context = contextvars.copy_context()
+        scope = context.run(self.telemetry.begin_step, plan)
+        context.run(scope.__enter__)  # the step's span (if tracing) is current: the RPC's metadata carries it
+        call = context.run(asyncio.ensure_future, self.link.step(self._plan_to_pb(plan)))
+        planner.sent(plan)
+        self.in_flight.append(StepInFlight(plan, call, start, scope, context, client_ids))
+        await asyncio.sleep(0)  # let the RPC go out before the next plan is built
+
+    async def _finish_step(self) -> None:
+        """Wait for the oldest step in flight and fold its result in."""
+        step = self.in_flight[0]
         try:
-            with step_scope:  # the step's span (if tracing) is current: the RPC's metadata carries it
-                response = await self.link.step(self._plan_to_pb(plan))
-            planner.confirm_released(plan)
-            self._apply_step(plan, response, start, decode_ids, client_ids, step_scope)
+            response = await step.call
         except grpc.aio.AioRpcError as exc:
+            self.in_flight.popleft()
+            self.planner.answered(step.plan)
+            step.context.run(self._step_failed, step, exc)
             self._lose_executor(exc)
-            self.telemetry.step_failed(step_scope, exc)
+            return
+        self.in_flight.popleft()
+        self.planner.answered(step.plan)
+        step.context.run(self._finish_in_context, step, response)
+
+    def _finish_in_context(self, step: StepInFlight, response: epb.StepResponse) -> None:
+        step.scope.__exit__(None, None, None)
+        try:
+            self.planner.confirm_released(step.plan)
+            self._apply_step(step.plan, response, step.start_s, step.plan.decode_ids, step.client_ids, step.scope)
         except Exception as exc:
-            self.telemetry.step_failed(step_scope, exc)
+            self.telemetry.step_failed(step.scope, exc)
             raise
+
+    def _step_failed(self, step: StepInFlight, exc: Exception) -> None:
+        step.scope.__exit__(None, None, None)
+        self.telemetry.step_failed(step.scope, exc)
+
+    def _cancel_in_flight(self) -> None:
+        """Drop every step still in flight (the executor is being re-attached): their results would not apply."""
+        while self.in_flight:
+            step = self.in_flight.popleft()
+            step.call.cancel()
+            step.context.run(self._step_failed, step, asyncio.CancelledError("the executor is being re-attached"))
 
     def _apply_step(
         self, plan: Plan, response: epb.StepResponse, start: float, decode_ids: set[str], client_ids: dict[str, str], step_scope
     ) -> None:
         """Fold the executor's answer in: planner state, client streams, the step history."""
         planner = self.planner
-        allocation = planner.last_allocation
         num_decode = len(decode_ids)
         end = time.monotonic()
         results = [
@@ -327,8 +391,16 @@ class StepLoop:
         ]
         self.num_steps += 1
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
-        if response.num_computed_tokens and response.timings.forward_s > 0:
-            planner.cost_model.observe(response.num_computed_tokens, response.num_kv_tokens, response.timings.forward_s)
+        t = response.timings
+        executor_s = t.prepare_s + t.forward_s + t.sample_s
+        if response.num_computed_tokens and t.forward_s > 0:
+            planner.cost_model.observe(
+                response.num_computed_tokens,
+                response.num_kv_tokens,
+                executor_s,
+                response.num_logits_rows if response.num_requests else 1,  # 0 requests: an executor that does not say
+                max(1, response.num_requests),
+            )
         updates = planner.apply(results, response.num_free_kv_blocks, end)
         for update in updates:
             stream = self.streams.get(update.request.request_id)
@@ -342,7 +414,6 @@ class StepLoop:
             if reason is not None:
                 stream.finish(reason)
                 del self.streams[stream.request_id]
-        t = response.timings
         self.history.append(
             StepRecord(
                 step_id=plan.step_id,
@@ -355,15 +426,13 @@ class StepLoop:
                 num_preempted=len(plan.preempted),
                 num_free_kv_blocks=response.num_free_kv_blocks,
                 executor_forward_s=t.forward_s,
-                executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
+                executor_total_s=executor_s,
                 request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
                 num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
                 num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
                 num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
-                num_free_tokens=allocation.num_free_tokens if allocation else 0,
-                predicted_step_s=allocation.predicted_step_s if allocation else planner.cost_model.predict(
-                    max(1, plan.num_scheduled_tokens), response.num_kv_tokens
-                ),
+                num_free_tokens=plan.num_free_tokens,
+                predicted_step_s=plan.predicted_step_s,
                 executor_prepare_s=t.prepare_s,
                 executor_sample_s=t.sample_s,
                 requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
@@ -381,6 +450,7 @@ class StepLoop:
         # it over; which one, the re-attach tells (see _attach).
         lost = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
         if lost and self.config.executor_reconnect_timeout_s > 0:
+            self._cancel_in_flight()  # a step planned after the failed one cannot run either
             info = self.link.info
             self._orphans = self.planner.take_live_requests()
             self._lost_since = time.monotonic()
@@ -462,6 +532,7 @@ class StepLoop:
     def _reset(self, code: grpc.StatusCode, message: str) -> None:
         """End every request in flight and re-attach under a new incarnation."""
         self._orphans, self._lost_since = [], None
+        self._cancel_in_flight()
         if self.planner is not None:
             self.planner.reset_executor_state()
         for request_id in list(self.streams):
@@ -480,6 +551,7 @@ class StepLoop:
             self.stopped_reason = f"the scheduler's step loop stopped ({type(exc).__name__}: {exc})"
             code = grpc.StatusCode.INTERNAL
         self._connected.set()  # wake handlers waiting for a connection: they see `stopped_reason`
+        self._cancel_in_flight()
         for request_id in list(self.streams):
             self._fail_stream(request_id, code, f"{self.stopped_reason}; the request was lost")
 

@@ -223,7 +223,9 @@ def test_timeline_command_writes_a_chrome_trace_and_a_png(observed, workload, tm
 
     height, width, _ = matplotlib.image.imread(tmp_path / "out" / "timeline.png").shape
     assert width >= 800 and height >= 800
-    assert "timeline.json" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "timeline.json" in out
+    assert "cost model |predicted - executor| / executor" in out and "scheduler overhead:" in out
 
 
 def test_exemplars_link_step_durations_and_ttft_to_their_traces(observed, workload):

@@ -1,5 +1,6 @@
 """Both real services on loopback with the embedded model: continuous and static batching
-give every stream its solo tokens; cancellations free everything; text deltas are exact."""
+give every stream its solo tokens; cancellations free everything; text deltas are exact.
+All of it with one step in flight and with overlapped scheduling, which must agree."""
 
 from __future__ import annotations
 
@@ -25,9 +26,17 @@ def start_stack(tmp_path_factory, *scheduler_args):
     return Stack(EXECUTOR_ARGS, list(scheduler_args), log_dir=tmp_path_factory.mktemp("logs")).start()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory, "--max-running-requests", "16", "--max-num-batched-tokens", "128")
+SCHEDULING_MODES = {"sync": "--no-async-scheduling", "overlapped": "--async-scheduling"}
+SOLO_TOKENS_BY_MODE: dict[str, dict] = {}  # each mode's solo runs: the modes must agree with each other too
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def stack(request, tmp_path_factory):
+    """Every test here runs with one step in flight and with overlapped scheduling (two)."""
+    s = start_stack(
+        tmp_path_factory, "--max-running-requests", "16", "--max-num-batched-tokens", "128", SCHEDULING_MODES[request.param]
+    )
+    s.scheduling_mode = request.param
     yield s
     s.stop()
 
@@ -78,7 +87,11 @@ def solo_tokens(stack):
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             return {rid: await run_greedy(client, rid, kwargs, n) for rid, kwargs, n in workload()}
 
-    return asyncio.run(main())
+    tokens = asyncio.run(main())
+    for mode, other in SOLO_TOKENS_BY_MODE.items():
+        assert tokens == other, f"{stack.scheduling_mode} and {mode} scheduling disagree"
+    SOLO_TOKENS_BY_MODE[stack.scheduling_mode] = tokens
+    return tokens
 
 
 async def concurrent_tokens(address):
@@ -190,7 +203,8 @@ def test_stop_strings_and_finish_reasons(stack, solo_tokens):
 def test_duplicate_request_id_is_refused_while_in_flight(stack):
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:
-            first = asyncio.create_task(client.complete("hello", max_new_tokens=30, ignore_eos=True, request_id="same"))
+            # Long enough to outlast the sleep however fast the steps are.
+            first = asyncio.create_task(client.complete("hello", max_new_tokens=300, ignore_eos=True, request_id="same"))
             await asyncio.sleep(0.5)
             with pytest.raises(SwarmServeError) as info:
                 await client.complete("hello", max_new_tokens=5, request_id="same")
@@ -241,3 +255,24 @@ def test_server_info_reports_the_packed_weights_at_the_gguf_size(stack, default_
     file_size = default_model_path.stat().st_size
     assert (info.dtype, info.device) == ("float32", "cpu")
     assert 0.9 * file_size <= info.weight_bytes <= 1.1 * file_size
+
+
+SEEDED_TOKENS_BY_MODE: dict[str, list] = {}
+
+
+def test_seeded_sampling_is_the_same_whatever_the_scheduling_mode(stack):
+    async def main():
+        async with AsyncSwarmClient(stack.scheduler_address) as client:
+            completions = await asyncio.gather(
+                *(
+                    client.complete(PLAIN_PROMPTS[i % len(PLAIN_PROMPTS)], max_new_tokens=24 + 3 * i, temperature=0.8, seed=100 + i, ignore_eos=True)
+                    for i in range(6)
+                )
+            )
+        return [list(c.token_ids) for c in completions]
+
+    tokens = asyncio.run(main())
+    assert [len(t) for t in tokens] == [24 + 3 * i for i in range(6)]
+    for mode, other in SEEDED_TOKENS_BY_MODE.items():
+        assert tokens == other, f"{stack.scheduling_mode} and {mode} scheduling disagree"
+    SEEDED_TOKENS_BY_MODE[stack.scheduling_mode] = tokens

@@ -110,9 +110,13 @@ def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
     assert all(len(c.token_ids) == 250 for c in done) and len(after.token_ids) == 3
 
 
-def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_model, tmp_path_factory):
+SCHEDULING = pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"], ids=["sync", "overlapped"])
+
+
+@SCHEDULING
+def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_model, tmp_path_factory, scheduling):
     # Without waiting for the executor to come back (test_executor_restart_e2e covers the wait).
-    s = tiny_stack(tiny_model, tmp_path_factory, "--executor-reconnect-timeout-s", "0").start()
+    s = tiny_stack(tiny_model, tmp_path_factory, "--executor-reconnect-timeout-s", "0", scheduling).start()
 
     async def in_flight_then_down():
         async with AsyncSwarmClient(s.scheduler_address) as client:
@@ -147,8 +151,9 @@ def test_executor_down_is_unavailable_within_seconds_and_service_resumes(tiny_mo
         s.stop()
 
 
-def test_no_kv_survives_a_scheduler_restart(tiny_model, tmp_path_factory):
-    s = tiny_stack(tiny_model, tmp_path_factory).start()
+@SCHEDULING
+def test_no_kv_survives_a_scheduler_restart(tiny_model, tmp_path_factory, scheduling):
+    s = tiny_stack(tiny_model, tmp_path_factory, scheduling).start()
 
     async def start_long_requests():
         client = AsyncSwarmClient(s.scheduler_address)

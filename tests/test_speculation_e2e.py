@@ -1,5 +1,6 @@
 """Speculation through the real services: every `--spec` policy streams the same greedy
-tokens as `--spec off`, and the drafting policies do draft and accept on copy-heavy prompts."""
+tokens as `--spec off`, and the drafting policies do draft and accept on copy-heavy prompts,
+with one step in flight and with overlapped scheduling (drafts budgeted a step ahead)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def executor(tmp_path_factory):
     stack.stop()
 
 
-def run_policy(stack: Stack, policy: str):
-    stack.scheduler_args = ["--spec", policy, "--max-running-requests", "4"]
+def run_policy(stack: Stack, policy: str, *extra_args: str):
+    stack.scheduler_args = ["--spec", policy, "--max-running-requests", "4", *extra_args]
     stack.start_scheduler()
     try:
 
@@ -47,13 +48,14 @@ def run_policy(stack: Stack, policy: str):
         stack.kill_scheduler()
 
 
-def test_every_policy_streams_the_tokens_of_spec_off(executor):
-    baseline = [c.token_ids for c in run_policy(executor, "off")]
-    for policy in ("fixed:4", "seed", "goodput"):
-        completions = run_policy(executor, policy)
+@pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"], ids=["sync", "overlapped"])
+def test_every_policy_streams_the_tokens_of_spec_off(executor, scheduling):
+    baseline = [c.token_ids for c in run_policy(executor, "off", "--no-async-scheduling")]
+    for policy in ("off", "fixed:4", "seed", "goodput") if scheduling == "--async-scheduling" else ("fixed:4", "seed", "goodput"):
+        completions = run_policy(executor, policy, scheduling)
         assert [c.token_ids for c in completions] == baseline, policy
         drafted = sum(c.usage.drafted_tokens for c in completions)
         accepted = sum(c.usage.accepted_tokens for c in completions)
         assert accepted <= drafted
-        if policy != "seed":  # the seed rule may find no slack on this CPU at batch size 4
+        if policy not in ("off", "seed"):  # the seed rule may find no slack on this CPU at batch size 4
             assert accepted > 0, f"{policy}: no draft was accepted on copy prompts"

@@ -6,6 +6,8 @@ wrapped so a test can hold a step's answer, and planner methods raise where a te
 - A step that raises ends only its own requests, with INTERNAL; the loop goes on.
 - A step loop that dies anyway fails every stream and turns health NOT_SERVING.
 - A long prompt is tokenized off the event loop: other calls are answered meanwhile.
+
+The first three run with and without overlapped scheduling (two steps in flight).
 """
 
 from __future__ import annotations
@@ -112,9 +114,13 @@ async def first_token(stream) -> None:
     raise AssertionError("the stream ended before its first token")
 
 
-def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine):
+OVERLAPPED = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+
+
+@OVERLAPPED
+def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine, async_scheduling):
     async def main():
-        async with servers(engine, spec="off") as (address, loop), AsyncSwarmClient(address) as client:
+        async with servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
             gate = StepGate(loop.link)
             reference = await client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="ref")
             old = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="X")
@@ -142,16 +148,18 @@ def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine):
 
     reference, again, sent = asyncio.run(main())
     assert again.token_ids == reference.token_ids
+    assert any(step.planned_after_step_id for step in sent) == async_scheduling
     # The executor only ever saw per-submission ids: never a client's, and never one twice.
     new_ids = [r.request_id for step in sent for r in step.new_requests]
     assert len(new_ids) == len(set(new_ids)) == 3
     assert not {"X", "ref"} & {s.request_id for step in sent for s in step.scheduled}
 
 
+@OVERLAPPED
 @pytest.mark.parametrize("where", ["before_send", "after_step"])
-def test_a_step_that_raises_ends_only_its_own_requests(engine, where):
+def test_a_step_that_raises_ends_only_its_own_requests(engine, where, async_scheduling):
     async def main():
-        async with servers(engine, spec="off", max_running_requests=1) as (address, loop), AsyncSwarmClient(address) as client:
+        async with servers(engine, spec="off", max_running_requests=1, async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
             broken = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="A")
             await asyncio.wait_for(first_token(broken), TIMEOUT_S)
             # B waits in the queue (one running request at most): it is in no plan while A runs.
@@ -185,9 +193,10 @@ async def _drain(stream) -> list:
     return [event async for event in stream]
 
 
-def test_a_dead_step_loop_fails_every_stream_and_reports_not_serving(engine):
+@OVERLAPPED
+def test_a_dead_step_loop_fails_every_stream_and_reports_not_serving(engine, async_scheduling):
     async def main():
-        async with servers(engine, spec="off") as (address, loop), AsyncSwarmClient(address) as client:
+        async with servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
             stream = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True)
             await asyncio.wait_for(first_token(stream), TIMEOUT_S)
             await wait_for_health(address, health_pb2.HealthCheckResponse.SERVING)

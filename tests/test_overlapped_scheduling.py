@@ -1,0 +1,250 @@
+"""Overlapped scheduling, without sockets: the real planner and the real engine in one process.
+
+The step loop's pipeline is emulated exactly: plan N is sent, plan N+1 is built
+ahead (from the state N is expected to leave) and sent, then N runs and its
+result is applied, then N+2 is built ahead of N+1, and so on. Every request must
+get the very tokens it gets with one step in flight (greedy and seeded
+sampling, with drafts, chunked prefills, finishes at max_new_tokens, stops
+decided by the scheduler, and KV pressure that forces preemptions), and the
+executor must end holding nothing.
+
+The executor's side of the contract (Engine.rebase) is tested on its own too: a
+plan built ahead may name a request the previous step finished, and may ask
+for more prompt tokens than a prefix hit left; a plan not built ahead may not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.errors import InvalidRequestError, UnknownRequestError
+from executor_svc.request_state import NewRequest
+from executor_svc.sampling_params import SamplingParams
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.request import Request
+from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=512))
+    return Engine(EngineConfig(model=str(model), kv_cache_bytes=4 << 20, max_draft_tokens=8))
+
+
+def to_engine_plan(plan: Plan) -> StepPlan:
+    return StepPlan(
+        scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in plan.scheduled],
+        new_requests=[
+            NewRequest(r.executor_request_id, list(r.prompt_token_ids), r.sampling, r.max_new_tokens, r.stop_token_ids, r.ignore_eos)
+            for r in plan.new_requests
+        ],
+        released=list(plan.released),
+        preempted=list(plan.preempted),
+        planned_after_step_id=plan.planned_after_step_id,
+    )
+
+
+def results_of(output) -> list[StepResultView]:
+    return [
+        StepResultView(
+            request_id=o.request_id,
+            new_token_ids=list(o.new_token_ids),
+            finish_reason=o.finish_reason.value if o.finish_reason else None,
+            num_computed_tokens=o.num_computed_tokens,
+            num_drafted_tokens=o.num_drafted_tokens,
+            num_accepted_tokens=o.num_accepted_tokens,
+            num_cached_tokens=o.num_cached_tokens,
+            num_draftable_tokens=o.num_draftable_tokens,
+            num_exclusive_blocks=o.num_exclusive_blocks,
+        )
+        for o in output.outputs
+    ]
+
+
+def workload(seed_base: int = 0, temperature: float = 0.0) -> list[Request]:
+    requests = []
+    for i in range(10):
+        pattern = [(7 * i + j) % 50 + 3 for j in range(5)]
+        prompt = (pattern * (4 + i))[: 12 + 9 * i]  # repetitive: the drafter finds matches
+        sampling = SamplingParams(temperature=temperature, seed=seed_base + i if temperature else None)
+        requests.append(Request(f"r{i}", prompt, sampling, max_new_tokens=6 + 5 * i, ignore_eos=True))
+    return requests
+
+
+def run(
+    engine: Engine,
+    requests: list[Request],
+    max_in_flight: int,
+    spec: str = "off",
+    budget: int = 32,
+    num_kv_blocks: int | None = None,
+    stop_after: dict[str, int] | None = None,
+):
+    """Serve `requests` with `max_in_flight` plans in flight; returns (tokens by request, counters).
+
+    `stop_after`: request id -> the output length at which the scheduler ends it (as a stop string would).
+    """
+    config = SchedulerConfig(max_running_requests=8, max_num_batched_tokens=budget, spec=spec, kv_watermark=0.0)
+    num_blocks = num_kv_blocks or engine.kv_cache.num_free_blocks
+    planner = Planner(config, engine.kv_cache.block_size, num_blocks, 8192, max_draft_tokens=engine.config.max_draft_tokens)
+    planner.num_free_blocks = min(num_blocks, engine.kv_cache.num_free_blocks)
+    reserve = engine.kv_cache.num_free_blocks - planner.num_free_blocks  # blocks the planner must not know about
+    stop_after = stop_after or {}
+    for r in requests:
+        planner.add(r)
+    tokens = {r.request_id: [] for r in requests}
+    counters = {"ahead": 0, "not_ahead": 0, "preempted": 0, "drafted": 0, "steps": 0}
+    in_flight: deque[Plan] = deque()
+    while planner.has_work or in_flight:
+        while len(in_flight) < max_in_flight and planner.has_work:
+            ahead = bool(in_flight)
+            plan = planner.schedule(ahead=ahead)
+            assert not planner.failures
+            if plan is None:
+                counters["not_ahead"] += 1
+                break
+            if plan.is_empty:
+                break
+            counters["ahead"] += ahead
+            counters["preempted"] += len(plan.preempted)
+            planner.sent(plan)
+            in_flight.append(plan)
+        plan = in_flight.popleft()
+        output = engine.step(to_engine_plan(plan))
+        counters["steps"] += 1
+        planner.answered(plan)
+        planner.confirm_released(plan)
+        free = output.num_free_blocks - reserve
+        for update in planner.apply(results_of(output), free, now=0.0):
+            request = update.request
+            tokens[request.request_id].extend(update.new_token_ids)
+            limit = stop_after.get(request.request_id)
+            if limit is not None and len(tokens[request.request_id]) >= limit and update.finish_reason is None:
+                del tokens[request.request_id][limit:]  # what a stop string cuts is never streamed
+                planner.finish(request)
+        counters["drafted"] += sum(o.num_drafted_tokens for o in output.outputs)
+    # The last releases go out with one more (empty) step.
+    engine.step(StepPlan(released=planner.schedule().released))
+    assert not engine.request_ids, "the executor still holds requests"
+    return tokens, counters
+
+
+@pytest.mark.parametrize("spec", ["off", "fixed:4"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_two_plans_in_flight_give_the_tokens_of_one(engine, spec, temperature):
+    sync, _ = run(engine, workload(temperature=temperature), max_in_flight=1, spec=spec)
+    overlapped, counters = run(engine, workload(temperature=temperature), max_in_flight=2, spec=spec)
+    assert overlapped == sync
+    assert counters["ahead"] > counters["steps"] // 2, counters  # most plans really were built ahead
+    assert all(len(t) == 6 + 5 * i for i, t in enumerate(sync.values()))
+    if spec != "off":
+        assert counters["drafted"] > 0
+
+
+def test_chunked_prefills_planned_ahead_become_decodes(engine):
+    sync, _ = run(engine, workload(), max_in_flight=1, budget=8)
+    overlapped, counters = run(engine, workload(), max_in_flight=2, budget=8)
+    assert overlapped == sync
+    assert counters["ahead"] > 0
+
+
+def test_stops_decided_by_the_scheduler_discard_what_the_plan_in_flight_made(engine):
+    stops = {"r1": 3, "r4": 1, "r7": 10}
+    sync, _ = run(engine, workload(), max_in_flight=1, spec="fixed:4", stop_after=stops)
+    overlapped, _ = run(engine, workload(), max_in_flight=2, spec="fixed:4", stop_after=stops)
+    assert overlapped == sync
+    assert {rid: len(sync[rid]) for rid in stops} == stops
+
+
+def test_kv_pressure_falls_back_to_planning_after_the_result(engine):
+    """Too few KV blocks for everyone: preemptions are planned only with nothing in flight."""
+    sync, sync_counters = run(engine, workload(), max_in_flight=1, num_kv_blocks=14)
+    overlapped, counters = run(engine, workload(), max_in_flight=2, num_kv_blocks=14)
+    assert overlapped == sync
+    assert sync_counters["preempted"] > 0 and counters["not_ahead"] > 0, (sync_counters, counters)
+
+
+# ------------------------------------------------------------------ the executor's side
+
+
+def test_a_plan_built_ahead_skips_a_request_the_previous_step_finished(engine):
+    new = NewRequest("done", [5, 6, 7], max_new_tokens=1, ignore_eos=True)
+    first = engine.step(StepPlan(scheduled=[ScheduledRequest("done", 3)], new_requests=[new]))
+    assert first.outputs[0].finish_reason is not None and not engine.has_request("done")
+    # Built before that result was known: "done" was expected to decode once more.
+    ahead = StepPlan(scheduled=[ScheduledRequest("done", 1, draft_budget=2)], planned_after_step_id=1)
+    output = engine.step(ahead)
+    assert output.outputs == [] and output.num_computed_tokens == 0
+    assert engine.step(StepPlan(preempted=["done"], planned_after_step_id=2)).outputs == []
+    # A plan not built ahead that names it is a scheduler bug, and says so.
+    with pytest.raises(UnknownRequestError):
+        engine.step(StepPlan(scheduled=[ScheduledRequest("done", 1)]))
+    with pytest.raises(UnknownRequestError):
+        engine.step(StepPlan(scheduled=[ScheduledRequest("never-seen", 1)], planned_after_step_id=3))
+
+
+def test_a_plan_built_ahead_computes_at_most_what_is_left(engine):
+    prompt = list(range(3, 3 + 40))
+    engine.step(StepPlan(scheduled=[ScheduledRequest("a", 32)], new_requests=[NewRequest("a", prompt, max_new_tokens=4)]))
+    # 8 prompt tokens are left; a plan built ahead may ask for more (a prefix hit went further than planned).
+    output = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 16)], planned_after_step_id=1))
+    assert output.num_computed_tokens == 8 and len(output.outputs[0].new_token_ids) == 1
+    # ... and a decode planned ahead is one token: the one the previous step sampled.
+    output = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 3)], planned_after_step_id=2))
+    assert output.num_computed_tokens == 1
+    with pytest.raises(InvalidRequestError, match="not yet in KV"):
+        engine.step(StepPlan(scheduled=[ScheduledRequest("a", 3)]))
+    engine.step(StepPlan(released=["a"]))
+
+
+# ------------------------------------------------------------------ the executor's servicer
+
+
+def test_the_servicer_runs_a_plan_built_ahead_only_after_the_step_it_follows(engine):
+    import asyncio
+
+    import grpc
+    from swarmserve.executor.v1 import executor_pb2 as pb
+    from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+    from executor_svc.server import serve
+    from tests.stack import free_port
+
+    async def main():
+        address = f"127.0.0.1:{free_port()}"
+        server = await serve(engine, address)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.ExecutorServiceStub(channel)
+                await stub.GetInfo(pb.GetInfoRequest(scheduler_id="s"))
+                new = pb.NewRequest(request_id="q", prompt_token_ids=[4, 5, 6, 7], max_new_tokens=8, ignore_eos=True,
+                                    sampling=pb.SamplingParams(top_p=1.0))  # fmt: skip
+                # Step 2 arrives first: it must wait for step 1 (it decodes the token step 1 samples).
+                second = asyncio.ensure_future(
+                    stub.Step(pb.StepRequest(step_id=2, scheduler_id="s", planned_after_step_id=1,
+                                             scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)]))  # fmt: skip
+                )
+                await asyncio.sleep(0.3)
+                assert not second.done()
+                first = await stub.Step(pb.StepRequest(step_id=1, scheduler_id="s", new_requests=[new],
+                                                       scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=4)]))  # fmt: skip
+                second = await second
+                assert len(first.results[0].new_token_ids) == len(second.results[0].new_token_ids) == 1
+                # A step that fails takes the plan built ahead of it down too: that plan assumed a state that never was.
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.Step(pb.StepRequest(step_id=3, scheduler_id="s",
+                                                   scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=9)]))  # fmt: skip
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(grpc.aio.AioRpcError) as aborted:
+                    await stub.Step(pb.StepRequest(step_id=4, scheduler_id="s", planned_after_step_id=3,
+                                                   scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)]))  # fmt: skip
+                assert aborted.value.code() == grpc.StatusCode.ABORTED and "failed" in aborted.value.details()
+                await stub.Step(pb.StepRequest(step_id=5, scheduler_id="s", released=["q"]))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -7,7 +7,8 @@ service start only loads them.
 
 The build is tuned for the CPU it runs on (`-march=native`): the build folder is
 keyed by the CPU's model and flags, so a copied cache never runs on a CPU that
-lacks an instruction it was compiled for.
+lacks an instruction it was compiled for, and by the source, so two checkouts
+never rebuild over each other.
 
 Why C++ and not torch ops: a decode step of a small model is ~300 tiny ops, and
 each eager torch op costs microseconds of dispatch; the quantized matmuls must
@@ -20,12 +21,14 @@ import functools
 import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parent
 MODULES = ("qlinear", "layer_ops")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+STALE_LOCK_S = 600
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -53,6 +56,25 @@ def build_root() -> Path:
     return Path(base) / _cpu_signature()
 
 
+def _source_signature(name: str) -> str:
+    """The source, the flags and torch's version: a build folder is never shared by two of them."""
+    import torch
+
+    text = (SOURCE_DIR / f"{name}.cpp").read_bytes() + repr((CFLAGS, torch.__version__)).encode()
+    return hashlib.blake2b(text, digest_size=6).hexdigest()
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's builder waits forever on the lock of a build that was killed; a build takes under a
+    minute, so a lock older than STALE_LOCK_S was left by a dead one."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def load(name: str) -> ModuleType:
     """The compiled module `name` (a file `name.cpp` here), built if it is not yet."""
@@ -60,8 +82,9 @@ def load(name: str) -> ModuleType:
         raise ValueError(f"unknown CPU kernel module {name!r}; known: {MODULES}")
     from torch.utils import cpp_extension
 
-    build_dir = build_root() / name
+    build_dir = build_root() / f"{name}-{_source_signature(name)}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
     try:
         return cpp_extension.load(
             name=f"swarmserve_{name}",

@@ -13,7 +13,7 @@ from executor_svc.observability.executor_metrics import ExecutorMetrics
 from executor_svc.observability.flags import add_observability_flags
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
 from executor_svc.observability.service_telemetry import start_service_telemetry
-from executor_svc.server import serve
+from executor_svc.server import engine_thread_pool, serve
 
 log = structlog.get_logger()
 
@@ -86,8 +86,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 async def run(args: argparse.Namespace) -> None:
     telemetry = start_service_telemetry(args, "swarmserve-executor", ExecutorMetrics, "swarmserve.executor")
-    engine = Engine(config_from_args(args))
-    calibration = [] if args.no_calibration else engine.calibrate()
+    engine_thread = engine_thread_pool()  # every OpenMP-parallel call from one thread
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(engine_thread, Engine, config_from_args(args))
+    calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, engine.calibrate)
     log.info("calibrated", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
     server = await serve(
         engine,
@@ -98,6 +100,7 @@ async def run(args: argparse.Namespace) -> None:
         scheduler_token_file=args.scheduler_token_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        engine_thread=engine_thread,
     )
     log.info(
         "executor_listening",
@@ -107,7 +110,6 @@ async def run(args: argparse.Namespace) -> None:
         block_size=engine.kv_cache.block_size,
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

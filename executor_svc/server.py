@@ -47,14 +47,29 @@ SCHEDULER_TOKEN_REFUSAL = (
 )
 
 
+def engine_thread_pool() -> ThreadPoolExecutor:
+    """The single thread that builds the engine and runs every step.
+
+    The CPU kernels parallelize with OpenMP, which keeps one thread team per calling
+    thread; two calling threads (say, the main thread that loaded and calibrated the
+    engine, and a worker that runs the steps) leave two teams contending for the same
+    cores, which measured 2x slower per decode step on 2 cores. So everything that
+    computes goes through this one thread.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine, calibration: list[CostSample] = ()) -> None:
+    def __init__(
+        self, engine: Engine, calibration: list[CostSample] = (), engine_thread: ThreadPoolExecutor | None = None
+    ) -> None:
         self.engine = engine
         self.calibration = cost_samples_to_pb(list(calibration))
         self.executor_id = uuid.uuid4().hex
         self._scheduler_id = ""
         self._retired_scheduler_ids: set[str] = set()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # The engine's one thread (see `engine_thread`): pass the one that built the engine.
+        self._worker = engine_thread or engine_thread_pool()
         self._lock = asyncio.Lock()
         # The current scheduler's steps as they end (plans built ahead wait for the one they follow).
         self._step_done = asyncio.Condition()
@@ -203,8 +218,11 @@ async def serve(
     scheduler_token_file: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    engine_thread: ThreadPoolExecutor | None = None,
 ) -> grpc.aio.Server:
     """Start the executor's gRPC server (service + standard health) and return it.
+
+    `engine_thread` should be the `engine_thread_pool()` that built the engine.
 
     `tracer` (OpenTelemetry) and `metrics` (ExecutorMetrics) are optional: without them
     no interceptor is installed at all.
@@ -219,7 +237,7 @@ async def serve(
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
         ]
     )
-    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration), server)
+    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration, engine_thread), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server_port(server, listen, tls_cert, tls_key)

@@ -111,44 +111,22 @@ inline __m512 u8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_
 inline __m512 i8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 #endif
 
+#if !defined(__AVX512F__)
+// Portable block dequantization (the AVX-512 build dequantizes through for_each_block32).
+
 // One 32-element block of nibbles (low nibbles are elements 0..15, high 16..31)
 // → d * q + m (m = 0 for none), or d * (q - 8) for Q4_0.
 inline void dequant_nibbles32(const uint8_t* qs, float d, float m, float offset, bool has_min, float* out) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128((const __m128i*)qs);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m), voff = _mm512_set1_ps(offset);
-  __m512 a = _mm512_sub_ps(u8x16_to_ps(lo), voff), b = _mm512_sub_ps(u8x16_to_ps(hi), voff);
-  a = _mm512_mul_ps(vd, a);
-  b = _mm512_mul_ps(vd, b);
-  if (has_min) {
-    a = _mm512_add_ps(a, vm);
-    b = _mm512_add_ps(b, vm);
-  }
-  _mm512_storeu_ps(out, a);
-  _mm512_storeu_ps(out + 16, b);
-#else
   for (int i = 0; i < 16; i++) {
     float a = d * ((float)(qs[i] & 0x0F) - offset), b = d * ((float)(qs[i] >> 4) - offset);
     out[i] = has_min ? a + m : a;
     out[i + 16] = has_min ? b + m : b;
   }
-#endif
 }
 
 // 32 codes given as bytes (already combined) → ds * q - dm  (K-quants), one rounding each.
 inline void dequant_k32(const uint8_t* q, float ds, float dm, float* out) {
-#if defined(__AVX512F__)
-  const __m512 vd = _mm512_set1_ps(ds), vm = _mm512_set1_ps(dm);
-  for (int h = 0; h < 2; h++) {
-    const __m512 v = u8x16_to_ps(_mm_loadu_si128((const __m128i*)(q + 16 * h)));
-    _mm512_storeu_ps(out + 16 * h, _mm512_sub_ps(_mm512_mul_ps(vd, v), vm));
-  }
-#else
   for (int i = 0; i < 32; i++) out[i] = ds * (float)q[i] - dm;
-#endif
 }
 
 void dequant_q4_k(const uint8_t* blk, float* out) {
@@ -202,68 +180,13 @@ void dequant_q6_k(const uint8_t* blk, float* out) {
       float* dst = out + 128 * h + j0;
       const int e0 = 128 * h + j0;
       const float ds0 = d * (float)scales[e0 / 16], ds1 = d * (float)scales[e0 / 16 + 1];
-#if defined(__AVX512F__)
-      _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_set1_ps(ds0), _mm512_cvtepi32_ps(_mm512_loadu_si512(codes))));
-      _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_set1_ps(ds1), _mm512_cvtepi32_ps(_mm512_loadu_si512(codes + 16))));
-#else
       for (int l = 0; l < 16; l++) dst[l] = ds0 * (float)codes[l];
       for (int l = 16; l < 32; l++) dst[l] = ds1 * (float)codes[l];
-#endif
     }
   }
 }
 
-// One weight row (K elements, row bytes as stored) → float32.
-void dequant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  switch (type) {
-    case F32:
-      std::memcpy(out, row, K * sizeof(float));
-      return;
-    case F16:
-      for (int64_t k = 0; k < K; k++) out[k] = fp16_to_fp32(load_u16(row + 2 * k));
-      return;
-    case BF16:
-      for (int64_t k = 0; k < K; k++) out[k] = bf16_to_fp32(load_u16(row + 2 * k));
-      return;
-    case Q4_0:
-      for (int64_t b = 0; b < K / 32; b++) {
-        const uint8_t* blk = row + 18 * b;
-        dequant_nibbles32(blk + 2, fp16_to_fp32(load_u16(blk)), 0.f, 8.f, false, out + 32 * b);
-      }
-      return;
-    case Q4_1:
-      for (int64_t b = 0; b < K / 32; b++) {
-        const uint8_t* blk = row + 20 * b;
-        dequant_nibbles32(blk + 4, fp16_to_fp32(load_u16(blk)), fp16_to_fp32(load_u16(blk + 2)), 0.f, true, out + 32 * b);
-      }
-      return;
-    case Q8_0:
-      for (int64_t b = 0; b < K / 32; b++) {
-        const uint8_t* blk = row + 34 * b;
-        const float d = fp16_to_fp32(load_u16(blk));
-        float* dst = out + 32 * b;
-#if defined(__AVX512F__)
-        const __m512 vd = _mm512_set1_ps(d);
-        _mm512_storeu_ps(dst, _mm512_mul_ps(vd, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 2)))));
-        _mm512_storeu_ps(dst + 16, _mm512_mul_ps(vd, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 18)))));
-#else
-        for (int i = 0; i < 32; i++) dst[i] = d * (float)(int8_t)blk[2 + i];
 #endif
-      }
-      return;
-    case Q4_K:
-      for (int64_t b = 0; b < K / QK_K; b++) dequant_q4_k(row + 144 * b, out + QK_K * b);
-      return;
-    case Q5_K:
-      for (int64_t b = 0; b < K / QK_K; b++) dequant_q5_k(row + 176 * b, out + QK_K * b);
-      return;
-    case Q6_K:
-      for (int64_t b = 0; b < K / QK_K; b++) dequant_q6_k(row + 210 * b, out + QK_K * b);
-      return;
-    default:
-      TORCH_CHECK(false, "GGML tensor type ", type, " has no CPU dequantize kernel");
-  }
-}
 
 // ------------------------------------------------------------------ dot products
 //
@@ -473,6 +396,63 @@ void dot_buffered2(const float* w0, const float* w1, int64_t K, const float* x, 
 }
 constexpr bool HAS_FUSED = false;
 #endif
+
+// One weight row (K elements, row bytes as stored) → float32.
+void dequant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+  switch (type) {
+    case F32:
+      std::memcpy(out, row, K * sizeof(float));
+      return;
+    case F16:
+      for (int64_t k = 0; k < K; k++) out[k] = fp16_to_fp32(load_u16(row + 2 * k));
+      return;
+    case BF16:
+      for (int64_t k = 0; k < K; k++) out[k] = bf16_to_fp32(load_u16(row + 2 * k));
+      return;
+    default:
+      break;
+  }
+#if defined(__AVX512F__)
+  // The very values the fused path computes in registers, stored.
+  for_each_block32(type, row, K, [&](int64_t k, W32 w) __attribute__((always_inline)) {
+    _mm512_storeu_ps(out + k, w.lo);
+    _mm512_storeu_ps(out + k + 16, w.hi);
+  });
+#else
+  switch (type) {
+    case Q4_0:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 18 * b;
+        dequant_nibbles32(blk + 2, fp16_to_fp32(load_u16(blk)), 0.f, 8.f, false, out + 32 * b);
+      }
+      return;
+    case Q4_1:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 20 * b;
+        dequant_nibbles32(blk + 4, fp16_to_fp32(load_u16(blk)), fp16_to_fp32(load_u16(blk + 2)), 0.f, true, out + 32 * b);
+      }
+      return;
+    case Q8_0:
+      for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* blk = row + 34 * b;
+        const float d = fp16_to_fp32(load_u16(blk));
+        for (int i = 0; i < 32; i++) out[32 * b + i] = d * (float)(int8_t)blk[2 + i];
+      }
+      return;
+    case Q4_K:
+      for (int64_t b = 0; b < K / QK_K; b++) dequant_q4_k(row + 144 * b, out + QK_K * b);
+      return;
+    case Q5_K:
+      for (int64_t b = 0; b < K / QK_K; b++) dequant_q5_k(row + 176 * b, out + QK_K * b);
+      return;
+    case Q6_K:
+      for (int64_t b = 0; b < K / QK_K; b++) dequant_q6_k(row + 210 * b, out + QK_K * b);
+      return;
+    default:
+      TORCH_CHECK(false, "GGML tensor type ", type, " has no CPU dequantize kernel");
+  }
+#endif
+}
 
 constexpr int64_t ROWS_PER_TASK = 16;   // weight rows per parallel task
 constexpr int64_t FUSED_MAX_ROWS = 4;  // up to this many activation rows, dequantize in registers

@@ -36,10 +36,11 @@ def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: 
 
 class Transformer:
     def __init__(
-        self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype = torch.float32
+        self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype | None = None
     ) -> None:
         self.ops = ops or TorchOps()
-        self.dtype = dtype  # activations and KV
+        # Activations and KV: the norms are loaded in the compute dtype, so they say it by default.
+        self.dtype = dtype or weights.final_norm.dtype
         self.config = config
         self.weights = weights
         self.device = device

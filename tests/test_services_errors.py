@@ -91,12 +91,18 @@ def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
 
     async def main():
         async with AsyncSwarmClient(s.scheduler_address) as client:
+            # A frozen executor holds the one running request, so the queue stays full however fast steps are.
+            s.executor.send_signal(signal.SIGSTOP)
             running = [
                 asyncio.create_task(client.complete("x", max_new_tokens=250, ignore_eos=True, temperature=0.0))
                 for _ in range(3)
             ]
-            await asyncio.sleep(0.3)  # one runs, two wait
+            deadline = time.monotonic() + 10
+            while (info := await client.server_info()).num_queued_requests != 2 or info.num_running_requests != 1:
+                assert time.monotonic() < deadline, "the queue never filled"
+                await asyncio.sleep(0.01)
             error = await error_of(client.complete("y", max_new_tokens=3))
+            s.executor.send_signal(signal.SIGCONT)
             done = await asyncio.gather(*running)
             after = await client.complete("z", max_new_tokens=3, ignore_eos=True)
         return error, done, after

@@ -21,6 +21,8 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -75,6 +77,13 @@ def _clear_stale_lock(build_dir: Path) -> None:
         pass
 
 
+def _find_ninja() -> None:
+    """torch's builder runs `ninja` from PATH; the pip-installed one sits beside this Python,
+    which is not on PATH when the venv is used without activating it."""
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load(name: str) -> ModuleType:
     """The compiled module `name` (a file `name.cpp` here), built if it is not yet."""
@@ -82,6 +91,7 @@ def load(name: str) -> ModuleType:
         raise ValueError(f"unknown CPU kernel module {name!r}; known: {MODULES}")
     from torch.utils import cpp_extension
 
+    _find_ninja()
     build_dir = build_root() / f"{name}-{_source_signature(name)}"
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)

@@ -129,33 +129,19 @@ inline void dequant_k32(const uint8_t* q, float ds, float dm, float* out) {
   for (int i = 0; i < 32; i++) out[i] = ds * (float)q[i] - dm;
 }
 
-void dequant_q4_k(const uint8_t* blk, float* out) {
+// Q4_K (4-bit codes) and Q5_K (plus a fifth bit from qh): the same 8 sub-blocks of 32.
+void dequant_q45_k(const uint8_t* blk, bool is_q5, float* out) {
   const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
   const uint8_t* scales = blk + 4;
-  const uint8_t* qs = blk + 16;
+  const uint8_t* qh = blk + 16;  // Q5_K only
+  const uint8_t* qs = blk + (is_q5 ? 48 : 16);
   alignas(64) uint8_t codes[32];
   for (int s = 0; s < 8; s++) {
     uint8_t sc, m;
     scale_min_k4(scales, s, &sc, &m);
     const uint8_t* src = qs + 32 * (s / 2);
     const int shift = 4 * (s % 2);
-    for (int l = 0; l < 32; l++) codes[l] = (src[l] >> shift) & 0x0F;
-    dequant_k32(codes, d * (float)sc, dmin * (float)m, out + 32 * s);
-  }
-}
-
-void dequant_q5_k(const uint8_t* blk, float* out) {
-  const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
-  const uint8_t* scales = blk + 4;
-  const uint8_t* qh = blk + 16;
-  const uint8_t* qs = blk + 48;
-  alignas(64) uint8_t codes[32];
-  for (int s = 0; s < 8; s++) {
-    uint8_t sc, m;
-    scale_min_k4(scales, s, &sc, &m);
-    const uint8_t* src = qs + 32 * (s / 2);
-    const int shift = 4 * (s % 2);
-    for (int l = 0; l < 32; l++) codes[l] = ((src[l] >> shift) & 0x0F) | (((qh[l] >> s) & 1) << 4);
+    for (int l = 0; l < 32; l++) codes[l] = ((src[l] >> shift) & 0x0F) | (is_q5 ? ((qh[l] >> s) & 1) << 4 : 0);
     dequant_k32(codes, d * (float)sc, dmin * (float)m, out + 32 * s);
   }
 }
@@ -440,11 +426,11 @@ void dequant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
       }
       return;
     case Q4_K:
-      for (int64_t b = 0; b < K / QK_K; b++) dequant_q4_k(row + 144 * b, out + QK_K * b);
+    case Q5_K: {
+      const int64_t block_bytes = type == Q4_K ? 144 : 176;
+      for (int64_t b = 0; b < K / QK_K; b++) dequant_q45_k(row + block_bytes * b, type == Q5_K, out + QK_K * b);
       return;
-    case Q5_K:
-      for (int64_t b = 0; b < K / QK_K; b++) dequant_q5_k(row + 176 * b, out + QK_K * b);
-      return;
+    }
     case Q6_K:
       for (int64_t b = 0; b < K / QK_K; b++) dequant_q6_k(row + 210 * b, out + QK_K * b);
       return;

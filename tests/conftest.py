@@ -37,3 +37,13 @@ def hf_reference(default_model_path):
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A tiny random model's engine, one per test module, for in-process services."""
+    from executor_svc.engine import Engine, EngineConfig
+    from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
+    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -100,3 +101,13 @@ class Stack:
     def stop(self) -> None:
         self._stop(self.scheduler)
         self._stop(self.executor)
+
+
+async def stop_scheduler(server, loop, tasks) -> None:
+    """Stop an in-process scheduler started with `scheduler_svc.server.serve`: the server,
+    its step-loop tasks, and its link to the executor."""
+    await server.stop(None)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await loop.link.close()

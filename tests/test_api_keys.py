@@ -11,19 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.api_keys import load_api_keys
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
-from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+from tests.stack import free_port, stop_scheduler
 
 
 def test_api_keys_are_required_when_configured(engine, tmp_path):
@@ -55,11 +47,7 @@ def test_api_keys_are_required_when_configured(engine, tmp_path):
                     await asyncio.sleep(0.05)
             return outcomes, health.status
         finally:
-            await server.stop(None)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await loop.link.close()
+            await stop_scheduler(server, loop, tasks)
             await executor.stop(None)
 
     outcomes, health_status = asyncio.run(main())

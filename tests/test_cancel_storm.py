@@ -21,7 +21,7 @@ from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
-from tests.stack import free_port
+from tests.stack import free_port, stop_scheduler
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
 NUM_REQUESTS = 2_000 if os.environ.get("SWARMSERVE_LONG_TESTS") == "1" else 200
@@ -80,11 +80,7 @@ def test_cancel_storm_leaves_no_request_and_no_kv_block(tmp_path):
             assert not loop.streams and not loop.planner.requests and loop.is_serving
             return outcomes
         finally:
-            await server.stop(None)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await loop.link.close()
+            await stop_scheduler(server, loop, tasks)
             await executor.stop(None)
 
     outcomes = asyncio.run(main())

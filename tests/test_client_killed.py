@@ -15,7 +15,7 @@ from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
-from tests.stack import ROOT, free_port
+from tests.stack import ROOT, free_port, stop_scheduler
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
 CLIENT = """
@@ -64,11 +64,7 @@ def test_killed_clients_leave_no_request_and_no_kv_block(tmp_path):
             async with AsyncSwarmClient(config.listen) as client:
                 return len((await client.complete("after", max_new_tokens=3, ignore_eos=True)).token_ids)
         finally:
-            await server.stop(None)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await loop.link.close()
+            await stop_scheduler(server, loop, tasks)
             await executor.stop(None)
 
     assert asyncio.run(main()) == 3

@@ -16,20 +16,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
-from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.stack import free_port, stop_scheduler
 
 TIMEOUT_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
 
 
 @contextlib.asynccontextmanager
@@ -39,11 +31,7 @@ async def scheduler(executor_address: str, **config):
     try:
         yield config.listen, loop
     finally:
-        await server.stop(None)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await loop.link.close()
+        await stop_scheduler(server, loop, tasks)
 
 
 async def health(address: str):

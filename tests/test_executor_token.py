@@ -13,18 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
-from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+from tests.stack import free_port, stop_scheduler
 
 
 def test_the_executor_serves_only_a_scheduler_with_its_token(engine, tmp_path):
@@ -57,11 +49,7 @@ def test_the_executor_serves_only_a_scheduler_with_its_token(engine, tmp_path):
                             results[name] = error
                     results[name + "_connected"] = connected
                 finally:
-                    await server.stop(None)
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    await loop.link.close()
+                    await stop_scheduler(server, loop, tasks)
             return results
         finally:
             await executor.stop(None)

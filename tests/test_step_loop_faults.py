@@ -22,22 +22,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as epb
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
+from executor_svc.engine import Engine
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
-from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.stack import free_port, stop_scheduler
 
 TIMEOUT_S = 10.0  # any wait here is milliseconds when things work; this only turns a hang into a failure
 PROMPT = "the cat sat on the mat, the cat sat on"
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
 
 
 class StepGate:
@@ -78,11 +71,7 @@ async def servers(engine: Engine, **scheduler_config):
         assert await loop.wait_connected(TIMEOUT_S)
         yield config.listen, loop
     finally:
-        await scheduler.stop(None)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await loop.link.close()
+        await stop_scheduler(scheduler, loop, tasks)
         await executor.stop(None)
 
 

@@ -16,7 +16,7 @@ from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
-from tests.stack import free_port
+from tests.stack import free_port, stop_scheduler
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
 
@@ -56,11 +56,7 @@ def test_both_services_serve_tls_and_a_client_in_the_clear_is_refused(certificat
                     await plain.complete("hi", max_new_tokens=3)
             return completion, refused.value
         finally:
-            await server.stop(None)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await loop.link.close()
+            await stop_scheduler(server, loop, tasks)
             await executor.stop(None)
 
     completion, refused = asyncio.run(main())

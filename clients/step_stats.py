@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import median
+
+from scheduler_svc.cost_model import PredictionError
+from scheduler_svc.cost_model import prediction_error as summarize_errors
 
 DEFAULT_SKIP_STEPS = 20
 
@@ -30,33 +32,13 @@ def executor_s(step) -> float:
     return step.executor_prepare_s + step.executor_forward_s + step.executor_sample_s
 
 
-@dataclass(frozen=True)
-class PredictionErrorSummary:
-    num_steps: int
-    median: float
-    p90: float
-
-    def __str__(self) -> str:
-        return f"median {self.median:.1%}, p90 {self.p90:.1%} over {self.num_steps} steps"
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def prediction_error(steps: Sequence, skip_steps: int = DEFAULT_SKIP_STEPS) -> PredictionErrorSummary | None:
+def prediction_error(steps: Sequence, skip_steps: int = DEFAULT_SKIP_STEPS) -> PredictionError | None:
     errors = [
         abs(s.predicted_duration_s - executor_s(s)) / executor_s(s)
         for s in steps
         if s.step_id > skip_steps and s.predicted_duration_s > 0 and executor_s(s) > 0
     ]
-    if not errors:
-        return None
-    return PredictionErrorSummary(len(errors), median(errors), _quantile(errors, 0.9))
+    return summarize_errors(errors)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from executor_svc.gguf_file import open_gguf
 from executor_svc.kv_cache import KVCache
+from executor_svc.engine import resolve_ops
 from executor_svc.model import Transformer
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_source import resolve_model_path
@@ -50,7 +51,7 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
     for name in dtype_names:
         dtype = DTYPES[name]
         weights = load_weights(gguf, config, dtype, device)
-        model = Transformer(config, weights, device, dtype=dtype)
+        model = Transformer(config, weights, device, resolve_ops("auto", device), dtype)  # the engine's ops
         rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)
         blocks_per_request = -(-(context + max(t_values)) // 16)
@@ -69,11 +70,9 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
         by_b = {}
         for b in b_values:
             by_b[b] = time_forward(model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, rows)
-        no_invariance = time_forward(model, cache, [RequestSlice([11], context, tables[0], 1)], reps, 1)
         results["dtypes"][name] = {
             "step_s_by_tokens": by_t,
             "step_s_by_batch": by_b,
-            "decode_b1_without_batch_invariance_s": no_invariance,
         }
     return results
 
@@ -99,11 +98,6 @@ def print_table(results: dict) -> None:
             s = results["dtypes"][n]["step_s_by_batch"][b]
             cells.append(f"{s * 1e3:12.1f} {b / s:6.0f}")
         print(f"{b:6d} | " + " | ".join(cells))
-    print("\nbatch invariance cost at B = 1 (rows padded to 4):")
-    for n in names:
-        d = results["dtypes"][n]
-        on, off = d["step_s_by_batch"][b_values[0]], d["decode_b1_without_batch_invariance_s"]
-        print(f"  {n}: {on * 1e3:.1f} ms with, {off * 1e3:.1f} ms without ({on / off:.2f}×)")
     if len(names) == 2:
         a, b = names
         print(f"\n{b} vs {a} (time ratio, < 1 is faster):")

@@ -62,7 +62,10 @@ def _source_signature(name: str) -> str:
     """The source, the flags and torch's version: a build folder is never shared by two of them."""
     import torch
 
-    text = (SOURCE_DIR / f"{name}.cpp").read_bytes() + repr((CFLAGS, torch.__version__)).encode()
+    text = (SOURCE_DIR / f"{name}.cpp").read_bytes()
+    for header in sorted(SOURCE_DIR.glob("*.h")):  # shared by the modules: any change rebuilds them all
+        text += header.read_bytes()
+    text += repr((CFLAGS, torch.__version__)).encode()
     return hashlib.blake2b(text, digest_size=6).hexdigest()
 
 

@@ -29,9 +29,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd16.h"
 
 namespace {
 
@@ -55,53 +53,54 @@ inline float rnd<float>(float x) { return x; }
 
 // ------------------------------------------------------------------ vector helpers
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 maskload16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 maskload16(__mmask16 m, const bf16* p) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#if SS_SIMD16
+using simd16::V16;
+SS_INLINE V16 load16(const float* p) { return simd16::load(p); }
+SS_INLINE V16 load16(const bf16* p) { return simd16::bf16x16(p); }
+// The first n (0..16) values at p, zeros after.
+SS_INLINE V16 load16_first(const float* p, int64_t n) { return simd16::load_first(p, n); }
+SS_INLINE V16 load16_first(const bf16* p, int64_t n) {
+  alignas(32) bf16 tmp[16];
+  std::memset(tmp, 0, sizeof(tmp));
+  std::memcpy(tmp, p, std::max<int64_t>(0, std::min<int64_t>(16, n)) * sizeof(bf16));
+  return simd16::bf16x16(tmp);
 }
 
 // exp(x) for float32 lanes: Cephes' expf (range reduction by ln 2 in two parts, a
 // degree-5 polynomial, scale by 2^n). ~1 ulp; exp(x) for x < -87.3 is not 0 but
 // < 1.2e-38 (callers that need exact zeros mask them).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
+SS_INLINE V16 exp16(V16 x) {
+  using namespace simd16;
+  x = min(max(x, set1(-87.3f)), set1(88.3f));
+  const V16 n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  V16 r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  V16 y = set1(1.9875691500E-4f);
+  y = fmadd(y, r, set1(1.3981999507E-3f));
+  y = fmadd(y, r, set1(8.3334519073E-3f));
+  y = fmadd(y, r, set1(4.1665795894E-2f));
+  y = fmadd(y, r, set1(1.6666665459E-1f));
+  y = fmadd(y, r, set1(5.0000001201E-1f));
+  y = fmadd(y, mul(r, r), add(r, set1(1.0f)));
+  return scale_pow2(y, n);
 }
 #endif
 
 // Σ x[i]² in a fixed order: 16-lane chain, masked tail, fixed lane reduction.
 template <typename T>
 inline float sum_squares(const T* x, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
+#if SS_SIMD16
+  V16 acc = simd16::zero();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const V16 v = load16(x + i);
+    acc = simd16::fmadd(v, v, acc);
   }
   if (i < n) {
-    const __m512 v = maskload16((__mmask16)((1u << (n - i)) - 1), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const V16 v = load16_first(x + i, n - i);
+    acc = simd16::fmadd(v, v, acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return simd16::reduce_add(acc);
 #else
   float lanes[16] = {0};
   for (int64_t i = 0; i < n; i++) {
@@ -125,11 +124,11 @@ struct WorkItem {
 // compile time (the common head dims), 0 for any D. A given D always takes the same path.
 template <int NV>
 inline float dot(const float* q, const float* k, int64_t D) {
-#if defined(__AVX512F__)
+#if SS_SIMD16
   if constexpr (NV > 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-    for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
-    return _mm512_reduce_add_ps(acc);
+    V16 acc = simd16::mul(simd16::load(q), simd16::load(k));
+    for (int c = 1; c < NV; c++) acc = simd16::fmadd(simd16::load(q + 16 * c), simd16::load(k + 16 * c), acc);
+    return simd16::reduce_add(acc);
   }
 #endif
   float s = 0.f;
@@ -168,20 +167,33 @@ inline __m512 dot16(const __m512* qv, const float* const* kp, int64_t n) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#elif SS_SIMD16
+// Scores of one q row against up to 16 keys: s[j] = q·k_j for j < n (each by dot's
+// fixed sequence), 0 for j ≥ n.
+template <int NV>
+inline void dot16(const V16* qv, const float* const* kp, int64_t n, float* s) {
+  for (int j = 0; j < 16; j++) {
+    if (j < n) {
+      V16 acc = simd16::mul(qv[0], simd16::load(kp[j]));
+      for (int c = 1; c < NV; c++) acc = simd16::fmadd(qv[c], simd16::load(kp[j] + 16 * c), acc);
+      s[j] = simd16::reduce_add(acc);
+    } else {
+      s[j] = 0.f;
+    }
+  }
+}
 #endif
 
 // s[0..n) ← exp(s - m), s[n..KV_CHUNK) ← 0; returns Σ s in a fixed order.
 inline float exp_chunk(float* s, int64_t n, float m) {
-#if defined(__AVX512F__)
+#if SS_SIMD16
   static_assert(KV_CHUNK == 32, "exp_chunk handles two 16-lane vectors");
-  const __m512 vm = _mm512_set1_ps(m);
-  const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
-  const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1);
-  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(_mm512_loadu_ps(s), vm)));
-  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16), vm)));
-  _mm512_storeu_ps(s, p0);
-  _mm512_storeu_ps(s + 16, p1);
-  return _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  const V16 vm = simd16::set1(m);
+  const V16 p0 = simd16::keep_first(exp16(simd16::sub(simd16::load(s), vm)), n);
+  const V16 p1 = simd16::keep_first(exp16(simd16::sub(simd16::load(s + 16), vm)), n - 16);
+  simd16::store(s, p0);
+  simd16::store(s + 16, p1);
+  return simd16::reduce_add(simd16::add(p0, p1));
 #else
   float lanes[16] = {0};
   for (int64_t j = 0; j < KV_CHUNK; j++) {
@@ -197,16 +209,16 @@ inline float exp_chunk(float* s, int64_t n, float m) {
 // acc ← acc · alpha + Σ_j p[j] v_j, keys in order.
 template <int NV>
 inline void rescale_accumulate(float* acc, float alpha, const float* p, const float* const* v, int64_t n, int64_t D) {
-#if defined(__AVX512F__)
+#if SS_SIMD16
   if constexpr (NV > 0) {
-    __m512 a[NV];
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int c = 0; c < NV; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+    V16 a[NV];
+    const V16 va = simd16::set1(alpha);
+    for (int c = 0; c < NV; c++) a[c] = simd16::mul(simd16::load(acc + 16 * c), va);
     for (int64_t j = 0; j < n; j++) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int c = 0; c < NV; c++) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
+      const V16 pj = simd16::set1(p[j]);
+      for (int c = 0; c < NV; c++) a[c] = simd16::fmadd(pj, simd16::load(v[j] + 16 * c), a[c]);
     }
-    for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    for (int c = 0; c < NV; c++) simd16::store(acc + 16 * c, a[c]);
     return;
   }
 #endif
@@ -220,8 +232,8 @@ inline void rescale_accumulate(float* acc, float alpha, const float* p, const fl
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t D) {
   int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#if SS_SIMD16
+  for (; d + 16 <= D; d += 16) simd16::store(dst + d, load16(src + d));
 #endif
   for (; d < D; d++) dst[d] = to_f(src[d]);
 }
@@ -291,6 +303,20 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
             const __m512 sc16 = nj > 0 ? _mm512_mul_ps(dot16<NV>(qv, kp + j0, nj), vs) : _mm512_setzero_ps();
             _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sc16));
             if (nj > 0) chunk_max = std::max(chunk_max, _mm512_mask_reduce_max_ps(valid, sc16));
+          }
+        } else
+#elif SS_SIMD16
+        if constexpr (NV > 0) {
+          V16 qv[NV];
+          for (int c = 0; c < NV; c++) qv[c] = simd16::load(qi + 16 * c);
+          alignas(64) float d16[16];
+          for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
+            const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
+            if (nj > 0) dot16<NV>(qv, kp + j0, nj, d16);
+            for (int64_t j = 0; j < 16; j++) {
+              s[j0 + j] = j < nj ? d16[j] * scale : NEG_INF;
+              if (j < nj) chunk_max = std::max(chunk_max, s[j0 + j]);
+            }
           }
         } else
 #endif
@@ -599,11 +625,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
         T* o = op + r * I;
         for (int64_t i = 0; i < I; i += 16) {
           const int64_t n = std::min<int64_t>(16, I - i);
-#if defined(__AVX512F__)
-          const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
-          const __m512 gv = maskload16(m, g + i);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-          _mm512_store_ps(silu, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+#if SS_SIMD16
+          const V16 gv = load16_first(g + i, n);
+          const V16 e = exp16(simd16::sub(simd16::zero(), gv));
+          simd16::store(silu, simd16::div(gv, simd16::add(simd16::set1(1.0f), e)));
 #else
           for (int64_t l = 0; l < n; l++) {
             const float gl = to_f(g[i + l]);

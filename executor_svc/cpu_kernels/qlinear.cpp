@@ -21,9 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd16.h"
 
 namespace {
 
@@ -105,14 +103,8 @@ inline void scale_min_k4(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
   }
 }
 
-#if defined(__AVX512F__)
-// 16 unsigned bytes → 16 floats.
-inline __m512 u8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
-inline __m512 i8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
-#endif
-
-#if !defined(__AVX512F__)
-// Portable block dequantization (the AVX-512 build dequantizes through for_each_block32).
+#if !SS_SIMD16
+// Portable block dequantization (SIMD builds dequantize through for_each_block32).
 
 // One 32-element block of nibbles (low nibbles are elements 0..15, high 16..31)
 // → d * q + m (m = 0 for none), or d * (q - 8) for Q4_0.
@@ -180,27 +172,28 @@ void dequant_q6_k(const uint8_t* blk, float* out) {
 // 0..15 of each step feed chain 0, values 16..31 chain 1 (16 float32 lanes each,
 // one FMA per step), and the result is reduce_add(chain0 + chain1). Two ways run
 // that identical sequence: `fused` dequantizes each 32-value block straight into
-// registers (few activation rows: decode, verify), `buffered` dequantizes the row
-// once into an L1 buffer and reuses it for every 4-row tile of a long batch.
+// registers (few activation rows: decode, verify), `tiled` dequantizes a few weight
+// rows once into an L1 buffer and reuses them for every row tile of a long batch.
+// Tile shapes follow the register file (32 zmm or 16 ymm); they never change a result.
 
-#if defined(__AVX512F__)
-#define SS_INLINE inline __attribute__((always_inline))
+#if SS_SIMD16
+using simd16::V16;
 
 struct W32 {
-  __m512 lo, hi;  // values 0..15 and 16..31 of a 32-value block
+  V16 lo, hi;  // values 0..15 and 16..31 of a 32-value block
 };
 
-SS_INLINE W32 nibbles32(const uint8_t* qs, __m512 d, __m512 offset) {  // d * (q - offset), low nibbles first
+SS_INLINE W32 nibbles32(const uint8_t* qs, V16 d, V16 offset) {  // d * (q - offset), low nibbles first
   const __m128i bytes = _mm_loadu_si128((const __m128i*)qs);
   const __m128i mask = _mm_set1_epi8(0x0F);
-  return {_mm512_mul_ps(d, _mm512_sub_ps(u8x16_to_ps(_mm_and_si128(bytes, mask)), offset)),
-          _mm512_mul_ps(d, _mm512_sub_ps(u8x16_to_ps(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), offset))};
+  return {simd16::mul(d, simd16::sub(simd16::u8x16(_mm_and_si128(bytes, mask)), offset)),
+          simd16::mul(d, simd16::sub(simd16::u8x16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), offset))};
 }
 
 SS_INLINE W32 kquant32(__m256i codes, float ds, float dm) {  // ds * q - dm over 32 unsigned codes
-  const __m512 vd = _mm512_set1_ps(ds), vm = _mm512_set1_ps(dm);
-  return {_mm512_sub_ps(_mm512_mul_ps(vd, u8x16_to_ps(_mm256_castsi256_si128(codes))), vm),
-          _mm512_sub_ps(_mm512_mul_ps(vd, u8x16_to_ps(_mm256_extracti128_si256(codes, 1))), vm)};
+  const V16 vd = simd16::set1(ds), vm = simd16::set1(dm);
+  return {simd16::sub(simd16::mul(vd, simd16::u8x16(_mm256_castsi256_si128(codes))), vm),
+          simd16::sub(simd16::mul(vd, simd16::u8x16(_mm256_extracti128_si256(codes, 1))), vm)};
 }
 
 // Calls f(k, W32) for every 32-value block of a quantized row, in order.
@@ -210,23 +203,23 @@ SS_INLINE void for_each_block32(int64_t type, const uint8_t* row, int64_t K, F&&
     case Q4_0:
       for (int64_t b = 0; b < K / 32; b++) {
         const uint8_t* blk = row + 18 * b;
-        f(32 * b, nibbles32(blk + 2, _mm512_set1_ps(fp16_to_fp32(load_u16(blk))), _mm512_set1_ps(8.f)));
+        f(32 * b, nibbles32(blk + 2, simd16::set1(fp16_to_fp32(load_u16(blk))), simd16::set1(8.f)));
       }
       return;
     case Q4_1:
       for (int64_t b = 0; b < K / 32; b++) {
         const uint8_t* blk = row + 20 * b;
-        const __m512 m = _mm512_set1_ps(fp16_to_fp32(load_u16(blk + 2)));
-        const W32 w = nibbles32(blk + 4, _mm512_set1_ps(fp16_to_fp32(load_u16(blk))), _mm512_setzero_ps());
-        f(32 * b, W32{_mm512_add_ps(w.lo, m), _mm512_add_ps(w.hi, m)});
+        const V16 m = simd16::set1(fp16_to_fp32(load_u16(blk + 2)));
+        const W32 w = nibbles32(blk + 4, simd16::set1(fp16_to_fp32(load_u16(blk))), simd16::zero());
+        f(32 * b, W32{simd16::add(w.lo, m), simd16::add(w.hi, m)});
       }
       return;
     case Q8_0:
       for (int64_t b = 0; b < K / 32; b++) {
         const uint8_t* blk = row + 34 * b;
-        const __m512 d = _mm512_set1_ps(fp16_to_fp32(load_u16(blk)));
-        f(32 * b, W32{_mm512_mul_ps(d, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 2)))),
-                      _mm512_mul_ps(d, i8x16_to_ps(_mm_loadu_si128((const __m128i*)(blk + 18))))});
+        const V16 d = simd16::set1(fp16_to_fp32(load_u16(blk)));
+        f(32 * b, W32{simd16::mul(d, simd16::i8x16(_mm_loadu_si128((const __m128i*)(blk + 2)))),
+                      simd16::mul(d, simd16::i8x16(_mm_loadu_si128((const __m128i*)(blk + 18))))});
       }
       return;
     case Q4_K:
@@ -252,6 +245,7 @@ SS_INLINE void for_each_block32(int64_t type, const uint8_t* row, int64_t K, F&&
     }
     case Q6_K: {
       const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+      const V16 bias = simd16::set1(32.f);
       for (int64_t b = 0; b < K / QK_K; b++) {
         const uint8_t* blk = row + 210 * b;
         const int8_t* scales = (const int8_t*)(blk + 192);
@@ -264,11 +258,10 @@ SS_INLINE void for_each_block32(int64_t type, const uint8_t* row, int64_t K, F&&
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), mask2);
             const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));  // 0..63; value = code - 32
             const int e0 = 128 * h + 32 * part;
-            const __m512 bias = _mm512_set1_ps(32.f);
-            const __m512 lo = _mm512_sub_ps(u8x16_to_ps(_mm256_castsi256_si128(codes)), bias);
-            const __m512 hi = _mm512_sub_ps(u8x16_to_ps(_mm256_extracti128_si256(codes, 1)), bias);
-            f(QK_K * b + e0, W32{_mm512_mul_ps(_mm512_set1_ps(d * (float)scales[e0 / 16]), lo),
-                                 _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[e0 / 16 + 1]), hi)});
+            const V16 lo = simd16::sub(simd16::u8x16(_mm256_castsi256_si128(codes)), bias);
+            const V16 hi = simd16::sub(simd16::u8x16(_mm256_extracti128_si256(codes, 1)), bias);
+            f(QK_K * b + e0, W32{simd16::mul(simd16::set1(d * (float)scales[e0 / 16]), lo),
+                                 simd16::mul(simd16::set1(d * (float)scales[e0 / 16 + 1]), hi)});
           }
         }
       }
@@ -279,108 +272,85 @@ SS_INLINE void for_each_block32(int64_t type, const uint8_t* row, int64_t K, F&&
   }
 }
 
-template <int NR>
-SS_INLINE void finish(__m512 (&acc)[NR][2], float* out, int64_t stride) {
-  for (int r = 0; r < NR; r++) out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+struct Chains {
+  V16 c0, c1;  // values 0..15 / 16..31 of each 32-value step
+};
+
+SS_INLINE void step(Chains& acc, V16 w_lo, V16 w_hi, const float* x) {
+  acc.c0 = simd16::fmadd(w_lo, simd16::load(x), acc.c0);
+  acc.c1 = simd16::fmadd(w_hi, simd16::load(x + 16), acc.c1);
 }
 
+SS_INLINE float finish(const Chains& acc) { return simd16::reduce_add(simd16::add(acc.c0, acc.c1)); }
+
+// NR activation rows (stride K) against one quantized weight row, dequantized in registers.
 template <int NR>
 void dot_fused(int64_t type, const uint8_t* wrow, int64_t K, const float* x, float* out, int64_t out_stride) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  Chains acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = {simd16::zero(), simd16::zero()};
   for_each_block32(type, wrow, K, [&](int64_t k, W32 w) __attribute__((always_inline)) {
-    for (int r = 0; r < NR; r++) {
-      acc[r][0] = _mm512_fmadd_ps(w.lo, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w.hi, _mm512_loadu_ps(x + r * K + k + 16), acc[r][1]);
-    }
+    for (int r = 0; r < NR; r++) step(acc[r], w.lo, w.hi, x + r * K + k);
   });
-  finish<NR>(acc, out, out_stride);
+  for (int r = 0; r < NR; r++) out[r * out_stride] = finish(acc[r]);
 }
 
-template <int NR>
-void dot_buffered(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// NW dequantized weight rows (stride K) × NR activation rows (stride K) → out[r * out_stride + j].
+template <int NW, int NR>
+void dot_tile(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
+  Chains acc[NW][NR];
+  for (int j = 0; j < NW; j++)
+    for (int r = 0; r < NR; r++) acc[j][r] = {simd16::zero(), simd16::zero()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    const __m512 lo = _mm512_loadu_ps(w + k), hi = _mm512_loadu_ps(w + k + 16);
     for (int r = 0; r < NR; r++) {
-      acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * K + k + 16), acc[r][1]);
+      const V16 x_lo = simd16::load(x + r * K + k), x_hi = simd16::load(x + r * K + k + 16);
+      for (int j = 0; j < NW; j++) {
+        acc[j][r].c0 = simd16::fmadd(simd16::load(w + j * K + k), x_lo, acc[j][r].c0);
+        acc[j][r].c1 = simd16::fmadd(simd16::load(w + j * K + k + 16), x_hi, acc[j][r].c1);
+      }
     }
   }
-  if (k < K) {  // F32/F16/BF16 rows only: a masked last step
+  if (k < K) {  // F32/F16/BF16 rows only: a zero-padded last step
     const int64_t n = K - k;
-    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
-    const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : (1u << (n - 16)) - 1);
-    const __m512 lo = _mm512_maskz_loadu_ps(m0, w + k), hi = _mm512_maskz_loadu_ps(m1, w + k + 16);
     for (int r = 0; r < NR; r++) {
-      acc[r][0] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m0, x + r * K + k), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, x + r * K + k + 16), acc[r][1]);
+      const V16 x_lo = simd16::load_first(x + r * K + k, n), x_hi = simd16::load_first(x + r * K + k + 16, n - 16);
+      for (int j = 0; j < NW; j++) {
+        acc[j][r].c0 = simd16::fmadd(simd16::load_first(w + j * K + k, n), x_lo, acc[j][r].c0);
+        acc[j][r].c1 = simd16::fmadd(simd16::load_first(w + j * K + k + 16, n - 16), x_hi, acc[j][r].c1);
+      }
     }
   }
-  finish<NR>(acc, out, out_stride);
-}
-
-// Two weight rows × NR activation rows: each pair's sequence is exactly dot_buffered's,
-// with twice the reuse of every activation load.
-template <int NR>
-void dot_buffered2(const float* w0, const float* w1, int64_t K, const float* x, float* out, int64_t out_stride) {
-  __m512 acc0[NR][2], acc1[NR][2];
-  for (int r = 0; r < NR; r++) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512 a_lo = _mm512_loadu_ps(w0 + k), a_hi = _mm512_loadu_ps(w0 + k + 16);
-    const __m512 b_lo = _mm512_loadu_ps(w1 + k), b_hi = _mm512_loadu_ps(w1 + k + 16);
-    for (int r = 0; r < NR; r++) {
-      const __m512 x_lo = _mm512_loadu_ps(x + r * K + k), x_hi = _mm512_loadu_ps(x + r * K + k + 16);
-      acc0[r][0] = _mm512_fmadd_ps(a_lo, x_lo, acc0[r][0]);
-      acc0[r][1] = _mm512_fmadd_ps(a_hi, x_hi, acc0[r][1]);
-      acc1[r][0] = _mm512_fmadd_ps(b_lo, x_lo, acc1[r][0]);
-      acc1[r][1] = _mm512_fmadd_ps(b_hi, x_hi, acc1[r][1]);
-    }
-  }
-  if (k < K) {
-    const int64_t n = K - k;
-    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
-    const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : (1u << (n - 16)) - 1);
-    const __m512 a_lo = _mm512_maskz_loadu_ps(m0, w0 + k), a_hi = _mm512_maskz_loadu_ps(m1, w0 + k + 16);
-    const __m512 b_lo = _mm512_maskz_loadu_ps(m0, w1 + k), b_hi = _mm512_maskz_loadu_ps(m1, w1 + k + 16);
-    for (int r = 0; r < NR; r++) {
-      const __m512 x_lo = _mm512_maskz_loadu_ps(m0, x + r * K + k), x_hi = _mm512_maskz_loadu_ps(m1, x + r * K + k + 16);
-      acc0[r][0] = _mm512_fmadd_ps(a_lo, x_lo, acc0[r][0]);
-      acc0[r][1] = _mm512_fmadd_ps(a_hi, x_hi, acc0[r][1]);
-      acc1[r][0] = _mm512_fmadd_ps(b_lo, x_lo, acc1[r][0]);
-      acc1[r][1] = _mm512_fmadd_ps(b_hi, x_hi, acc1[r][1]);
-    }
-  }
-  finish<NR>(acc0, out, out_stride);
-  finish<NR>(acc1, out + 1, out_stride);
+  for (int j = 0; j < NW; j++)
+    for (int r = 0; r < NR; r++) out[r * out_stride + j] = finish(acc[j][r]);
 }
 
 constexpr bool HAS_FUSED = true;
+// Register tiles: accumulators are 2 vectors per (weight row, activation row) pair.
+constexpr int FUSED_ROWS = simd16::kAvx512 ? 4 : 2;  // activation rows per fused pass
+constexpr int TILE_NW = simd16::kAvx512 ? 2 : 1;      // weight rows per tile
+constexpr int TILE_NR = simd16::kAvx512 ? 4 : 3;      // activation rows per tile
 #else
 // Portable fallback: the same two-chain, 16-lane structure, written out.
-template <int NR>
-void dot_buffered(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
-  for (int r = 0; r < NR; r++) {
-    float chain[2][16] = {{0}};
-    for (int64_t k = 0; k < K; k++) chain[(k / 16) % 2][k % 16] = std::fma(w[k], x[r * K + k], chain[(k / 16) % 2][k % 16]);
-    float sum[16];
-    for (int l = 0; l < 16; l++) sum[l] = chain[0][l] + chain[1][l];
-    for (int width = 8; width >= 1; width /= 2)
-      for (int l = 0; l < width; l++) sum[l] = sum[l] + sum[l + width];
-    out[r * out_stride] = sum[0];
-  }
+template <int NW, int NR>
+void dot_tile(const float* w, int64_t K, const float* x, float* out, int64_t out_stride) {
+  for (int j = 0; j < NW; j++)
+    for (int r = 0; r < NR; r++) {
+      float chain[2][16] = {{0}};
+      for (int64_t k = 0; k < K; k++)
+        chain[(k / 16) % 2][k % 16] = std::fma(w[j * K + k], x[r * K + k], chain[(k / 16) % 2][k % 16]);
+      float sum[16];
+      for (int l = 0; l < 16; l++) sum[l] = chain[0][l] + chain[1][l];
+      for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) sum[l] = sum[l] + sum[l + width];
+      out[r * out_stride + j] = sum[0];
+    }
 }
 template <int NR>
 void dot_fused(int64_t, const uint8_t*, int64_t, const float*, float*, int64_t) {}
-template <int NR>
-void dot_buffered2(const float* w0, const float* w1, int64_t K, const float* x, float* out, int64_t out_stride) {
-  dot_buffered<NR>(w0, K, x, out, out_stride);
-  dot_buffered<NR>(w1, K, x, out + 1, out_stride);
-}
 constexpr bool HAS_FUSED = false;
+constexpr int FUSED_ROWS = 1;
+constexpr int TILE_NW = 1;
+constexpr int TILE_NR = 1;
 #endif
 
 // One weight row (K elements, row bytes as stored) → float32.
@@ -398,11 +368,11 @@ void dequant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
     default:
       break;
   }
-#if defined(__AVX512F__)
+#if SS_SIMD16
   // The very values the fused path computes in registers, stored.
   for_each_block32(type, row, K, [&](int64_t k, W32 w) __attribute__((always_inline)) {
-    _mm512_storeu_ps(out + k, w.lo);
-    _mm512_storeu_ps(out + k + 16, w.hi);
+    simd16::store(out + k, w.lo);
+    simd16::store(out + k + 16, w.hi);
   });
 #else
   switch (type) {
@@ -446,38 +416,25 @@ constexpr int64_t ROW_PANEL = 64;      // activation rows per pass over a task's
 
 bool is_block_quantized(int64_t type) { return type != F32 && type != F16 && type != BF16; }
 
-// All M activation rows (≤ FUSED_MAX_ROWS) against weight row wrow, dequantized in registers.
+// All M activation rows (≤ FUSED_MAX_ROWS) against weight row wrow, dequantized in registers,
+// FUSED_ROWS rows per pass.
 void rows_fused(int64_t type, const uint8_t* wrow, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
-  switch (M) {
-    case 1: dot_fused<1>(type, wrow, K, x, y, N); return;
-    case 2: dot_fused<2>(type, wrow, K, x, y, N); return;
-    case 3: dot_fused<3>(type, wrow, K, x, y, N); return;
-    default: dot_fused<4>(type, wrow, K, x, y, N); return;
+  for (int64_t m = 0; m < M; m += FUSED_ROWS) {
+    switch (std::min<int64_t>(FUSED_ROWS, M - m)) {
+      case 1: dot_fused<1>(type, wrow, K, x + m * K, y + m * N, N); break;
+      case 2: dot_fused<2>(type, wrow, K, x + m * K, y + m * N, N); break;
+      case 3: dot_fused<3>(type, wrow, K, x + m * K, y + m * N, N); break;
+      default: dot_fused<4>(type, wrow, K, x + m * K, y + m * N, N); break;
+    }
   }
 }
 
-// M activation rows against two dequantized weight rows (w0 then w1, outputs y[:, 0] and y[:, 1]).
-void rows_buffered2(const float* w0, const float* w1, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
+// M activation rows against NW dequantized weight rows (stride K): outputs y[:, 0..NW).
+template <int NW>
+void rows_tiled(const float* w, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_buffered2<4>(w0, w1, K, x + m * K, y + m * N, N);
-  switch (M - m) {
-    case 1: dot_buffered2<1>(w0, w1, K, x + m * K, y + m * N, N); break;
-    case 2: dot_buffered2<2>(w0, w1, K, x + m * K, y + m * N, N); break;
-    case 3: dot_buffered2<3>(w0, w1, K, x + m * K, y + m * N, N); break;
-    default: break;
-  }
-}
-
-// M activation rows against one dequantized weight row, 4 rows at a time.
-void rows_buffered(const float* w, int64_t K, const float* x, int64_t M, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_buffered<4>(w, K, x + m * K, y + m * N, N);
-  switch (M - m) {
-    case 1: dot_buffered<1>(w, K, x + m * K, y + m * N, N); break;
-    case 2: dot_buffered<2>(w, K, x + m * K, y + m * N, N); break;
-    case 3: dot_buffered<3>(w, K, x + m * K, y + m * N, N); break;
-    default: break;
-  }
+  for (; m + TILE_NR <= M; m += TILE_NR) dot_tile<NW, TILE_NR>(w, K, x + m * K, y + m * N, N);
+  for (; m < M; m++) dot_tile<NW, 1>(w, K, x + m * K, y + m * N, N);
 }
 
 void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
@@ -505,7 +462,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
   const bool fused = HAS_FUSED && is_block_quantized(type) && M <= FUSED_MAX_ROWS;
   const int64_t num_tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wbuf(fused ? 0 : 2 * K);
+    std::vector<float> wbuf(fused ? 0 : TILE_NW * K);
     for (int64_t task = begin; task < end; task++) {
       const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
       if (fused) {
@@ -515,14 +472,13 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
       for (int64_t m0 = 0; m0 < M; m0 += ROW_PANEL) {
         const int64_t rows = std::min(ROW_PANEL, M - m0);
         int64_t n = n0;
-        for (; n + 2 <= n1; n += 2) {
-          dequant_row(type, wp + n * row_bytes, K, wbuf.data());
-          dequant_row(type, wp + (n + 1) * row_bytes, K, wbuf.data() + K);
-          rows_buffered2(wbuf.data(), wbuf.data() + K, K, xp + m0 * K, rows, yp + m0 * N + n, N);
+        for (; n + TILE_NW <= n1; n += TILE_NW) {
+          for (int j = 0; j < TILE_NW; j++) dequant_row(type, wp + (n + j) * row_bytes, K, wbuf.data() + j * K);
+          rows_tiled<TILE_NW>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
         }
-        if (n < n1) {
+        for (; n < n1; n++) {
           dequant_row(type, wp + n * row_bytes, K, wbuf.data());
-          rows_buffered(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
+          rows_tiled<1>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
         }
       }
     }

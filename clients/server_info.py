@@ -28,6 +28,7 @@ class ServerInfo:
     dtype: str = ""
     device: str = ""
     weight_bytes: int = 0  # the executor's resident weights
+    matmul: str = ""  # exact | int16
 
     @classmethod
     def from_pb(cls, info: pb.GetServerInfoResponse) -> ServerInfo:
@@ -51,4 +52,5 @@ class ServerInfo:
             dtype=info.dtype,
             device=info.device,
             weight_bytes=info.weight_bytes,
+            matmul=info.matmul,
         )

@@ -41,6 +41,7 @@ MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a pl
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
+MATMULS = ("auto", "exact", "int16")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,6 +60,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: str) -> str:
+    """How packed weights multiply. `exact`: dequantized in registers, float32 math (the
+    reference). `int16`: activations quantized to int16 per 32-value block and dotted with
+    the integer codes of Q4_0/Q4_1/Q8_0 blocks (other types stay exact; see qlinear.cpp).
+    `auto`: int16 with the C++ kernels on a CPU that has them, unless `--dtype float32` was
+    asked for, which stays the exact reference mode."""
+    if name not in MATMULS:
+        raise ValueError(f"matmul must be one of {MATMULS}, got {name!r}")
+    uses_cpu_kernels = device.type == "cpu" and kernels in ("auto", "cpu")
+    if name == "auto":
+        if not uses_cpu_kernels or dtype_name == "float32":
+            return "exact"
+        from executor_svc.weight_format import has_int16_dot
+
+        return "int16" if has_int16_dot() else "exact"
+    if name == "int16" and not uses_cpu_kernels:
+        raise ValueError("matmul='int16' runs with the C++ CPU kernels (--device cpu, --kernels auto|cpu)")
+    return name
 
 
 def resolve_ops(kernels: str, device: torch.device):
@@ -88,6 +109,7 @@ class EngineConfig:
     dtype: str = "auto"  # activations and KV: auto | float32 | bfloat16 (see resolve_dtype)
     device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
     kernels: str = "auto"  # auto | triton | cpu | torch: auto is triton on a GPU, the C++ kernels on the CPU
+    matmul: str = "auto"  # auto | exact | int16 (see resolve_matmul)
     kv_cache_bytes: int = 1 << 30
     block_size: int = 16
     max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan
@@ -102,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -185,7 +209,8 @@ class Engine:
         self.model_config = ModelConfig.from_gguf(gguf)
         self.tokenizer = load_tokenizer(gguf)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        weights = load_weights(gguf, self.model_config, self.dtype, self.device)
+        self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
+        weights = load_weights(gguf, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16")
         self.weight_bytes = weights.num_bytes
         self.ops = resolve_ops(config.kernels, self.device)
         self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)

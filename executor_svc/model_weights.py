@@ -71,12 +71,20 @@ def unpermute_qk_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_weights(
-    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, packed: bool | None = None
+    gguf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    packed: bool | None = None,
+    int16_dot: bool = False,
 ) -> ModelWeights:
     """The model's weights: matmul weights packed in their GGUF type (`packed`, the CPU
-    default) or dequantized to `dtype` (the GPU path); norms and biases in `dtype`."""
+    default) or dequantized to `dtype` (the GPU path); norms and biases in `dtype`.
+    `int16_dot`: packed Q4_0/Q4_1/Q8_0 weights multiply with int16-quantized activations."""
     if packed is None:
         packed = device.type == "cpu"
+    if int16_dot and not packed:
+        raise ValueError("the integer matmul runs packed weights only")
 
     def tensor(name: str, shape: tuple[int, ...]) -> GGUFTensor:
         found = gguf.tensors.get(name)
@@ -99,7 +107,8 @@ def load_weights(
             # llama Q/K rows back to half-split RoPE order; rows are independent in every GGUF type.
             order = unpermute_qk_rows(np.arange(shape[0]), n) if n else None
             if packed:
-                parts.append(PackedWeight.from_gguf(t, order))
+                w = PackedWeight.from_gguf(t, order)
+                parts.append(w.with_int16_dot() if int16_dot else w)
             else:
                 values = t.dequantize()
                 parts.append(values if order is None else values[order])

@@ -136,6 +136,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             dtype=str(engine.dtype).removeprefix("torch."),
             weight_bytes=engine.weight_bytes,
+            matmul=engine.matmul,
             device=str(engine.device),
             executor_id=self.executor_id,
             num_released_requests=released,

@@ -45,6 +45,9 @@ PACKED_TYPES: dict[int, tuple[str, int, int]] = {
 }
 
 
+# Types the integer matmul runs (activations quantized to int16 per 32-value block).
+INT16_DOT_TYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0
+
 _qlinear_module = None
 
 
@@ -58,6 +61,16 @@ def _kernels():
     return _qlinear_module
 
 
+def has_int16_dot() -> bool:
+    """Whether this CPU's kernel build has the integer matmul (it needs AVX2 and FMA)."""
+    from executor_svc.cpu_kernels import CpuKernelsUnavailable
+
+    try:
+        return bool(_kernels().has_int16_dot())
+    except CpuKernelsUnavailable:  # no compiler: the exact path reports the real error when it runs
+        return False
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes]."""
@@ -65,6 +78,9 @@ class PackedWeight:
     data: torch.Tensor
     tensor_type: int
     shape: tuple[int, int]
+    # Multiply with activations quantized to int16 per 32-value block (see qlinear.cpp,
+    # "integer dot products") instead of the exact float32 path. Only INT16_DOT_TYPES.
+    int16_dot: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_type not in PACKED_TYPES:
@@ -75,6 +91,8 @@ class PackedWeight:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
         if tuple(self.data.shape) != (rows, cols // block_elems * block_bytes) or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
+        if self.int16_dot and self.tensor_type not in INT16_DOT_TYPES:
+            raise ModelLoadError(f"the integer matmul does not run {name} weights")
 
     @classmethod
     def from_gguf(cls, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> "PackedWeight":
@@ -99,7 +117,13 @@ class PackedWeight:
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
             return tuple(parts)
         rows = sum(p.shape[0] for p in parts)
-        return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]))
+        return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]), parts[0].int16_dot)
+
+    def with_int16_dot(self) -> "PackedWeight":
+        """This weight multiplied by the integer matmul where its type allows, else unchanged."""
+        if self.tensor_type not in INT16_DOT_TYPES:
+            return self
+        return PackedWeight(self.data, self.tensor_type, self.shape, int16_dot=True)
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +148,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if isinstance(w, tuple):
         y = torch.cat([linear(x, part) for part in w], dim=-1)
+    elif w.int16_dot:
+        y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1])
     else:
         y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
     return y if bias is None else y + bias

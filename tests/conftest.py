@@ -27,6 +27,14 @@ def engine_fp32():
 
 
 @pytest.fixture(scope="session")
+def engine_default():
+    """The embedded model with default settings (on the CPU: the int16 matmul where it runs)."""
+    from executor_svc.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="default", kv_cache_bytes=512 << 20))
+
+
+@pytest.fixture(scope="session")
 def hf_reference(default_model_path):
     """transformers loading the same GGUF, float32: the correctness reference."""
     import torch

@@ -46,8 +46,8 @@ COPY_SOURCE = '''class RateLimiter:
 
 
 @pytest.fixture(scope="module")
-def prompts(engine_fp32):
-    tok = engine_fp32.tokenizer.tokenizer
+def prompts(engine_default):
+    tok = engine_default.tokenizer.tokenizer
 
     def chat(text):
         return "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n"
@@ -71,18 +71,18 @@ def requests_for(prompts, copies=2):
 
 
 @pytest.fixture(scope="module")
-def baseline(engine_fp32, prompts):
+def baseline(engine_default, prompts):
     """Speculation off: every request's tokens (batch-invariant, so any batch will do)."""
-    run = drive(engine_fp32, requests_for(prompts))
+    run = drive(engine_default, requests_for(prompts))
     assert run.num_drafted == 0
     return run.tokens
 
 
 @pytest.mark.parametrize("budget,chunk_size", [(1, 7), (2, 16), (4, 64), (8, None)])
-def test_fixed_budgets_change_no_token(engine_fp32, prompts, baseline, budget, chunk_size):
+def test_fixed_budgets_change_no_token(engine_default, prompts, baseline, budget, chunk_size):
     reqs = requests_for(prompts)
     arrivals = {r.request_id: 2 * i for i, r in enumerate(reqs)}
-    run = drive(engine_fp32, reqs, chunk_size=chunk_size, arrival_steps=arrivals, draft_budget=budget)
+    run = drive(engine_default, reqs, chunk_size=chunk_size, arrival_steps=arrivals, draft_budget=budget)
     assert run.max_batch_size >= 8
     for r in reqs:
         assert run.tokens[r.request_id] == baseline[r.request_id], (r.request_id, budget)
@@ -90,7 +90,7 @@ def test_fixed_budgets_change_no_token(engine_fp32, prompts, baseline, budget, c
     assert run.num_drafted > run.num_accepted, "some drafts should be rejected"
 
 
-def test_budgets_that_change_every_step_change_no_token(engine_fp32, prompts, baseline):
+def test_budgets_that_change_every_step_change_no_token(engine_default, prompts, baseline):
     rng = random.Random(0)
     budgets: dict[tuple[int, str], int] = {}
 
@@ -100,27 +100,27 @@ def test_budgets_that_change_every_step_change_no_token(engine_fp32, prompts, ba
     reqs = requests_for(prompts)
     # Requests join over time and leave when done: live batch sizes sweep 1..16.
     arrivals = {r.request_id: (0 if i == 0 else 3 + 3 * i) for i, r in enumerate(reqs)}
-    run = drive(engine_fp32, reqs, chunk_size=5, arrival_steps=arrivals, draft_budget=budget)
+    run = drive(engine_default, reqs, chunk_size=5, arrival_steps=arrivals, draft_budget=budget)
     for r in reqs:
         assert run.tokens[r.request_id] == baseline[r.request_id], r.request_id
 
 
-def test_batch_of_one_with_long_drafts(engine_fp32, prompts, baseline):
+def test_batch_of_one_with_long_drafts(engine_default, prompts, baseline):
     for r in requests_for(prompts[:2], copies=1):
-        run = drive(engine_fp32, [r], draft_budget=16)
+        run = drive(engine_default, [r], draft_budget=16)
         assert run.tokens[r.request_id] == baseline[r.request_id]
         assert run.num_steps < NUM_NEW_TOKENS, "copying should take fewer steps than tokens"
-    assert engine_fp32.kv_cache.num_free_blocks == engine_fp32.kv_cache.num_usable_blocks
+    assert engine_default.kv_cache.num_free_blocks == engine_default.kv_cache.num_usable_blocks
 
 
-def test_drafts_never_overrun_max_new_tokens_or_stop_tokens(engine_fp32, prompts, baseline):
+def test_drafts_never_overrun_max_new_tokens_or_stop_tokens(engine_default, prompts, baseline):
     r = requests_for(prompts[:1], copies=1)[0]
     expected = baseline[r.request_id]
     short = NewRequest("short", r.prompt_token_ids, SamplingParams(), 7, ignore_eos=True)
-    assert drive(engine_fp32, [short], draft_budget=16).tokens["short"] == expected[:7]
+    assert drive(engine_default, [short], draft_budget=16).tokens["short"] == expected[:7]
     stop = expected[12]
     stopped = NewRequest("stop", r.prompt_token_ids, SamplingParams(), 40, stop_token_ids=frozenset({stop}), ignore_eos=True)
-    assert drive(engine_fp32, [stopped], draft_budget=16).tokens["stop"] == expected[: expected.index(stop) + 1]
+    assert drive(engine_default, [stopped], draft_budget=16).tokens["stop"] == expected[: expected.index(stop) + 1]
 
 
 # ------------------------------------------------------------------- sampling

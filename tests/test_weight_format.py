@@ -16,7 +16,7 @@ from gguf import quants
 
 from executor_svc.errors import ModelLoadError
 from executor_svc.gguf_file import GGUFTensor
-from executor_svc.weight_format import PackedWeight, embedding, linear, weight_bytes
+from executor_svc.weight_format import INT16_DOT_TYPES, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
 from tests.tiny_gguf import random_k_quant_blocks
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -70,6 +70,54 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
         assert torch.equal(linear(x, w), full)
     finally:
         torch.set_num_threads(threads)
+
+
+INT16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+needs_int16 = pytest.mark.skipif(not has_int16_dot(), reason="this CPU has no integer matmul (AVX2 + FMA)")
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 17, 70])
+def test_integer_matmul_matches_dequantize_then_matmul(qtype, num_rows):
+    """int16 activations keep ~15 bits per 32-value block: the result is within 1e-4 of the
+    exact product (relative to its largest value), with outliers in the activations too."""
+    w, reference = packed(qtype, rows=37)  # odd N: a one-row tile at the end
+    w16 = w.with_int16_dot()
+    assert w16.int16_dot and int(qtype) in INT16_DOT_TYPES
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+    x[:, 7] *= 50  # an outlier in the first block
+    y = linear(x, w16)
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    assert y.dtype == torch.float32 and y.shape == (num_rows, 37)
+    assert (y.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert linear(torch.zeros(2, 512), w16).abs().max() == 0  # all-zero blocks: scale 0, no NaN
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
+    w, _ = packed(qtype)
+    w16 = w.with_int16_dot()
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
+    full = linear(x, w16)
+    for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
+        assert torch.equal(linear(x[start : start + count], w16), full[start : start + count]), (start, count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(x, w16), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_integer_matmul_leaves_other_types_exact():
+    for qtype in (Q.Q4_K, Q.F16):
+        w, _ = packed(qtype)
+        assert w.with_int16_dot() is w
+    w, _ = packed(Q.Q6_K)
+    with pytest.raises(ModelLoadError, match="integer matmul does not run Q6_K"):
+        PackedWeight(w.data, w.tensor_type, w.shape, int16_dot=True)
 
 
 def test_odd_row_lengths_of_unquantized_types_take_the_masked_tail():

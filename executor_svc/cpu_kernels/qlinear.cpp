@@ -445,6 +445,215 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
               K / info.block_elems * info.block_bytes, " for K=", K);
 }
 
+
+// ------------------------------------------------------------------ integer dot products
+//
+// The fast path of `--matmul auto` on the CPU: each activation row is quantized per
+// 32-value block to int16 (xq = round-to-even(x / dx), dx = max|x| / 32767), and the
+// integer codes of Q4_0 / Q4_1 / Q8_0 weight blocks are dotted with it in integers
+// (pmaddwd: 16-bit pairs into 32-bit lanes; AVX512-VNNI's vpdpwssd where present); each
+// block's integer sum is then scaled by d_w and dx in float32:
+//
+//   y = Σ_b (Σ_i q_i · xq_i) · d_b · dx_b  +  Σ_b m_b · (dx_b · Σ_i xq_i)
+//
+// (Q4_1: q = nibble, m = its min; Q4_0: q = nibble, m = −8 · d; Q8_0: q signed, no m).
+// 16-bit activations keep ~4.5 significant digits per block (llama.cpp's int8 keeps ~2
+// and measured 97.9% top-1 agreement with the exact path here; this measures 100%), at
+// the same count of multiply instructions per block. Integer sums are exact, and a
+// row's float operations (block order, 8 lanes, a fixed lane reduction, the min term
+// added last) never depend on M, the tile or the thread: batch-invariant like the exact
+// path, but not bit-equal to it (`--matmul exact` keeps that one).
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool HAS_INT16_DOT = true;
+
+inline bool has_int16_dot_type(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
+// Activation rows [M, K] quantized per 32-value block.
+struct QuantizedRows {
+  int64_t M = 0, K = 0, nb = 0;
+  std::vector<int16_t> q;  // [M, K]
+  std::vector<float> d;    // [M, nb] dx
+  std::vector<float> s;    // [M, nb] dx · Σ xq (the min term's activation factor)
+};
+
+SS_INLINE float hsum8(__m256 v) {  // fixed tree: (l, l+4), (l, l+2), (l, l+1)
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+SS_INLINE int32_t hsum8_epi32(__m256i v) {
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
+void quantize_block32(const float* x, int16_t* q, float* d_out, float* s_out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float max_abs = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float d = max_abs / 32767.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i qi[4];
+  for (int i = 0; i < 4; i++)  // |x · id| ≤ 32767 (+ rounding): packs saturates the rare 32768
+    qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 → int16 in element order (packs interleaves 128-bit lanes; the permute undoes it).
+  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
+  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
+  _mm256_storeu_si256((__m256i*)q, lo);
+  _mm256_storeu_si256((__m256i*)(q + 16), hi);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t sum = hsum8_epi32(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
+  *d_out = d;
+  *s_out = d * (float)sum;
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+  out.M = M, out.K = K, out.nb = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * out.nb);
+  out.s.resize(M * out.nb);
+  at::parallel_for(0, M * out.nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t m = i / out.nb, b = i % out.nb;
+      quantize_block32(x + m * K + 32 * b, out.q.data() + m * K + 32 * b, &out.d[i], &out.s[i]);
+    }
+  });
+}
+
+// 8 int32 lanes: lane l = w_lo[2l]·x_lo[2l] + w_lo[2l+1]·x_lo[2l+1] + the same of the hi halves. Exact.
+SS_INLINE __m256i dot_s16(__m256i w_lo, __m256i w_hi, __m256i x_lo, __m256i x_hi) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w_lo, x_lo), w_hi, x_hi);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
+#endif
+}
+
+// A weight block's 32 integer codes as int16: elements 0..15 and 16..31.
+template <int TYPE>
+SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)codes);
+  if constexpr (TYPE == Q8_0) {
+    lo = _mm256_cvtepi8_epi16(a);
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(codes + 16)));
+  } else {  // low nibbles are elements 0..15, high nibbles 16..31
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(a, mask));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(a, 4), mask));
+  }
+}
+
+// NW weight rows × NR activation rows. Each block: acc += (float(Σ q·xq) · d_w) · dx, lane by lane.
+template <int TYPE, int NW, int NR>
+void dot_int_tile(const uint8_t* const* wrows, const float* const* dw, const float* const* mw,
+                  const QuantizedRows& xq, int64_t r0, float* out, int64_t out_stride) {
+  constexpr int64_t block_bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  constexpr int64_t code_offset = TYPE == Q4_1 ? 4 : 2;
+  const int64_t nb = xq.nb, K = xq.K;
+  __m256 acc[NW][NR];
+  for (int j = 0; j < NW; j++)
+    for (int r = 0; r < NR; r++) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    __m256i w_lo[NW], w_hi[NW];
+    __m256 d[NW];
+    for (int j = 0; j < NW; j++) {
+      block_codes<TYPE>(wrows[j] + block_bytes * b + code_offset, w_lo[j], w_hi[j]);
+      d[j] = _mm256_set1_ps(dw[j][b]);
+    }
+    for (int r = 0; r < NR; r++) {
+      const int16_t* x = xq.q.data() + (r0 + r) * K + 32 * b;
+      const __m256i x_lo = _mm256_loadu_si256((const __m256i*)x), x_hi = _mm256_loadu_si256((const __m256i*)(x + 16));
+      const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
+      for (int j = 0; j < NW; j++) {
+        const __m256 p = _mm256_cvtepi32_ps(dot_s16(w_lo[j], w_hi[j], x_lo, x_hi));
+        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(p, d[j]), dx, acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NW; j++)
+    for (int r = 0; r < NR; r++) {
+      float y = hsum8(acc[j][r]);
+      if constexpr (TYPE != Q8_0) {
+        const float* xs = xq.s.data() + (r0 + r) * nb;
+        float min_term = 0.f;
+        for (int64_t b = 0; b < nb; b++) min_term += mw[j][b] * xs[b];
+        y += min_term;
+      }
+      out[r * out_stride + j] = y;
+    }
+}
+
+// Block scales of one weight row as float32: d, and the min term's m (Q4_1: m; Q4_0: −8 · d).
+void row_scales(int64_t type, const uint8_t* row, int64_t nb, float* d, float* m) {
+  for (int64_t b = 0; b < nb; b++) {
+    switch (type) {
+      case Q4_0: {
+        const uint8_t* blk = row + 18 * b;
+        d[b] = fp16_to_fp32(load_u16(blk));
+        m[b] = -8.f * d[b];
+        break;
+      }
+      case Q4_1: {
+        const uint8_t* blk = row + 20 * b;
+        d[b] = fp16_to_fp32(load_u16(blk));
+        m[b] = fp16_to_fp32(load_u16(blk + 2));
+        break;
+      }
+      default:
+        d[b] = fp16_to_fp32(load_u16(row + 34 * b));
+        m[b] = 0.f;
+    }
+  }
+}
+
+constexpr int INT_TILE_NW = 2;
+constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;
+
+// Weight rows [n, n + NW) against every activation row.
+template <int TYPE, int NW>
+void rows_int(const uint8_t* wp, int64_t row_bytes, int64_t n, const QuantizedRows& xq, float* y, int64_t N,
+              std::vector<float>& scratch) {
+  const int64_t nb = xq.nb;
+  scratch.resize(2 * NW * nb);
+  const uint8_t* wrows[NW];
+  const float* dw[NW];
+  const float* mw[NW];
+  for (int j = 0; j < NW; j++) {
+    wrows[j] = wp + (n + j) * row_bytes;
+    float* d = scratch.data() + 2 * j * nb;
+    row_scales(TYPE, wrows[j], nb, d, d + nb);
+    dw[j] = d;
+    mw[j] = d + nb;
+  }
+  int64_t r = 0;
+  for (; r + INT_TILE_NR <= xq.M; r += INT_TILE_NR)
+    dot_int_tile<TYPE, NW, INT_TILE_NR>(wrows, dw, mw, xq, r, y + r * N + n, N);
+  for (; r < xq.M; r++) dot_int_tile<TYPE, NW, 1>(wrows, dw, mw, xq, r, y + r * N + n, N);
+}
+
+// Weight rows [n0, n1) against every activation row.
+template <int TYPE>
+void task_int(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& xq, float* y,
+              int64_t N, std::vector<float>& scratch) {
+  int64_t n = n0;
+  for (; n + INT_TILE_NW <= n1; n += INT_TILE_NW) rows_int<TYPE, INT_TILE_NW>(wp, row_bytes, n, xq, y, N, scratch);
+  for (; n < n1; n++) rows_int<TYPE, 1>(wp, row_bytes, n, xq, y, N, scratch);
+}
+#else
+constexpr bool HAS_INT16_DOT = false;
+inline bool has_int16_dot_type(int64_t) { return false; }
+#endif
+
 }  // namespace
 
 // y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ in float32; y has x's dtype (float32 or bfloat16).
@@ -486,6 +695,41 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+// y[M, N] = x[M, K] · W[N, K]ᵀ with x quantized to int16 per 32-value block (see "integer
+// dot products"); W is Q4_0, Q4_1 or Q8_0. y has x's dtype.
+at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
+  TORCH_CHECK(has_int16_dot_type(type), "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+#if defined(__AVX2__) && defined(__FMA__)
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), M, K, xq);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t num_tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
+      switch (type) {
+        case Q4_0: task_int<Q4_0>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
+        case Q4_1: task_int<Q4_1>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
+        default: task_int<Q8_0>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
+      }
+    }
+  });
+#endif
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+bool has_int16_dot() { return HAS_INT16_DOT; }
+
 // Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup).
 at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in) {
   check_weight(w, type, K);
@@ -505,6 +749,10 @@ at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x · dequant(W)ᵀ for a GGUF-typed weight (float32 accumulation, batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
+  m.def("qlinear_int16", &qlinear_int16,
+        "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
+  m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
         py::arg("k"), py::arg("ids"));
 }

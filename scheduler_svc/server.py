@@ -144,6 +144,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             dtype=info.dtype if info else "",
             device=info.device if info else "",
             weight_bytes=info.weight_bytes if info else 0,
+            matmul=info.matmul if info else "",
         )
 
     async def GetTimeline(self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext) -> pb.GetTimelineResponse:

@@ -546,43 +546,47 @@ SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
   if constexpr (TYPE == Q8_0) {
     lo = _mm256_cvtepi8_epi16(a);
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(codes + 16)));
-  } else {  // low nibbles are elements 0..15, high nibbles 16..31
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(a, mask));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(a, 4), mask));
+  } else {  // low nibbles are elements 0..15, high nibbles 16..31: widen the bytes once, then split
+    const __m256i bytes = _mm256_cvtepu8_epi16(a);
+    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(bytes, 4);
   }
 }
 
-// NW weight rows × NR activation rows. Each block: acc += (float(Σ q·xq) · d_w) · dx, lane by lane.
-template <int TYPE, int NW, int NR>
-void dot_int_tile(const uint8_t* const* wrows, const float* const* dw, const float* const* mw,
+// Four weight rows × NR activation rows. A row's arithmetic, whatever the tile: per block,
+// two exact integer sums — A over elements 0..7 and 16..23, B over 8..15 and 24..31 (the
+// lanes 0..3 and 4..7 of dot_s16, summed by two hadds) — each accumulated in float32 as
+// acc += (float(sum) · d_w) · dx; then y = (acc_A + acc_B) + min term. One 8-lane vector
+// carries the (A, B) pairs of four weight rows (lanes j and j + 4), so the float work is
+// shared four ways. Rows past `num_valid` repeat row 0 and are not stored.
+template <int TYPE, int NR>
+void dot_int_tile(const uint8_t* const* wrows, const float* dw_t, const float* const* mw, int64_t num_valid,
                   const QuantizedRows& xq, int64_t r0, float* out, int64_t out_stride) {
   constexpr int64_t block_bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
   constexpr int64_t code_offset = TYPE == Q4_1 ? 4 : 2;
   const int64_t nb = xq.nb, K = xq.K;
-  __m256 acc[NW][NR];
-  for (int j = 0; j < NW; j++)
-    for (int r = 0; r < NR; r++) acc[j][r] = _mm256_setzero_ps();
+  __m256 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+  alignas(32) __m256i codes[4][2];
   for (int64_t b = 0; b < nb; b++) {
-    __m256i w_lo[NW], w_hi[NW];
-    __m256 d[NW];
-    for (int j = 0; j < NW; j++) {
-      block_codes<TYPE>(wrows[j] + block_bytes * b + code_offset, w_lo[j], w_hi[j]);
-      d[j] = _mm256_set1_ps(dw[j][b]);
-    }
+    for (int j = 0; j < 4; j++) block_codes<TYPE>(wrows[j] + block_bytes * b + code_offset, codes[j][0], codes[j][1]);
+    const __m256 d = _mm256_broadcast_ps((const __m128*)(dw_t + 4 * b));  // d_w of rows 0..3, twice
     for (int r = 0; r < NR; r++) {
       const int16_t* x = xq.q.data() + (r0 + r) * K + 32 * b;
       const __m256i x_lo = _mm256_loadu_si256((const __m256i*)x), x_hi = _mm256_loadu_si256((const __m256i*)(x + 16));
-      const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
-      for (int j = 0; j < NW; j++) {
-        const __m256 p = _mm256_cvtepi32_ps(dot_s16(w_lo[j], w_hi[j], x_lo, x_hi));
-        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(p, d[j]), dx, acc[j][r]);
-      }
+      const __m256i p01 = _mm256_hadd_epi32(dot_s16(codes[0][0], codes[0][1], x_lo, x_hi),
+                                            dot_s16(codes[1][0], codes[1][1], x_lo, x_hi));
+      const __m256i p23 = _mm256_hadd_epi32(dot_s16(codes[2][0], codes[2][1], x_lo, x_hi),
+                                            dot_s16(codes[3][0], codes[3][1], x_lo, x_hi));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(p01, p23));  // [A0 A1 A2 A3 B0 B1 B2 B3]
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, d), _mm256_set1_ps(xq.d[(r0 + r) * nb + b]), acc[r]);
     }
   }
-  for (int j = 0; j < NW; j++)
-    for (int r = 0; r < NR; r++) {
-      float y = hsum8(acc[j][r]);
+  for (int r = 0; r < NR; r++) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int j = 0; j < num_valid; j++) {
+      float y = lanes[j] + lanes[j + 4];
       if constexpr (TYPE != Q8_0) {
         const float* xs = xq.s.data() + (r0 + r) * nb;
         float min_term = 0.f;
@@ -591,63 +595,60 @@ void dot_int_tile(const uint8_t* const* wrows, const float* const* dw, const flo
       }
       out[r * out_stride + j] = y;
     }
+  }
 }
 
 // Block scales of one weight row as float32: d, and the min term's m (Q4_1: m; Q4_0: −8 · d).
+// d goes to d[4 * b] (the tile keeps four rows' d interleaved by block).
 void row_scales(int64_t type, const uint8_t* row, int64_t nb, float* d, float* m) {
   for (int64_t b = 0; b < nb; b++) {
     switch (type) {
       case Q4_0: {
         const uint8_t* blk = row + 18 * b;
-        d[b] = fp16_to_fp32(load_u16(blk));
-        m[b] = -8.f * d[b];
+        d[4 * b] = fp16_to_fp32(load_u16(blk));
+        m[b] = -8.f * d[4 * b];
         break;
       }
       case Q4_1: {
         const uint8_t* blk = row + 20 * b;
-        d[b] = fp16_to_fp32(load_u16(blk));
+        d[4 * b] = fp16_to_fp32(load_u16(blk));
         m[b] = fp16_to_fp32(load_u16(blk + 2));
         break;
       }
       default:
-        d[b] = fp16_to_fp32(load_u16(row + 34 * b));
+        d[4 * b] = fp16_to_fp32(load_u16(row + 34 * b));
         m[b] = 0.f;
     }
   }
 }
 
-constexpr int INT_TILE_NW = 2;
 constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;
 
-// Weight rows [n, n + NW) against every activation row.
-template <int TYPE, int NW>
-void rows_int(const uint8_t* wp, int64_t row_bytes, int64_t n, const QuantizedRows& xq, float* y, int64_t N,
-              std::vector<float>& scratch) {
+// Weight rows [n, n + num_valid) (at most 4) against every activation row.
+template <int TYPE>
+void rows_int(const uint8_t* wp, int64_t row_bytes, int64_t n, int64_t num_valid, const QuantizedRows& xq, float* y,
+              int64_t N, std::vector<float>& scratch) {
   const int64_t nb = xq.nb;
-  scratch.resize(2 * NW * nb);
-  const uint8_t* wrows[NW];
-  const float* dw[NW];
-  const float* mw[NW];
-  for (int j = 0; j < NW; j++) {
-    wrows[j] = wp + (n + j) * row_bytes;
-    float* d = scratch.data() + 2 * j * nb;
-    row_scales(TYPE, wrows[j], nb, d, d + nb);
-    dw[j] = d;
-    mw[j] = d + nb;
+  scratch.assign(8 * nb, 0.f);  // d of the four rows interleaved by block, then m of each row
+  const uint8_t* wrows[4];
+  const float* mw[4];
+  for (int j = 0; j < 4; j++) {
+    wrows[j] = wp + (n + (j < num_valid ? j : 0)) * row_bytes;
+    float* m = scratch.data() + 4 * nb + j * nb;
+    row_scales(TYPE, wrows[j], nb, scratch.data() + j, m);
+    mw[j] = m;
   }
   int64_t r = 0;
   for (; r + INT_TILE_NR <= xq.M; r += INT_TILE_NR)
-    dot_int_tile<TYPE, NW, INT_TILE_NR>(wrows, dw, mw, xq, r, y + r * N + n, N);
-  for (; r < xq.M; r++) dot_int_tile<TYPE, NW, 1>(wrows, dw, mw, xq, r, y + r * N + n, N);
+    dot_int_tile<TYPE, INT_TILE_NR>(wrows, scratch.data(), mw, num_valid, xq, r, y + r * N + n, N);
+  for (; r < xq.M; r++) dot_int_tile<TYPE, 1>(wrows, scratch.data(), mw, num_valid, xq, r, y + r * N + n, N);
 }
 
 // Weight rows [n0, n1) against every activation row.
 template <int TYPE>
 void task_int(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& xq, float* y,
               int64_t N, std::vector<float>& scratch) {
-  int64_t n = n0;
-  for (; n + INT_TILE_NW <= n1; n += INT_TILE_NW) rows_int<TYPE, INT_TILE_NW>(wp, row_bytes, n, xq, y, N, scratch);
-  for (; n < n1; n++) rows_int<TYPE, 1>(wp, row_bytes, n, xq, y, N, scratch);
+  for (int64_t n = n0; n < n1; n += 4) rows_int<TYPE>(wp, row_bytes, n, std::min<int64_t>(4, n1 - n), xq, y, N, scratch);
 }
 #else
 constexpr bool HAS_INT16_DOT = false;

@@ -1,13 +1,14 @@
 """Step time vs tokens per step and vs decode batch size: the cost model's input.
 
-    python -m executor_svc.bench_step [--model default] [--dtypes float32,bfloat16]
+    python -m executor_svc.bench_step [--model default] [--variants float32/exact,float32/int16]
 
-Two sweeps per dtype, each point the median of `--reps` forward passes (the
+Two sweeps per variant, each point the median of `--reps` forward passes (the
 model's forward over a ragged batch plus building the batch, as a step runs it):
 - T sweep: one request computing T new tokens on top of `--context` cached ones
   (T = 1 is a decode step, T > 1 a prefill chunk or a verify run);
 - B sweep: B requests each decoding one token with `--context` cached tokens.
-Ratios are to T = 1 / B = 1 of the same dtype, measured in the same run.
+Ratios are to T = 1 / B = 1 of the same variant (a dtype and a CPU matmul: exact or
+int16, see `--matmul`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from executor_svc.gguf_file import open_gguf
 from executor_svc.kv_cache import KVCache
 from executor_svc.engine import resolve_ops
+from executor_svc.weight_format import has_int16_dot
 from executor_svc.model import Transformer
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_source import resolve_model_path
@@ -43,14 +45,18 @@ def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice],
     return statistics.median(once() for _ in range(reps))
 
 
-def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_values, b_values) -> dict:
+def run(model_name: str, variants: list[str], context: int, reps: int, t_values, b_values) -> dict:
     gguf = open_gguf(resolve_model_path(model_name))
     config = ModelConfig.from_gguf(gguf)
     device = torch.device("cpu")
-    results: dict = {"model": config.name, "context": context, "threads": torch.get_num_threads(), "dtypes": {}}
-    for name in dtype_names:
-        dtype = DTYPES[name]
-        weights = load_weights(gguf, config, dtype, device)
+    results: dict = {"model": config.name, "context": context, "threads": torch.get_num_threads(), "variants": {}}
+    for name in variants:
+        dtype_name, _, matmul = name.partition("/")
+        dtype = DTYPES[dtype_name]
+        if matmul == "int16" and not has_int16_dot():
+            print(f"skipping {name}: this CPU has no integer matmul")
+            continue
+        weights = load_weights(gguf, config, dtype, device, int16_dot=matmul == "int16")
         model = Transformer(config, weights, device, resolve_ops("auto", device), dtype)  # the engine's ops
         rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)
@@ -70,7 +76,7 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
         by_b = {}
         for b in b_values:
             by_b[b] = time_forward(model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, rows)
-        results["dtypes"][name] = {
+        results["variants"][name] = {
             "step_s_by_tokens": by_t,
             "step_s_by_batch": by_b,
         }
@@ -78,38 +84,38 @@ def run(model_name: str, dtype_names: list[str], context: int, reps: int, t_valu
 
 
 def print_table(results: dict) -> None:
-    names = list(results["dtypes"])
+    names = list(results["variants"])
     print(f"model {results['model']}, {results['context']} cached tokens per request, {results['threads']} threads")
     print("\nstep time vs tokens computed in one request (T):")
     print("     T | " + " | ".join(f"{n:>9} ms  ×t(1)" for n in names))
-    t_values = list(results["dtypes"][names[0]]["step_s_by_tokens"])
+    t_values = list(results["variants"][names[0]]["step_s_by_tokens"])
     for t in t_values:
         cells = []
         for n in names:
-            by_t = results["dtypes"][n]["step_s_by_tokens"]
+            by_t = results["variants"][n]["step_s_by_tokens"]
             cells.append(f"{by_t[t] * 1e3:12.1f} {by_t[t] / by_t[t_values[0]]:6.2f}")
         print(f"{t:6d} | " + " | ".join(cells))
     print("\nstep time vs decode batch size (B requests × 1 token):")
     print("     B | " + " | ".join(f"{n:>9} ms  tok/s" for n in names))
-    b_values = list(results["dtypes"][names[0]]["step_s_by_batch"])
+    b_values = list(results["variants"][names[0]]["step_s_by_batch"])
     for b in b_values:
         cells = []
         for n in names:
-            s = results["dtypes"][n]["step_s_by_batch"][b]
+            s = results["variants"][n]["step_s_by_batch"][b]
             cells.append(f"{s * 1e3:12.1f} {b / s:6.0f}")
         print(f"{b:6d} | " + " | ".join(cells))
     if len(names) == 2:
         a, b = names
         print(f"\n{b} vs {a} (time ratio, < 1 is faster):")
         for t in t_values:
-            r = results["dtypes"][b]["step_s_by_tokens"][t] / results["dtypes"][a]["step_s_by_tokens"][t]
+            r = results["variants"][b]["step_s_by_tokens"][t] / results["variants"][a]["step_s_by_tokens"][t]
             print(f"  T={t:4d}: {r:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
@@ -118,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     results = run(
         args.model,
-        args.dtypes.split(","),
+        args.variants.split(","),
         args.context,
         args.reps,
         [int(x) for x in args.tokens.split(",")],

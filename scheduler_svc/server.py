@@ -19,12 +19,12 @@ from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from executor_svc.bearer_keys import bearer_key_interceptors, load_keys, server_port
+from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.intake import InvalidArgument, intake
 from scheduler_svc.request_limits import LimitExceeded, check_id
-from scheduler_svc.request_stream import RequestStream, StreamError
+from scheduler_svc.request_stream import StreamError
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.telemetry import Telemetry
 from scheduler_svc.timeline import timeline_to_pb
@@ -32,7 +32,6 @@ from scheduler_svc.timeline import timeline_to_pb
 log = structlog.get_logger()
 
 SERVICE_NAME = "swarmserve.scheduler.v1.SchedulerService"
-CONNECT_GRACE_S = 2.0  # a request arriving mid-reconnect waits this long before UNAVAILABLE
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
@@ -40,64 +39,13 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.config = config
         self.loop = loop
 
-    async def _refuse_unless_serving(self, context: grpc.aio.ServicerContext) -> None:
-        loop = self.loop
-        if loop.stopped_reason:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loop.stopped_reason}; this scheduler takes no requests")
-        if loop.is_draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down (draining requests in flight); retry elsewhere"
-            )
-        if not loop.is_connected:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the executor at {self.config.executor} is unreachable or refuses this scheduler "
-                f"({loop.last_connect_error or 'connecting'}); the scheduler keeps retrying",
-            )
-
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         loop = self.loop
-        if not loop.is_connected:
-            # After a crash, as long as the streams in flight wait for the executor to return.
-            await loop.wait_connected(loop.connect_wait_s(CONNECT_GRACE_S))
-        await self._refuse_unless_serving(context)
-        limits = loop.link.limits
         try:
-            # Off the event loop: tokenizing a long prompt takes seconds (see intake).
-            accepted = await asyncio.to_thread(intake, request, limits, self.config)
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await self._refuse_unless_serving(context)  # the executor may have gone meanwhile
-        if loop.link.limits is not limits:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "the executor was replaced while the prompt was tokenized; retry the request"
-            )
-        request_id = accepted.request.request_id
-        conflict = loop.request_id_conflict(request_id)
-        if conflict is not None:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-        planner = loop.planner
-        if not planner.can_ever_fit(accepted.request.num_prompt_tokens + 1):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt ({accepted.request.num_prompt_tokens} tokens) does not fit in the executor's KV cache "
-                f"({planner.num_kv_blocks} blocks of {planner.block_size} tokens)",
-            )
-        if planner.num_waiting >= self.config.max_queued_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the queue is full ({planner.num_waiting} requests waiting, "
-                f"max_queued_requests={self.config.max_queued_requests}); retry later",
-            )
-        stream = RequestStream(accepted.request, limits.tokenizer, accepted.stop_strings, accepted.include_special_tokens)
-        loop.telemetry.request_started(accepted.request, context.invocation_metadata())
-        loop.submit(stream)
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        log.debug(
-            "request_queued",
-            prompt_tokens=accepted.request.num_prompt_tokens,
-            executor_request_id=accepted.request.executor_request_id,
-        )
+            stream = await admit(loop, self.config, request, context.invocation_metadata())
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         try:
             while True:
                 event = await stream.events.get()
@@ -107,10 +55,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 if event.HasField("final"):
                     return
         finally:
-            if not stream.is_closed or request_id in loop.streams:
-                # Cancelled, deadline passed, or the client went away: free it at the next step.
-                loop.abort(request_id)
-            loop.telemetry.request_ended(stream)
+            release(loop, stream)
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -176,7 +121,8 @@ def _executor_token_interceptors(config: SchedulerConfig) -> list:
 async def serve(
     config: SchedulerConfig, *, tracer=None, metrics=None
 ) -> tuple[grpc.aio.Server, StepLoop, list[asyncio.Task]]:
-    """Start the scheduler: its gRPC server, the step loop and the health tracker.
+    """Start the scheduler: its gRPC server, the step loop and the health tracker, and with
+    `config.http_listen` the HTTP API (its `HttpServer` is `server.http_server`).
 
     `tracer` (OpenTelemetry) and `metrics` (SchedulerMetrics) are optional: without them
     no interceptor is installed and no span is made.
@@ -213,4 +159,18 @@ async def serve(
     await server.start()
     server.bound_port = port  # type: ignore[attr-defined]
     tasks = [asyncio.create_task(loop.run(), name="step-loop"), asyncio.create_task(_track_health(loop, health_servicer))]
+    server.http_server = None  # type: ignore[attr-defined]
+    if config.http_listen:
+        # Imported here: FastAPI and uvicorn load only when HTTP is on.
+        from scheduler_svc.http_api.server import HttpServer
+
+        try:
+            http = HttpServer(config, loop, metrics)
+        except OSError:
+            await server.stop(None)
+            for task in tasks:
+                task.cancel()
+            raise
+        tasks.append(http.start())
+        server.http_server = http  # type: ignore[attr-defined]
     return server, loop, tasks

@@ -12,6 +12,7 @@ for 1.3 s).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -74,7 +75,54 @@ def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[i
     return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
+def _json_object(text: str, field: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{field} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _chat_message(index: int, m: pb.ChatMessage) -> dict:
+    """A message as transformers' templates expect it: tool calls with their arguments as a
+    mapping (templates write `tool_call.arguments | tojson`), optional keys only when set."""
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": _json_object(call.arguments or "{}", f"chat.messages[{index}].tool_calls[{j}].arguments"),
+                },
+            }
+            for j, call in enumerate(m.tool_calls)
+        ]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _tools(text: str) -> list[dict] | None:
+    """chat.tools (a JSON array of tool definitions), or None when there are none."""
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"chat.tools is not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("chat.tools must be a JSON array of tool definitions (objects)")
+    return tools or None
+
+
+def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
+    """The prompt's token ids: text tokenized, or chat rendered by the template and tokenized."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("prompt is missing: set one of text, chat or token_ids")
@@ -95,7 +143,7 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
         if bad:
             raise InvalidArgument(f"token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
         return ids
-    messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    messages = [_chat_message(i, m) for i, m in enumerate(msg.chat.messages)]
     if not messages:
         raise InvalidArgument("chat.messages is empty")
     if not limits.chat_template:
@@ -107,6 +155,7 @@ def _prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]
             add_generation_prompt=True,
             bos_token=limits.bos_token,
             eos_token=limits.eos_token,
+            tools=_tools(msg.chat.tools),
         )
     except InvalidMessagesError as exc:
         raise InvalidArgument(f"chat.{exc}") from None
@@ -125,7 +174,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
     sampling = _sampling(msg)
     if msg.num_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")
-    prompt = _prompt_token_ids(msg, limits)
+    prompt = prompt_token_ids(msg, limits)
     ctx = limits.context_length
     if len(prompt) >= ctx:
         raise InvalidArgument(

@@ -34,6 +34,11 @@ def check_id(field: str, value: str, config: SchedulerConfig) -> None:
         raise LimitExceeded(f"{field} {value!r} has characters outside {ID_CHARACTERS}")
 
 
+def _message_bytes(m: pb.ChatMessage) -> int:
+    calls = sum(len(c.id.encode()) + len(c.name.encode()) + len(c.arguments.encode()) for c in m.tool_calls)
+    return len(m.role.encode()) + len(m.content.encode()) + len(m.tool_call_id.encode()) + len(m.name.encode()) + calls
+
+
 def check_request_limits(msg: pb.GenerateRequest, config: SchedulerConfig) -> None:
     """Raise LimitExceeded for the first limit the request is beyond."""
     check_id("request_id", msg.request_id, config)
@@ -49,10 +54,11 @@ def check_request_limits(msg: pb.GenerateRequest, config: SchedulerConfig) -> No
             raise LimitExceeded(
                 f"chat has {len(messages)} messages; the limit is {config.max_chat_messages} (--max-chat-messages)"
             )
-        size = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
+        size = len(msg.chat.tools.encode()) + sum(_message_bytes(m) for m in messages)
         if size > config.max_prompt_bytes:
             raise LimitExceeded(
-                f"chat.messages are {size} bytes together; the limit is {config.max_prompt_bytes} (--max-prompt-bytes)"
+                f"chat.messages and chat.tools are {size} bytes together; the limit is {config.max_prompt_bytes} "
+                "(--max-prompt-bytes)"
             )
     if len(msg.stop) > config.max_stop_strings:
         raise LimitExceeded(

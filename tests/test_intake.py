@@ -112,7 +112,7 @@ def test_prompt_bytes_and_chat_messages_are_capped_before_tokenizing(limits):
     )
     with pytest.raises(InvalidArgument, match=r"chat has 4 messages; the limit is 3 \(--max-chat-messages\)"):
         intake(chat(4, 1), limits, config)
-    with pytest.raises(InvalidArgument, match="chat.messages are 1012 bytes together"):
+    with pytest.raises(InvalidArgument, match="chat.messages and chat.tools are 1012 bytes together"):
         intake(chat(2, 502), limits, config)
     # The cases, at the defaults: refused at once, nothing rendered or tokenized.
     with pytest.raises(InvalidArgument, match="text is 4194304 bytes"):

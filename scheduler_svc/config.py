@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from scheduler_svc.draft_policy import parse_draft_policy
 
 BATCHING_MODES = ("continuous", "static")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "none")  # auto: picked from the chat template
+DEFAULT_HTTP_LISTEN = "127.0.0.1:8000"  # what `--http-listen` alone and `swarmserve serve` use
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,11 @@ class SchedulerConfig:
     max_stop_string_chars: int = 256  # characters per stop string
     max_prompt_bytes: int = 1 << 20  # a text prompt, or all chat messages together (UTF-8 bytes)
     max_chat_messages: int = 2048
-    max_message_bytes: int = 4 << 20  # any gRPC message the scheduler receives
+    max_message_bytes: int = 4 << 20  # any gRPC message or HTTP request body the scheduler receives
+    # The OpenAI- and Anthropic-compatible HTTP API (scheduler_svc/http_api), in this process. Empty: off.
+    http_listen: str = ""
+    max_choices: int = 8  # OpenAI's `n`: completions per request
+    tool_call_parser: str = "auto"  # how the model writes tool calls: auto | hermes | llama3 | none
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -60,6 +66,7 @@ class SchedulerConfig:
             "max_prompt_bytes",
             "max_chat_messages",
             "max_message_bytes",
+            "max_choices",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -81,5 +88,11 @@ class SchedulerConfig:
             )
         if not (math.isfinite(self.max_retention_s) and self.max_retention_s >= 0):
             raise ValueError(f"max_retention_s must be a finite number >= 0, got {self.max_retention_s}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.http_listen:
+            host, sep, port = self.http_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"http_listen must be HOST:PORT, got {self.http_listen!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

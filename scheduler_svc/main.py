@@ -11,7 +11,7 @@ import structlog
 from executor_svc.observability.flags import add_observability_flags
 from executor_svc.observability.logs import LOG_FORMATS, configure_logging
 from executor_svc.observability.service_telemetry import start_service_telemetry
-from scheduler_svc.config import BATCHING_MODES, SchedulerConfig
+from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN, TOOL_CALL_PARSERS, SchedulerConfig
 from scheduler_svc.draft_policy import parse_draft_policy
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import serve
@@ -60,6 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.async_scheduling,
         help="overlapped scheduling: plan and send step N+1 while the executor runs step N (default %(default)s)",
     )
+    http = p.add_argument_group("the OpenAI- and Anthropic-compatible HTTP API")
+    http.add_argument(
+        "--http-listen",
+        nargs="?",
+        const=DEFAULT_HTTP_LISTEN,
+        default=defaults.http_listen,
+        help=f"serve /v1/chat/completions, /v1/messages, ... on this address (the flag alone: {DEFAULT_HTTP_LISTEN}; "
+        "default: no HTTP)",
+    )
+    http.add_argument(
+        "--max-choices", type=int, default=defaults.max_choices, help="OpenAI's n: completions per request (default %(default)s)"
+    )
+    http.add_argument(
+        "--tool-call-parser",
+        default=defaults.tool_call_parser,
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call syntax: hermes (<tool_call>{json}</tool_call>), llama3 (bare JSON), "
+        "none, or auto: picked from the chat template (default %(default)s)",
+    )
     limits = p.add_argument_group("limits on what clients control")
     limits.add_argument(
         "--max-retention-s",
@@ -86,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-message-bytes",
         type=int,
         default=defaults.max_message_bytes,
-        help="largest gRPC message the scheduler receives (default %(default)s)",
+        help="largest gRPC message or HTTP request body the scheduler receives (default %(default)s)",
     )
     limits.add_argument(
         "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
@@ -171,13 +190,24 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_prompt_bytes=args.max_prompt_bytes,
         max_chat_messages=args.max_chat_messages,
         max_message_bytes=args.max_message_bytes,
+        http_listen=args.http_listen,
+        max_choices=args.max_choices,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
 async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
     telemetry = start_service_telemetry(args, "swarmserve-scheduler", SchedulerMetrics, "swarmserve.scheduler")
-    server, loop, tasks = await serve(config, tracer=telemetry.tracer, metrics=telemetry.metrics)
-    log.info("scheduler_listening", address=config.listen, executor=config.executor, batching=config.batching)
+    # The HTTP API serves /metrics itself, so it gets the metrics without --metrics-port too.
+    metrics = telemetry.metrics or (SchedulerMetrics() if config.http_listen else None)
+    server, loop, tasks = await serve(config, tracer=telemetry.tracer, metrics=metrics)
+    log.info(
+        "scheduler_listening",
+        address=config.listen,
+        http_address=config.http_listen or None,
+        executor=config.executor,
+        batching=config.batching,
+    )
     stop = asyncio.Event()
     event_loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -193,6 +223,8 @@ async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
     await asyncio.wait({drained, interrupted}, timeout=config.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
     interrupted.cancel()
     log.info("scheduler_stopping", requests_left=len(loop.streams))
+    if server.http_server is not None:
+        await server.http_server.stop()
     await server.stop(grace=1.0)
     for task in tasks:
         task.cancel()

@@ -50,10 +50,18 @@ class Stack:
     scheduler_address: str = ""
     executor: subprocess.Popen | None = None
     scheduler: subprocess.Popen | None = None
+    serve_http: bool = False  # the scheduler's HTTP API on http_address too
+    http_address: str = ""
 
     def __post_init__(self) -> None:
         self.executor_address = f"127.0.0.1:{free_port()}"
         self.scheduler_address = f"127.0.0.1:{free_port()}"
+        if self.serve_http:
+            self.http_address = f"127.0.0.1:{free_port()}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_address}"
 
     def _spawn(self, module: str, args: list[str], name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
@@ -70,7 +78,12 @@ class Stack:
     def start_scheduler(self, wait: bool = True) -> None:
         self.scheduler = self._spawn(
             "scheduler_svc.main",
-            ["--listen", self.scheduler_address, "--executor", self.executor_address, *self.scheduler_args],
+            [
+                "--listen", self.scheduler_address,
+                "--executor", self.executor_address,
+                *(["--http-listen", self.http_address] if self.serve_http else []),
+                *self.scheduler_args,
+            ],  # fmt: skip
             "scheduler",
         )
         if wait:
@@ -106,6 +119,8 @@ class Stack:
 async def stop_scheduler(server, loop, tasks) -> None:
     """Stop an in-process scheduler started with `scheduler_svc.server.serve`: the server,
     its step-loop tasks, and its link to the executor."""
+    if getattr(server, "http_server", None) is not None:
+        await server.http_server.stop()
     await server.stop(None)
     for task in tasks:
         task.cancel()

@@ -36,6 +36,50 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+)
+
+# Qwen2.5's template, cut down: tools in the system prompt, calls as <tool_call> JSON (hermes).
+HERMES_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assistant.{% endif %}
+
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+{% if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}{% for call in message.tool_calls %}{% if call.function is defined %}{% set call = call.function %}{% endif %}
+<tool_call>
+{"name": "{{ call.name }}", "arguments": {{ call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges): 3 control tokens, 256 bytes, one token per merge."""
     tokens = list(SPECIAL_TOKENS) + byte_alphabet()
@@ -59,6 +103,7 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
     head_dim: int | None = None  # None: hidden_size // num_heads
     seed: int = 0
+    chat_template: str = ""  # empty: CHATML_TEMPLATE
 
 
 def _block_elements(qtype: GGMLQuantizationType) -> int:
@@ -127,10 +172,7 @@ def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(
-        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-        "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
-    )
+    writer.add_chat_template(spec.chat_template or CHATML_TEMPLATE)
 
     def matrix(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols) * 4).astype(np.float32)

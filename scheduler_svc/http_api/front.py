@@ -1,0 +1,136 @@
+"""What every HTTP route needs from the scheduler: the step loop, the config, the model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from starlette.requests import Request as HttpRequest
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from tokenizers import Tokenizer
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.http_api.errors import ApiError, bad_field
+from scheduler_svc.http_api.tool_calls import parser_name_for_template
+from scheduler_svc.intake import ModelLimits
+from scheduler_svc.step_loop import StepLoop
+
+# Where the session extension may come from: OpenAI-style clients set a header or a body
+# field; Codex sends its conversation id as `session_id`.
+SESSION_HEADERS = ("x-session-id", "session_id")
+
+# gRPC field names in intake's refusals → the HTTP API's field, for `param`.
+_PARAMS = (
+    ("max_new_tokens", "max_tokens"),
+    ("sampling.temperature", "temperature"),
+    ("sampling.top_p", "top_p"),
+    ("sampling.top_k", "top_k"),
+    ("sampling.min_p", "min_p"),
+    ("num_logprobs", "top_logprobs"),
+    ("session_id", "session_id"),
+    ("stop", "stop"),
+    ("chat.tools", "tools"),
+    ("chat.", "messages"),
+    ("text", "prompt"),
+    ("token_ids", "prompt"),
+    ("the prompt", "messages"),
+    ("the chat template", "messages"),
+)
+
+
+def param_for_refusal(message: str, prompt_field: str = "messages") -> str | None:
+    for prefix, param in _PARAMS:
+        if message.startswith(prefix):
+            return prompt_field if param in ("messages", "prompt") else param
+    return None
+
+
+@dataclass
+class Front:
+    config: SchedulerConfig
+    loop: StepLoop
+    metrics: object | None = None  # SchedulerMetrics
+
+    @property
+    def limits(self) -> ModelLimits:
+        limits = self.loop.link.limits
+        if limits is None or not self.loop.is_connected:
+            raise ApiError(503, f"the executor at {self.config.executor} is not connected; retry shortly")
+        return limits
+
+    @property
+    def model_name(self) -> str:
+        info = self.loop.link.info
+        return info.model_name if info is not None and info.model_name else "swarmserve"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.limits.tokenizer
+
+    def tool_parser_name(self) -> str:
+        if self.config.tool_call_parser != "auto":
+            return self.config.tool_call_parser
+        return parser_name_for_template(self.limits.chat_template)
+
+    def session_id(self, body_value: str | None, request: HttpRequest) -> str:
+        if body_value:
+            return body_value
+        for header in SESSION_HEADERS:
+            if request.headers.get(header):
+                return request.headers[header]
+        return ""
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def tools_json(tools: list[dict]) -> str:
+    return json.dumps(tools, ensure_ascii=False) if tools else ""
+
+
+def check_choices(n: int, config: SchedulerConfig) -> None:
+    if n > config.max_choices:
+        raise bad_field("n", f"at most {config.max_choices} completions per request (--max-choices), got {n}")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def structured_output(response_format) -> pb.StructuredOutput | None:
+    """OpenAI's response_format → the grammar the executor enforces (None: free text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    schema = response_format.json_schema.schema_
+    if schema is None:
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(json_schema=json.dumps(schema))
+
+
+def sampling(body, index: int) -> pb.SamplingParams:
+    """The sampling fields; choice `index` of n gets seed + index, so the choices differ
+    but each stays reproducible."""
+    s = pb.SamplingParams()
+    if body.temperature is not None:
+        s.temperature = body.temperature
+    if body.top_p is not None:
+        s.top_p = body.top_p
+    if body.top_k is not None:
+        s.top_k = body.top_k
+    if body.min_p is not None:
+        s.min_p = body.min_p
+    if body.seed is not None:
+        s.seed = (body.seed + index) % (1 << 64)
+    return s
+
+
+def refuse_unsupported(body, fields: tuple[str, ...]) -> None:
+    """A 400 for a set field this server cannot honour."""
+    for field in fields:
+        value = getattr(body, field, None)
+        if value not in (None, {}, [], 0, 0.0, False):
+            raise bad_field(field, "is not supported by this server")

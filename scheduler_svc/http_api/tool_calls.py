@@ -1,0 +1,205 @@
+"""Reading the model's tool calls back out of its text, as it streams.
+
+Models write calls in the syntax their chat template taught them:
+
+- hermes (Qwen2.5/Qwen3, Hermes, many others): text, then one or more
+  `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks;
+- llama3 (Llama 3.1/3.2 JSON tool calling): the whole reply is a JSON object
+  `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`, several
+  separated by `;`).
+
+A parser is fed text deltas and returns what may be streamed now: plain text (held
+back only while it could still be the start of a call) and each call once it is
+complete. Text that looks like a call but does not parse is returned as text, so
+nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Parsed:
+    """What a feed returns: text to stream now, and calls completed now."""
+
+    text: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ToolCallParser(Protocol):
+    def feed(self, text: str) -> Parsed: ...
+
+    def flush(self) -> Parsed:
+        """The end of the output: whatever was held back, as text or calls."""
+        ...
+
+
+def parser_name_for_template(chat_template: str | None) -> str:
+    """The syntax a chat template teaches: hermes, llama3, or none."""
+    template = chat_template or ""
+    if HERMES_OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or ("ipython" in template and '"parameters"' in template):
+        return "llama3"
+    return "none"
+
+
+def make_parser(name: str) -> ToolCallParser | None:
+    """A fresh parser for one output, or None for `none` (the output is all text)."""
+    if name == "hermes":
+        return HermesParser()
+    if name == "llama3":
+        return Llama3JsonParser()
+    if name == "none":
+        return None
+    raise ValueError(f"unknown tool-call parser {name!r}")
+
+
+def _call_from_json(obj: object, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class HermesParser:
+    """`<tool_call>{json}</tool_call>` blocks among text. Once a call has been seen, text
+    that is only whitespace (the newlines between blocks) is dropped."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._has_calls = False
+
+    def feed(self, text: str) -> Parsed:
+        self._buffer += text
+        out = Parsed()
+        while True:
+            if self._in_call:
+                end = self._buffer.find(HERMES_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(HERMES_CLOSE) :]
+                self._in_call = False
+                self._take_call(body, out)
+            else:
+                start = self._buffer.find(HERMES_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self._buffer, HERMES_OPEN)
+                    ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+                    self._take_text(ready, out)
+                    return out
+                self._take_text(self._buffer[:start], out)
+                self._buffer = self._buffer[start + len(HERMES_OPEN) :]
+                self._in_call = True
+
+    def flush(self) -> Parsed:
+        out = Parsed()
+        rest, self._buffer = self._buffer, ""
+        if self._in_call:  # unterminated (length limit, or EOS instead of the closing tag)
+            self._in_call = False
+            self._take_call(rest, out, closed=False)
+        else:
+            self._take_text(rest, out)
+        return out
+
+    def _take_call(self, body: str, out: Parsed, closed: bool = True) -> None:
+        try:
+            call = _call_from_json(json.loads(body), "arguments")
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            self._take_text(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), out)
+            return
+        out.calls.append(call)
+        self._has_calls = True
+
+    def _take_text(self, text: str, out: Parsed) -> None:
+        if self._has_calls and not text.strip():
+            return
+        out.text += text
+
+
+class Llama3JsonParser:
+    """A reply that is a JSON call (or several, `;`-separated) instead of text. Whether it
+    is one is decided at its first non-space character: `{` or the python tag holds the
+    reply back to the end; anything else streams as text."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode: str | None = None  # None: undecided; "text" | "json"
+
+    def feed(self, text: str) -> Parsed:
+        if self._mode == "text":
+            return Parsed(text=text)
+        self._buffer += text
+        if self._mode == "json":
+            return Parsed()
+        head = self._buffer.lstrip()
+        if not head or PYTHON_TAG.startswith(head):
+            return Parsed()
+        if head.startswith("{") or head.startswith(PYTHON_TAG):
+            self._mode = "json"
+            return Parsed()
+        self._mode = "text"
+        text, self._buffer = self._buffer, ""
+        return Parsed(text=text)
+
+    def flush(self) -> Parsed:
+        rest, self._buffer = self._buffer, ""
+        if self._mode != "json":
+            return Parsed(text=rest)
+        calls = _json_calls(rest.strip().removeprefix(PYTHON_TAG))
+        return Parsed(calls=calls) if calls else Parsed(text=rest)
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    """`{call}; {call}...` → the calls, or None if any part is not a call."""
+    decoder = json.JSONDecoder()
+    calls, position = [], 0
+    while True:
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+        if position == len(text):
+            return calls or None
+        try:
+            obj, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return None
+        call = _call_from_json(obj, "parameters")
+        if call is None:
+            return None
+        calls.append(call)

@@ -24,3 +24,11 @@ def http_stack(tmp_path_factory, *scheduler_args: str) -> Stack:
         serve_http=True,
     )
     return stack.start()
+
+
+def pick_stop(text: str) -> str:
+    """A stop string inside `text`, past its start: its first ASCII letter or digit after
+    the 4th character (the tiny models write mostly bytes of no script)."""
+    stop = next((c for c in text[4:] if c.isascii() and c.isalnum()), None)
+    assert stop is not None, f"no stop string to pick in {text!r}"
+    return stop

@@ -16,7 +16,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from clients.sync_client import SwarmClient  # noqa: E402
-from tests.http_stack import http_stack  # noqa: E402
+from tests.http_stack import http_stack, pick_stop  # noqa: E402
 
 GRAMMAR_PENDING = pytest.mark.xfail(
     strict=True, reason="grammar engine not merged: the executor ignores GenerateRequest.structured_output"
@@ -93,8 +93,7 @@ def test_greedy_over_http_is_grpc_token_for_token(client, grpc_client):
 def test_a_stop_sequence_ends_the_output_before_it(client):
     seeded = dict(model="m", messages=MESSAGES, max_tokens=24, seed=3, temperature=1.0)
     full = client.chat.completions.create(**seeded).choices[0].message.content
-    stop = next((full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].isascii() and full[i : i + 2].isalnum()), None)
-    assert stop is not None, f"no stop string to pick in {full!r}"
+    stop = pick_stop(full)
     reply = client.chat.completions.create(**seeded, stop=[stop])
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.content == full[: full.index(stop)]

@@ -127,6 +127,11 @@ def generate_request(front: Front, body: CountTokensRequest, request: HttpReques
         functions = [(t.name, t.input_schema) for t in tools]
         msg.structured_output.lark = forced_tool_grammar(front, functions, choice, several, "tool_choice")
     if isinstance(body, MessagesRequest):
+        output_format = body.output_config.format if body.output_config is not None else None
+        if output_format is not None:
+            if msg.HasField("structured_output"):
+                raise bad_field("output_config.format", "cannot be combined with a forced tool_choice")
+            msg.structured_output.json_schema = json.dumps(output_format.schema_)
         msg.max_new_tokens = body.max_tokens
         msg.stop.extend(body.stop_sequences or ())
         if body.temperature is not None:
@@ -135,6 +140,8 @@ def generate_request(front: Front, body: CountTokensRequest, request: HttpReques
             msg.sampling.top_p = body.top_p
         if body.top_k is not None:
             msg.sampling.top_k = body.top_k
+        if body.seed is not None:
+            msg.sampling.seed = body.seed
         if request is not None:
             msg.session_id = front.session_id(body.session_id, request)
     return msg, bool(tools)

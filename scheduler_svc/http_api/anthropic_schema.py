@@ -72,6 +72,15 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
 
 
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: JsonOutputFormat | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1, lt=1 << 31)]
     stop_sequences: list[str] | None = None
@@ -79,4 +88,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+    output_config: OutputConfig | None = None  # format: structured output (a JSON schema)
     session_id: str | None = None  # extension, as on the OpenAI routes
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # extension: reproducible sampling

@@ -23,7 +23,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def stack(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"# one per line\n{KEY}\n")
-    s = http_stack(tmp_path_factory, "--api-key-file", str(keys), "--max-running-requests", "1", "--max-queued-requests", "1")
+    s = http_stack(
+        tmp_path_factory, "--api-key-file", str(keys), "--max-running-requests", "1", "--max-queued-requests", "1",
+        "--executor-reconnect-timeout-s", "1",  # new requests wait no longer for a lost executor
+    )  # fmt: skip
     yield s
     s.stop()
 

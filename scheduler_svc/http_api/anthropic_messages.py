@@ -23,7 +23,7 @@ from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, param_for_refusal, tools_json
+from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, tools_json
 from scheduler_svc.http_api.anthropic_schema import (
     CountTokensRequest,
     MediaBlock,
@@ -106,6 +106,7 @@ def _tool_choice(body: CountTokensRequest) -> tuple[str, bool]:
     return {"any": "required"}.get(choice.type, choice.type), several
 
 
+@protobuf_values
 def generate_request(front: Front, body: CountTokensRequest, request: HttpRequest | None) -> tuple[pb.GenerateRequest, bool]:
     """(the GenerateRequest, whether tool calls are parsed from the output)."""
     choice, several = _tool_choice(body)

@@ -86,7 +86,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
     stream: bool = False
     output_config: OutputConfig | None = None  # format: structured output (a JSON schema)
     session_id: str | None = None  # extension, as on the OpenAI routes

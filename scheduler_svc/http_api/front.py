@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 from starlette.requests import Request as HttpRequest
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
@@ -14,6 +17,9 @@ from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.tool_calls import parser_name_for_template
 from scheduler_svc.intake import ModelLimits
 from scheduler_svc.step_loop import StepLoop
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Where the session extension may come from: OpenAI-style clients set a header or a body
 # field; Codex sends its conversation id as `session_id`.
@@ -82,6 +88,20 @@ class Front:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def protobuf_values(build: Callable[P, T]) -> Callable[P, T]:
+    """`build` (which fills GenerateRequests from a body) with protobuf's refusals as a 400:
+    JSON can carry what a proto field cannot hold (a lone surrogate in a string, say)."""
+
+    @functools.wraps(build)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return build(*args, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, f"the request holds a value this server cannot take: {exc}") from None
+
+    return checked
 
 
 def tools_json(tools: list[dict]) -> str:

@@ -17,6 +17,7 @@ from scheduler_svc.http_api.event_stream import EventStream, sse
 from scheduler_svc.http_api.front import (
     Front,
     check_choices,
+    protobuf_values,
     refuse_unsupported,
     sampling,
     stop_list,
@@ -85,6 +86,7 @@ def _tool_choice_name(tool_choice) -> str | None:
     return tool_choice.function.name
 
 
+@protobuf_values
 def generate_requests(front: Front, body: ChatCompletionRequest, request: HttpRequest) -> tuple[list[pb.GenerateRequest], bool]:
     """(one GenerateRequest per choice, whether tool calls are parsed from the output)."""
     refuse_unsupported(body, UNSUPPORTED)

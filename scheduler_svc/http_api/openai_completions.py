@@ -19,13 +19,22 @@ from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput, openai_finish_reason
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, check_choices, refuse_unsupported, sampling, stop_list, structured_output
+from scheduler_svc.http_api.front import (
+    Front,
+    check_choices,
+    protobuf_values,
+    refuse_unsupported,
+    sampling,
+    stop_list,
+    structured_output,
+)
 from scheduler_svc.http_api.openai_chat import usage
 from scheduler_svc.http_api.openai_schema import CompletionRequest
 
 UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty", "echo", "suffix")
 
 
+@protobuf_values
 def generate_requests(front: Front, body: CompletionRequest, request: HttpRequest) -> list[pb.GenerateRequest]:
     refuse_unsupported(body, UNSUPPORTED)
     if body.best_of is not None and body.best_of != body.n:

@@ -23,7 +23,7 @@ from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, tools_json
+from scheduler_svc.http_api.front import Front, protobuf_values, tools_json
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar, message_text
 from scheduler_svc.http_api.openai_schema import (
     FunctionCallItem,
@@ -65,6 +65,7 @@ def _functions(body: ResponsesRequest) -> list:
     return [t for t in body.tools or () if t.type == "function" and t.name]
 
 
+@protobuf_values
 def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest) -> tuple[pb.GenerateRequest, bool]:
     if body.previous_response_id:
         raise bad_field("previous_response_id", "responses are not stored here; send the whole conversation as input")

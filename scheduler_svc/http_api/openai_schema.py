@@ -17,6 +17,8 @@ from executor_svc.sampling_params import MAX_LOGPROBS
 
 Seed = Annotated[int, Field(ge=0, lt=1 << 64)]
 MaxTokens = Annotated[int, Field(ge=1, lt=1 << 31)]
+TopK = Annotated[int, Field(ge=0, lt=1 << 31)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 
 
 class _Body(BaseModel):
@@ -114,7 +116,7 @@ class SamplingFields(_Body):
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
@@ -144,7 +146,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

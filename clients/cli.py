@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="(default %(default)s)",
     )
+    serve.add_argument(
+        "--http-listen",
+        default=defaults.http_listen,
+        metavar="ADDR",
+        help="the scheduler's OpenAI/Anthropic-compatible HTTP API; '' turns it off (default %(default)s)",
+    )
     serve.add_argument("--model", default=defaults.model, help="'default' (the embedded model) or a path to a .gguf")
     serve.add_argument(
         "--dtype",
@@ -289,6 +295,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         executor_listen=args.executor_listen,
         scheduler_listen=args.scheduler_listen,
+        http_listen=args.http_listen,
         model=args.model,
         dtype=args.dtype,
         device=args.device,
@@ -428,7 +435,7 @@ async def _serve(config: ServeConfig) -> int:
         ready = await supervisor.start()
         child_exit = None
         if ready is not None:
-            print(format_serve_banner(ready.executor_address, ready.scheduler_address, ready.model_name), flush=True)
+            print(format_serve_banner(ready.executor_address, ready.scheduler_address, ready.model_name, ready.http_url), flush=True)
             child_exit = await supervisor.wait()
         if child_exit is None:
             print("swarmserve: stopping", file=sys.stderr, flush=True)

@@ -72,5 +72,6 @@ def format_error(error: BaseException) -> str:
     return f"error: {str(error) or type(error).__name__}"
 
 
-def format_serve_banner(executor_address: str, scheduler_address: str, model_name: str) -> str:
-    return f"swarmserve: executor on {executor_address}, scheduler on {scheduler_address} (model {model_name})"
+def format_serve_banner(executor_address: str, scheduler_address: str, model_name: str, http_url: str = "") -> str:
+    http = f", OpenAI/Anthropic HTTP API on {http_url}/v1" if http_url else ""
+    return f"swarmserve: executor on {executor_address}, scheduler on {scheduler_address}{http} (model {model_name})"

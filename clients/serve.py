@@ -28,7 +28,7 @@ from clients.client import AsyncSwarmClient
 from clients.errors import SwarmServeError
 from clients.health import FAST_RECONNECT_OPTIONS, wait_serving
 from executor_svc.observability.logs import LOG_FORMATS
-from scheduler_svc.config import BATCHING_MODES
+from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN
 
 # The servers bind with SO_REUSEPORT (gRPC's default), so a leftover server on the same
 # port would answer our health checks; refuse to start instead of probing the wrong one.
@@ -52,6 +52,7 @@ class ServeConfig:
 
     executor_listen: str = "127.0.0.1:50052"
     scheduler_listen: str = "127.0.0.1:50051"
+    http_listen: str = DEFAULT_HTTP_LISTEN  # the scheduler's OpenAI/Anthropic HTTP API; empty: off
     model: str = "default"
     dtype: str | None = None
     device: str | None = None
@@ -73,6 +74,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         _check_listen_address("executor_listen", self.executor_listen)
         _check_listen_address("scheduler_listen", self.scheduler_listen)
+        if self.http_listen:
+            _check_listen_address("http_listen", self.http_listen)
         if connect_address(self.executor_listen) == connect_address(self.scheduler_listen):
             raise ValueError(f"the executor and the scheduler cannot both listen on {self.executor_listen}")
         if not self.model:
@@ -140,6 +143,7 @@ def scheduler_command(config: ServeConfig, python: str = sys.executable) -> list
     return [
         python, "-m", "scheduler_svc.main",
         "--listen", config.scheduler_listen,
+        *(["--http-listen", config.http_listen] if config.http_listen else []),
         "--executor", connect_address(config.executor_listen),
         *_optional_flags([
             ("--max-running-requests", config.max_running_requests),
@@ -183,6 +187,7 @@ class ServeReady:
     executor_address: str
     scheduler_address: str
     model_name: str
+    http_url: str = ""  # the OpenAI/Anthropic HTTP API's base URL; empty: off
 
 
 async def _is_listening(address: str) -> bool:
@@ -223,7 +228,10 @@ class Supervisor:
         config = self.config
         executor_address = connect_address(config.executor_listen)
         scheduler_address = connect_address(config.scheduler_listen)
-        for name, address in (("executor", executor_address), ("scheduler", scheduler_address)):
+        addresses = [("executor", executor_address), ("scheduler", scheduler_address)]
+        if config.http_listen:
+            addresses.append(("scheduler's HTTP API", connect_address(config.http_listen)))
+        for name, address in addresses:
             if await _is_listening(address):
                 raise ServeError(f"something already listens on {address}; is another swarmserve running? (needed by the {name})")
 
@@ -237,7 +245,8 @@ class Supervisor:
             )
             if not await self._wait_serving(name, address):
                 return None
-        return ServeReady(executor_address, scheduler_address, await self._model_name(scheduler_address))
+        http_url = f"http://{connect_address(config.http_listen)}" if config.http_listen else ""
+        return ServeReady(executor_address, scheduler_address, await self._model_name(scheduler_address), http_url)
 
     async def _wait_serving(self, name: str, address: str) -> bool:
         """True once `name` is SERVING; False if a stop was requested first."""

@@ -365,14 +365,20 @@ def test_children_get_only_the_flags_that_were_given():
     config = ServeConfig()
     assert executor_command(config, "py") == ["py", "-m", "executor_svc.main", "--listen", "127.0.0.1:50052", "--model", "default"]
     assert scheduler_command(config, "py") == [
-        "py", "-m", "scheduler_svc.main", "--listen", "127.0.0.1:50051", "--executor", "127.0.0.1:50052",
+        "py", "-m", "scheduler_svc.main", "--listen", "127.0.0.1:50051", "--http-listen", "127.0.0.1:8000",
+        "--executor", "127.0.0.1:50052",
     ]  # fmt: skip
+    no_http = scheduler_command(ServeConfig(http_listen=""), "py")
+    assert "--http-listen" not in no_http
+    with pytest.raises(ValueError, match="http_listen"):
+        ServeConfig(http_listen="8000")
 
 
 def test_children_get_their_own_flags():
     config = ServeConfig(
         executor_listen="0.0.0.0:6002",
         scheduler_listen="127.0.0.1:6001",
+        http_listen="0.0.0.0:6003",
         model="m.gguf",
         dtype="bfloat16",
         device="cuda",
@@ -401,6 +407,7 @@ def test_children_get_their_own_flags():
     }
     assert dict(zip(scheduler[3::2], scheduler[4::2])) == {
         "--listen": "127.0.0.1:6001",
+        "--http-listen": "0.0.0.0:6003",
         "--executor": "127.0.0.1:6002",  # the wildcard listen address, made dialable
         "--max-running-requests": "8",
         "--max-queued-requests": "0",

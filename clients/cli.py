@@ -18,6 +18,7 @@ from typing import Any
 
 from clients import timeline
 from clients.bench import batching as bench_batching
+from clients.bench import http_overhead as bench_http
 from clients.bench import overlap as bench_overlap
 from clients.bench import speculation as bench_speculation
 from clients.bench import swarm as bench_swarm
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     tracing = benches.add_parser("tracing", help="per-step overhead of tracing on vs off")
     bench_tracing.add_arguments(tracing)
     tracing.set_defaults(run=bench_tracing.run)
+    http = benches.add_parser("http", help="the HTTP front's overhead per token against gRPC, at 1 and 16 streams")
+    bench_http.add_arguments(http)
+    http.set_defaults(run=bench_http.run)
     vs = benches.add_parser("vs", help="swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory")
     bench_vs.add_arguments(vs)
     vs.set_defaults(run=bench_vs.run)

@@ -30,6 +30,7 @@ class Services:
     executor_address: str
     scheduler_address: str
     executor_pid: int | None = None  # for reading its resident memory
+    http_address: str = ""  # the scheduler's HTTP API, when asked for
 
 
 async def stop_process(process: asyncio.subprocess.Process) -> None:
@@ -43,11 +44,14 @@ async def stop_process(process: asyncio.subprocess.Process) -> None:
 
 
 @asynccontextmanager
-async def start_scheduler(executor_address: str, log_file, *extra_args: str, max_running_requests: int | None = None) -> AsyncIterator[str]:
-    """A scheduler attached to a running executor; yields its address."""
+async def start_scheduler(
+    executor_address: str, log_file, *extra_args: str, max_running_requests: int | None = None, http_listen: str = ""
+) -> AsyncIterator[str]:
+    """A scheduler attached to a running executor (serving HTTP on `http_listen` if given); yields its address."""
     config = ServeConfig(
         executor_listen=executor_address,
         scheduler_listen=f"127.0.0.1:{free_port()}",
+        http_listen=http_listen,
         max_running_requests=max_running_requests,
         log_format="json",
     )
@@ -70,7 +74,10 @@ async def start_services(
     executor_args: tuple[str, ...] = (),
     scheduler_args: tuple[str, ...] = (),
     max_running_requests: int | None = None,
+    http: bool = False,
 ) -> AsyncIterator[Services]:
+    """An executor and a scheduler; with `http`, the scheduler's HTTP API on a free port too."""
+    http_listen = f"127.0.0.1:{free_port()}" if http else ""
     config = ServeConfig(
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
@@ -84,8 +91,12 @@ async def start_services(
         async with grpc.aio.insecure_channel(connect_address(config.executor_listen)) as channel:
             await wait_serving(channel, 300)
         async with start_scheduler(
-            connect_address(config.executor_listen), log_file, *scheduler_args, max_running_requests=max_running_requests
+            connect_address(config.executor_listen),
+            log_file,
+            *scheduler_args,
+            max_running_requests=max_running_requests,
+            http_listen=http_listen,
         ) as scheduler_address:
-            yield Services(connect_address(config.executor_listen), scheduler_address, executor.pid)
+            yield Services(connect_address(config.executor_listen), scheduler_address, executor.pid, http_listen)
     finally:
         await stop_process(executor)

@@ -37,6 +37,7 @@ async def run_round(mode: str, args: argparse.Namespace, endpoint: str, log_file
     config = ServeConfig(
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
+        http_listen="",
         model=args.model,
         kv_cache_gb=args.kv_cache_gb,
         threads=args.threads,

@@ -164,6 +164,15 @@ def test_agent_loop_with_a_forced_tool_call(client):
     assert calls[0].function.name == "get_weather"
     arguments = json.loads(calls[0].function.arguments)
     jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+    streamed = list(
+        client.chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=64, temperature=0.0, tool_choice="required", stream=True
+        )
+    )
+    deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas and deltas[0].function.name == "get_weather" and deltas[0].id
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)), WEATHER_TOOL["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
     second = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0)
     assert second.usage.prompt_tokens_details.cached_tokens > 0

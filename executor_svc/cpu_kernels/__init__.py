@@ -59,13 +59,15 @@ def build_root() -> Path:
 
 
 def _source_signature(name: str) -> str:
-    """The source, the flags and torch's version: a build folder is never shared by two of them."""
+    """The source, its folder, the flags and torch's version: a build folder is never shared by two
+    of them (torch's build file holds the source's absolute path, so two checkouts with the same
+    source would otherwise rebuild over each other)."""
     import torch
 
     text = (SOURCE_DIR / f"{name}.cpp").read_bytes()
     for header in sorted(SOURCE_DIR.glob("*.h")):  # shared by the modules: any change rebuilds them all
         text += header.read_bytes()
-    text += repr((CFLAGS, torch.__version__)).encode()
+    text += repr((str(SOURCE_DIR), CFLAGS, torch.__version__)).encode()
     return hashlib.blake2b(text, digest_size=6).hexdigest()
 
 

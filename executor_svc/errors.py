@@ -24,3 +24,10 @@ class UnknownRequestError(InvalidRequestError):
 
 class OutOfKVBlocksError(ExecutorError):
     """A plan needs more KV blocks than are free; nothing was executed."""
+
+
+class OutOfStateSlotsError(OutOfKVBlocksError):
+    """A plan runs more requests than a hybrid model has recurrent-state slots for; nothing was executed.
+
+    A kind of running out of KV (the same back-pressure: RESOURCE_EXHAUSTED), since the
+    state pool is the per-request half of a hybrid model's cache."""

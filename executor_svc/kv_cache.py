@@ -7,6 +7,10 @@ view `[num_blocks * block_size, num_kv_heads, head_dim]`.
 
 A request's block table is a plain list of block ids that the request owns;
 `grow`, `truncate` and `release` are the only ways it changes.
+
+Only full-attention layers keep KV: in a hybrid model (Qwen3.5) the DeltaNet layers
+keep a fixed-size state per request instead (`recurrent_state.py`), so the cache holds
+`len(config.kv_layers)` layers and `layer(i)` takes the model's layer index.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from executor_svc.model_config import ModelConfig
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    return 2 * len(config.kv_layers) * block_size * config.num_kv_heads * config.head_dim * element_size
 
 
 class KVCache:
@@ -35,11 +39,12 @@ class KVCache:
     ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        kv_layers = config.kv_layers
+        shape = (len(kv_layers), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # [num_kv_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer (K, V) views, made once: the forward pass asks for them every layer of every step.
-        self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(config.num_layers)]
+        # Per-layer (K, V) views by model layer index, made once: the forward pass asks for them every layer of every step.
+        self._layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(kv_layers)}
 
     @classmethod
     def from_memory_budget(

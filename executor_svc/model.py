@@ -1,4 +1,4 @@
-"""A llama-family decoder (llama, qwen2, qwen3) run over one ragged batch.
+"""A llama-family decoder (llama, qwen2, qwen3, and qwen3moe's sparse FFN) run over one ragged batch.
 
 RMSNorm → fused QKV (+bias for qwen2) → per-head q/k RMSNorm (qwen3), RoPE
 (half-split) and the KV write in one op → paged attention → output proj →
@@ -18,14 +18,15 @@ import torch
 from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import ModelWeights
+from executor_svc.moe import moe_ffn
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.torch_ops import TorchOps
 from executor_svc.weight_format import embedding, linear
 
 
 def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: torch.device):
-    """cos and sin for every position of the context: each [context_length, head_dim // 2], float32."""
-    d = config.head_dim
+    """cos and sin for every position of the context: each [context_length, rotary_dims // 2], float32."""
+    d = config.rotary_dims
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors
@@ -48,8 +49,9 @@ class Transformer:
         self.scale = config.head_dim**-0.5
 
     @torch.inference_mode()
-    def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab]."""
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache, state_pool=None) -> torch.Tensor:
+        """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab].
+        (`state_pool` is the hybrid model's; a transformer has none.)"""
         c, w, ops = self.config, self.weights, self.ops
         metadata = ops.prepare(batch, kv_cache.block_size)
         residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden], the model's own
@@ -63,7 +65,10 @@ class Transformer:
             )  # [T_padded, heads, head_dim]; K and V are in the cache
             attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
             x, residual = ops.add_rms_norm(linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
-            mlp = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+            if layer.moe is None:
+                mlp = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+            else:
+                mlp = moe_ffn(x, layer.moe, c.num_experts_per_token, ops)
             next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
             x, residual = ops.add_rms_norm(mlp, residual, next_norm, c.rms_norm_eps)
 

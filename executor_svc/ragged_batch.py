@@ -30,6 +30,7 @@ class RequestSlice:
     start_position: int  # tokens already in KV before this step
     block_ids: list[int]  # the request's block table (covers start_position + len(token_ids))
     num_logits: int  # how many trailing positions need logits (0 mid-prefill, 1 to sample, k+1 to verify k drafts)
+    state_slot: int = -1  # the request's recurrent-state slot (hybrid models); -1: none
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RaggedBatch:
     num_tokens: int
     num_padded_tokens: int
     num_logits: int  # real rows of logits_indices; the rest is padding
+    logits_counts: tuple[int, ...] = ()  # [num_requests]: logits rows of each request (its verify window)
+    state_slots: tuple[int, ...] = ()  # [num_requests]: recurrent-state slots (hybrid models), else empty
 
     @property
     def num_requests(self) -> int:
@@ -107,6 +110,8 @@ class RaggedBatch:
             num_tokens=num_tokens,
             num_padded_tokens=num_padded_tokens,
             num_logits=num_logits,
+            logits_counts=tuple(s.num_logits for s in slices),
+            state_slots=tuple(s.state_slot for s in slices) if any(s.state_slot >= 0 for s in slices) else (),
         )
 
 

@@ -1,0 +1,172 @@
+"""The Qwen3.5 hybrid decoder (qwen35, qwen35moe) run over one ragged batch.
+
+Three layers in four are Gated DeltaNet (linear attention with a per-request
+recurrent state, `gated_delta_net.py`), every fourth is gated full attention over the
+paged KV. Each layer: RMSNorm → token mixer → residual → RMSNorm → FFN (SwiGLU, or
+the MoE with a shared expert) → residual.
+
+- DeltaNet: one matmul gives qkv, the output gate z, β and α; qkv goes through the
+  short causal conv (SiLU), q and k are L2-normalised, the gated delta rule updates
+  the request's state, and each head's output is RMS-normalised and gated by SiLU(z).
+- Gated attention: q's projection carries a per-head output gate (each head's q rows
+  then its gate rows), q and k get a per-head RMSNorm, RoPE turns only the first
+  `rope.dimension_count` dims of each head, and the attention output is multiplied by
+  sigmoid(gate) before the output projection. (Qwen3.5's RoPE is multi-section, but
+  text positions are equal in every section, so it is the plain rotation.)
+
+GGUF norms already include Qwen3.5's "1 +" (the converter adds it), so every norm is
+the same RMSNorm as the dense model's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.gated_delta_net import (
+    ConvPlan,
+    build_conv_plan,
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    gates,
+    prepare_qkv,
+    recurrent_gated_delta_rule,
+)
+from executor_svc.invariant_elementwise import invariant_map
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import rope_tables
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
+from executor_svc.moe import moe_ffn
+from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.recurrent_state import RecurrentStatePool
+from executor_svc.torch_ops import TorchOps
+from executor_svc.weight_format import embedding, linear
+
+# Prefill slices at least this long take the chunked delta rule when batch invariance is off.
+MIN_CHUNKED_PREFILL_TOKENS = 64
+
+
+class HybridTransformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        device: torch.device,
+        ops=None,
+        dtype: torch.dtype | None = None,
+        batch_invariant: bool = True,
+    ) -> None:
+        self.ops = ops or TorchOps()
+        self.dtype = dtype or weights.final_norm.dtype
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.rope_cos, self.rope_sin = rope_tables(config, None, device)
+        self.scale = config.head_dim**-0.5
+        # Off: long prefills use the chunked delta rule (faster; rounding then depends on chunk boundaries).
+        self.batch_invariant = batch_invariant
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache, state_pool: RecurrentStatePool) -> torch.Tensor:
+        """Run the batch, writing its KV and updating its requests' recurrent states (and keeping
+        each verify window's states in the pool); returns float32 logits [batch.num_logits, vocab]."""
+        c, w, ops = self.config, self.weights, self.ops
+        if len(batch.state_slots) != batch.num_requests or min(batch.state_slots, default=0) < 0:
+            raise ValueError("a hybrid model's batch needs a recurrent-state slot for every request")
+        metadata = ops.prepare(batch, kv_cache.block_size)
+        conv_plan = build_conv_plan(batch.query_starts, batch.query_lens, list(batch.logits_counts), c.conv_kernel, self.device)
+        slots = torch.tensor(batch.state_slots, dtype=torch.int64, device=self.device)
+        state_pool.begin_step()
+        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden]
+        x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
+        for layer_index, layer in enumerate(w.layers):
+            if layer.delta_net is not None:
+                mixed = self._delta_net(layer_index, layer.delta_net, x, batch, conv_plan, slots, state_pool)
+            else:
+                mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
+            x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
+            if layer.moe is None:
+                ffn = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+            else:
+                ffn = moe_ffn(x, layer.moe, c.num_experts_per_token, ops)
+            next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
+            x, residual = ops.add_rms_norm(ffn, residual, next_norm, c.rms_norm_eps)
+        logits = linear(x[batch.logits_indices], w.lm_head).float()
+        return logits[: batch.num_logits]
+
+    def _gated_attention(self, layer_index: int, layer: LayerWeights, x, batch: RaggedBatch, kv_cache: KVCache, metadata):
+        c, ops = self.config, self.ops
+        t, heads, kv_heads, d, rd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dims
+        qkv = linear(x, layer.qkv)  # [T, heads * 2 * head_dim + 2 * kv_heads * head_dim]
+        q_and_gate = qkv[:, : 2 * heads * d].view(t, heads, 2, d)
+        gate = q_and_gate[:, :, 1].reshape(t, heads * d)
+        k = qkv[:, 2 * heads * d : (2 * heads + kv_heads) * d].view(t, kv_heads, d)
+        v = qkv[:, (2 * heads + kv_heads) * d :].view(t, kv_heads, d)
+        q = ops.rms_norm(q_and_gate[:, :, 0].contiguous(), layer.q_norm, c.rms_norm_eps)
+        k = ops.rms_norm(k.contiguous(), layer.k_norm, c.rms_norm_eps)
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        q = torch.cat([ops.rope(q[..., :rd].contiguous(), cos, sin), q[..., rd:]], dim=-1)
+        k = torch.cat([ops.rope(k[..., :rd].contiguous(), cos, sin), k[..., rd:]], dim=-1)
+        k_cache, v_cache = kv_cache.layer(layer_index)
+        n = batch.num_tokens
+        ops.write_kv(k[:n].contiguous(), v[:n].contiguous(), k_cache, v_cache, batch.slot_mapping)
+        attn = ops.attention(q.contiguous(), k_cache, v_cache, metadata, self.scale)  # [T, heads, head_dim]
+        return linear(attn.reshape(t, heads * d) * invariant_map(torch.sigmoid, gate), layer.o_proj)
+
+    def _delta_net(
+        self, layer_index: int, dn: DeltaNetWeights, x, batch: RaggedBatch, conv_plan: ConvPlan, slots, pool: RecurrentStatePool
+    ):
+        c = self.config
+        n, heads, dv = batch.num_tokens, c.num_linear_value_heads, c.linear_value_head_dim
+        proj = linear(x[:n], dn.in_proj)  # [n, conv_dim + value_dim + 2 * heads]: padding rows skipped
+        mixed, z, beta, alpha = proj.split([c.conv_dim, c.linear_value_dim, heads, heads], dim=-1)
+        conv_states, recurrent_states = pool.layer(layer_index)
+        mixed, next_conv, conv_window = causal_conv1d(mixed, conv_states[slots], dn.conv, conv_plan)
+        conv_states[slots] = next_conv
+        q, k, v = prepare_qkv(mixed, c.num_linear_key_heads, heads, c.linear_key_head_dim, dv)
+        g, b = gates(alpha, beta, dn.a, dn.dt_bias)
+        states = recurrent_states[slots]  # [R, heads, dk, dv], a copy
+        o, kept = self._delta_rule(q, k, v, g, b, states, batch)
+        recurrent_states[slots] = states
+        for r, count in enumerate(batch.logits_counts):
+            if count > 1:
+                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count], kept[r, :count])
+        normed = self.ops.rms_norm(o.to(x.dtype), dn.norm, c.rms_norm_eps)  # [n, heads, dv]
+        gated = (normed.float() * invariant_map(F.silu, z.reshape(n, heads, dv).float())).to(x.dtype)
+        out = linear(gated.reshape(n, heads * dv), dn.out_proj)
+        if out.shape[0] < x.shape[0]:  # padding rows of a batch-invariant step
+            out = torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[1])])
+        return out
+
+    def _delta_rule(self, q, k, v, g, b, states, batch: RaggedBatch):
+        """The gated delta rule over every request: token by token (the invariant path), except
+        long prefills when batch invariance is off, which go a chunk at a time."""
+        long_prefills = [] if self.batch_invariant else [
+            r for r, (n, count) in enumerate(zip(batch.query_lens, batch.logits_counts))
+            if n >= MIN_CHUNKED_PREFILL_TOKENS and count <= 1
+        ]
+        if not long_prefills:
+            return recurrent_gated_delta_rule(q, k, v, g, b, states, batch.query_starts, batch.query_lens, list(batch.logits_counts))
+        out = torch.empty_like(v)
+        rest = [r for r in range(batch.num_requests) if r not in long_prefills]
+        for r in long_prefills:
+            rows = slice(batch.query_starts[r], batch.query_starts[r] + batch.query_lens[r])
+            out[rows], states[r] = chunked_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], b[rows], states[r])
+        if rest:
+            index = torch.tensor(rest, dtype=torch.int64, device=q.device)
+            rows = torch.cat([torch.arange(batch.query_starts[r], batch.query_starts[r] + batch.query_lens[r]) for r in rest])
+            sub_states = states[index]
+            starts = [0]
+            for r in rest[:-1]:
+                starts.append(starts[-1] + batch.query_lens[r])
+            sub_out, kept = recurrent_gated_delta_rule(
+                q[rows], k[rows], v[rows], g[rows], b[rows], sub_states, starts,
+                [batch.query_lens[r] for r in rest], [batch.logits_counts[r] for r in rest],
+            )
+            out[rows], states[index] = sub_out, sub_states
+            if kept is not None:
+                full = kept.new_zeros(batch.num_requests, *kept.shape[1:])
+                full[index] = kept
+                return out, full
+        return out, None

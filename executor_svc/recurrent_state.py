@@ -1,0 +1,128 @@
+"""The recurrent-state pool of a hybrid model: one fixed-size slot per running request.
+
+Beside the paged KV of its attention layers, a hybrid model (Qwen3.5) keeps per
+request, per DeltaNet layer, a conv state [kernel − 1, conv_dim] (compute dtype) and
+a recurrent state [value_heads, key_head_dim, value_head_dim] (float32: it integrates
+every token of the request, so it keeps full precision like FLA's kernels do). Unlike
+KV, their size does not grow with the request: a slot is taken when a request is first
+computed and given back when it is released or preempted (a preempted request's
+tokens are recomputed from position 0, which rebuilds the state).
+
+Paired verbs, all or nothing, as the block allocator: `can_allocate` / `allocate`
+(a zeroed slot) / `free`. Invariants: a slot is either free or held by exactly one
+request; free slots are never read.
+
+**Verify windows.** A step that verifies drafts computes K + 1 positions of a request
+and would leave the state after the last one. The forward pass therefore also keeps
+the states after each of those positions (`keep_window`); once the verifier has kept
+j drafts, `restore_window(slot, j)` puts back the state after position j — exactly
+the state plain decoding would have after the same tokens. The window states live
+only until the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.errors import OutOfStateSlotsError
+from executor_svc.model_config import ModelConfig
+
+
+def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Resident bytes of one request's recurrent state over all DeltaNet layers."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    conv = (config.conv_kernel - 1) * config.conv_dim * element_size
+    recurrent = config.num_linear_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return len(config.recurrent_layer_indices) * (conv + recurrent)
+
+
+@dataclass
+class _Window:
+    """States after each position of one request's verify window, per DeltaNet layer."""
+
+    conv: list[torch.Tensor]  # per layer [num_positions, kernel - 1, conv_dim]
+    recurrent: list[torch.Tensor]  # per layer [num_positions, heads, dk, dv]
+
+
+class RecurrentStatePool:
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a hybrid model needs at least one recurrent-state slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.bytes_per_slot = bytes_per_slot(config, dtype)
+        layers = config.recurrent_layer_indices
+        self._layer_index = {layer: i for i, layer in enumerate(layers)}
+        conv_shape = (num_slots, config.conv_kernel - 1, config.conv_dim)
+        recurrent_shape = (num_slots, config.num_linear_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in layers]
+        self.recurrent = [torch.zeros(recurrent_shape, dtype=torch.float32, device=device) for _ in layers]
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._windows: dict[int, _Window] = {}
+
+    # ---------------------------------------------------------------- slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, num_slots: int) -> bool:
+        return num_slots <= len(self._free)
+
+    def allocate(self) -> int:
+        """A zeroed slot: the state before a request's first token."""
+        if not self._free:
+            raise OutOfStateSlotsError(f"all {self.num_slots} recurrent-state slots are in use")
+        slot = self._free.pop()
+        for conv, recurrent in zip(self.conv, self.recurrent):
+            conv[slot].zero_()
+            recurrent[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"recurrent-state slot {slot} is not allocated")
+        self._windows.pop(slot, None)
+        self._free.append(slot)
+
+    # ------------------------------------------------------- layer access
+
+    def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv states [slots, kernel − 1, conv_dim], recurrent states [slots, heads, dk, dv]) of a DeltaNet layer."""
+        i = self._layer_index[layer_index]
+        return self.conv[i], self.recurrent[i]
+
+    # ------------------------------------------------------ verify windows
+
+    def begin_step(self) -> None:
+        """Forget the previous step's verify windows."""
+        self._windows.clear()
+
+    def keep_window(self, layer_index: int, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep one layer's states after each verify position of the request in `slot`
+        (conv [positions, kernel − 1, conv_dim], recurrent [positions, heads, dk, dv])."""
+        window = self._windows.setdefault(slot, _Window([], []))
+        if len(window.conv) != self._layer_index[layer_index]:
+            raise ValueError(f"verify window of slot {slot}: layer {layer_index} kept out of order")
+        window.conv.append(conv)
+        window.recurrent.append(recurrent)
+
+    def window_size(self, slot: int) -> int:
+        """Positions whose states were kept for `slot` this step (0: none)."""
+        window = self._windows.get(slot)
+        return window.conv[0].shape[0] if window and window.conv else 0
+
+    def restore_window(self, slot: int, position: int) -> None:
+        """Make the slot hold the state after verify position `position` (0 = the first computed token)."""
+        window = self._windows.get(slot)
+        if window is None or len(window.conv) != len(self.conv) or not 0 <= position < window.conv[0].shape[0]:
+            raise ValueError(f"slot {slot} has no kept state for verify position {position}")
+        for conv, recurrent, kept_conv, kept_recurrent in zip(self.conv, self.recurrent, window.conv, window.recurrent):
+            conv[slot].copy_(kept_conv[position])
+            recurrent[slot].copy_(kept_recurrent[position])
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes the kept verify-window states take now (what speculation costs on top of the slots)."""
+        return sum(t.numel() * t.element_size() for w in self._windows.values() for t in (*w.conv, *w.recurrent))

@@ -1,0 +1,204 @@
+"""Qwen3.5 hybrid (qwen35, qwen35moe) and Qwen3-MoE (qwen3moe) models: loading GGUF files in
+llama.cpp's layout and the forward pass, checked against transformers on the same weights;
+the DeltaNet pieces (conv, delta rule in both forms) against plain references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from executor_svc.gated_delta_net import (
+    build_conv_plan,
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from executor_svc.gguf_file import open_gguf
+from executor_svc.hybrid_model import HybridTransformer
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import Transformer
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_weights import load_weights
+from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.recurrent_state import RecurrentStatePool
+from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+CPU = torch.device("cpu")
+PROMPT = [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40, 41, 42]
+ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3moe")
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny(request, tmp_path_factory):
+    spec = TinyHybridSpec(request.param)
+    hf, path = write_tiny_hybrid_model(tmp_path_factory.mktemp("model") / f"{request.param}.gguf", spec)
+    return spec, hf, path
+
+
+def build_model(path, packed: bool | None = None):
+    gguf = open_gguf(path)
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, torch.float32, CPU, packed=packed)
+    if config.is_hybrid:
+        return config, HybridTransformer(config, weights, CPU), RecurrentStatePool(config, 4, torch.float32, CPU)
+    return config, Transformer(config, weights, CPU), None
+
+
+def run_chunks(model, config, pool, prompt, chunks):
+    """Logits at every prompt position, prefilled in chunks of the given sizes."""
+    cache = KVCache(config, 16, 16, torch.float32, CPU)
+    blocks: list[int] = []
+    cache.grow(blocks, len(prompt))
+    slot = pool.allocate() if pool else -1
+    out, start = [], 0
+    for n in chunks:
+        piece = RequestSlice(prompt[start : start + n], start, blocks, n, slot)
+        out.append(model.forward(RaggedBatch.build([piece], 16, CPU), cache, pool))
+        start += n
+    if pool:
+        pool.free(slot)
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def reference_logits(hf, prompt):
+    return hf(torch.tensor([prompt])).logits[0].float()
+
+
+def test_config_reads_llama_cpp_metadata(tiny):
+    spec, _, path = tiny
+    config = ModelConfig.from_gguf(open_gguf(path))
+    assert config.architecture == spec.architecture
+    assert config.is_moe == (spec.architecture != "qwen35")
+    assert config.is_hybrid == (spec.architecture != "qwen3moe")
+    if config.is_hybrid:
+        assert config.recurrent_layers == (True, True, True, False)
+        assert config.kv_layers == [3]
+        assert config.rotary_dims == spec.head_dim // 4
+        assert (config.num_linear_key_heads, config.num_linear_value_heads) == (spec.linear_key_heads, spec.linear_value_heads)
+        assert config.conv_dim == (2 * spec.linear_key_heads + spec.linear_value_heads) * spec.linear_head_dim
+    if config.is_moe:
+        assert (config.num_experts, config.num_experts_per_token) == (spec.num_experts, spec.num_experts_per_token)
+        assert config.shared_expert_intermediate_size == (spec.shared_expert_intermediate_size if spec.architecture == "qwen35moe" else 0)
+
+
+def test_forward_matches_transformers(tiny):
+    spec, hf, path = tiny
+    config, model, pool = build_model(path)
+    ours = run_chunks(model, config, pool, PROMPT, [7, 1, len(PROMPT) - 8])  # chunked prefill carries the state
+    theirs = reference_logits(hf, PROMPT)
+    assert ours.shape == theirs.shape == (len(PROMPT), config.vocab_size)
+    assert theirs.abs().max() > 1.0  # the check below is not vacuous
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+
+
+def test_chunking_does_not_change_a_bit(tiny):
+    """The recurrent state carried across prefill chunks gives the very same logits."""
+    _, _, path = tiny
+    config, model, pool = build_model(path)
+    whole = run_chunks(model, config, pool, PROMPT, [len(PROMPT)])
+    for chunks in ([1] * len(PROMPT), [5, 5, 5, 6], [20, 1]):
+        assert torch.equal(run_chunks(model, config, pool, PROMPT, chunks), whole), chunks
+
+
+def test_quantized_experts_are_sliced_per_expert(tmp_path):
+    """Q8_0 3-D expert tensors run packed (one PackedWeight per expert) as they do dequantized."""
+    _, path = write_tiny_hybrid_model(tmp_path / "q8.gguf", TinyHybridSpec("qwen35moe", Q.Q8_0))
+    config, packed, pool = build_model(path, packed=True)
+    _, dense, _ = build_model(path, packed=False)
+    assert len(packed.weights.layers[0].moe.expert_down) == config.num_experts
+    a = run_chunks(packed, config, pool, PROMPT, [len(PROMPT)])
+    b = run_chunks(dense, config, pool, PROMPT, [len(PROMPT)])
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+
+
+def test_greedy_decode_matches_transformers(tiny):
+    """Token by token after a prefill (the recurrent form), the argmax equals transformers'."""
+    _, hf, path = tiny
+    config, model, pool = build_model(path)
+    cache = KVCache(config, 16, 16, torch.float32, CPU)
+    blocks: list[int] = []
+    slot = pool.allocate() if pool else -1
+    tokens = list(PROMPT)
+    cache.grow(blocks, len(tokens))
+    logits = model.forward(RaggedBatch.build([RequestSlice(tokens, 0, blocks, 1, slot)], 16, CPU), cache, pool)
+    for _ in range(6):
+        token = int(logits[-1].argmax())
+        assert token == int(reference_logits(hf, tokens)[-1].argmax())
+        tokens.append(token)
+        cache.grow(blocks, len(tokens))
+        logits = model.forward(RaggedBatch.build([RequestSlice([token], len(tokens) - 1, blocks, 1, slot)], 16, CPU), cache, pool)
+
+
+# ---------------------------------------------------------------- DeltaNet pieces
+
+
+def random_inputs(n, heads=4, dk=8, dv=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(n, heads, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(n, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(n, heads, dv, generator=gen)
+    g = -torch.rand(n, heads, generator=gen) * 2
+    beta = torch.rand(n, heads, generator=gen)
+    return q, k, v, g, beta
+
+
+def naive_delta_rule(q, k, v, g, beta, state):
+    out = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        state = state + torch.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t])))
+        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(out), state
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 100])
+def test_chunked_delta_rule_equals_recurrent(n):
+    q, k, v, g, beta = random_inputs(n)
+    state0 = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(1))
+    expected, expected_state = naive_delta_rule(q, k, v, g, beta, state0)
+    states = state0[None].clone()
+    out, _ = recurrent_gated_delta_rule(q, k, v, g, beta, states, [0], [n])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[0], expected_state, rtol=1e-5, atol=1e-5)
+    chunked, chunked_state = chunked_gated_delta_rule(q, k, v, g, beta, state0.clone(), chunk_size=16)
+    torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunked_state, expected_state, rtol=1e-4, atol=1e-4)
+
+
+def test_recurrent_delta_rule_is_batch_invariant_and_keeps_verify_states():
+    lens = [3, 1, 6, 2]
+    q, k, v, g, beta = random_inputs(sum(lens))
+    starts = [0, 3, 4, 10]
+    states0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    states = states0.clone()
+    out, kept = recurrent_gated_delta_rule(q, k, v, g, beta, states, starts, lens, [1, 1, 4, 2])
+    assert kept.shape == (4, 4, 4, 8, 8)
+    for r in range(4):
+        rows = slice(starts[r], starts[r] + lens[r])
+        alone = states0[r : r + 1].clone()
+        alone_out, _ = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], alone, [0], [lens[r]])
+        assert torch.equal(alone_out, out[rows]) and torch.equal(alone, states[r : r + 1])
+    # Request 2 kept the states after its last 4 positions: the state after position 2 of 6 is kept[2, 0].
+    prefix = states0[2:3].clone()
+    rows = slice(starts[2], starts[2] + 3)
+    recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], prefix, [0], [3])
+    assert torch.equal(kept[2, 0], prefix[0]) and torch.equal(kept[2, 3], states[2])
+
+
+def test_causal_conv_carries_state_across_chunks():
+    channels, kernel = 6, 4
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, channels, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    expected = F.silu(F.conv1d(x.T[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, :9].T)
+    state = torch.zeros(1, kernel - 1, channels)
+    outs = []
+    for start, n in ((0, 2), (2, 1), (3, 6)):
+        plan = build_conv_plan([0], [n], [1], kernel, CPU)
+        out, state, _ = causal_conv1d(x[start : start + n], state, weight, plan)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], x[-(kernel - 1) :])

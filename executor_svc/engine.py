@@ -20,14 +20,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError
+from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
 from executor_svc.gguf_file import open_gguf
+from executor_svc.hybrid_model import HybridTransformer
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import Transformer
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_source import resolve_model_path
 from executor_svc.model_weights import load_weights
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.recurrent_state import RecurrentStatePool
 from executor_svc.request_state import FinishReason, NewRequest, RequestState
 from executor_svc.block_allocator import block_hash, root_hash
 from executor_svc.drafter import Drafter
@@ -118,6 +120,9 @@ class EngineConfig:
     max_draft_tokens: int = 16  # most speculative tokens one request may verify per step
     use_swarm_index: bool = False  # also draft from other requests' outputs
     enable_prefix_caching: bool = True  # share full KV blocks of equal prefixes, keep them after requests end
+    # Hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; their
+    # memory comes out of kv_cache_bytes. Ignored for models without recurrent layers.
+    num_state_slots: int = 16
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -136,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.num_state_slots <= 0:
+            raise ValueError(f"num_state_slots must be positive, got {self.num_state_slots}")
 
 
 @dataclass(frozen=True)
@@ -213,10 +220,23 @@ class Engine:
         weights = load_weights(gguf, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16")
         self.weight_bytes = weights.num_bytes
         self.ops = resolve_ops(config.kernels, self.device)
-        self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
-        self.kv_cache = KVCache.from_memory_budget(
-            self.model_config, config.kv_cache_bytes, config.block_size, self.dtype, self.device
-        )
+        # Hybrid models keep a recurrent state per running request beside the paged KV of their attention layers.
+        self.state_pool: RecurrentStatePool | None = None
+        kv_bytes = config.kv_cache_bytes
+        if self.model_config.is_hybrid:
+            self.model = HybridTransformer(
+                self.model_config, weights, self.device, self.ops, self.dtype, batch_invariant=config.batch_invariant
+            )
+            self.state_pool = RecurrentStatePool(self.model_config, config.num_state_slots, self.dtype, self.device)
+            kv_bytes -= config.num_state_slots * self.state_pool.bytes_per_slot
+            if kv_bytes <= 0:
+                raise ValueError(
+                    f"kv_cache_bytes={config.kv_cache_bytes} does not even hold the {config.num_state_slots} recurrent-state "
+                    f"slots ({self.state_pool.bytes_per_slot} bytes each); raise it or lower num_state_slots"
+                )
+        else:
+            self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
+        self.kv_cache = KVCache.from_memory_budget(self.model_config, kv_bytes, config.block_size, self.dtype, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
         # Packed-weight kernels are row-invariant by construction; dense fp32 CPU GEMMs group rows
@@ -306,14 +326,21 @@ class Engine:
         if state is not None:
             retain_until = time.monotonic() + state.retention_s if state.retention_s > 0 else None
             self.kv_cache.release(state.block_ids, retain_until)
+            self._free_state_slot(state)
             self.drafter.release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Free a request's KV but keep its tokens; later steps recompute them."""
         state = self.get_request(request_id)
         self.kv_cache.release(state.block_ids)
+        self._free_state_slot(state)  # recomputing from token 0 rebuilds the recurrent state
         state.num_computed_tokens = state.num_registered_blocks = 0
         state.num_preemptions += 1
+
+    def _free_state_slot(self, state: RequestState) -> None:
+        if state.state_slot >= 0:
+            self.state_pool.free(state.state_slot)
+            state.state_slot = -1
 
     # -------------------------------------------------------------- calibration
 
@@ -346,17 +373,23 @@ class Engine:
             needed = num_requests * self.kv_cache.num_blocks_for(context_len + num_tokens)
             if needed > self.kv_cache.num_free_blocks:
                 continue
+            if self.state_pool is not None and not self.state_pool.can_allocate(num_requests):
+                continue
             block_lists: list[list[int]] = [[] for _ in range(num_requests)]
+            slots = [self.state_pool.allocate() for _ in range(num_requests)] if self.state_pool is not None else [-1] * num_requests
             try:
                 for block_ids in block_lists:
                     self.kv_cache.grow(block_ids, context_len + num_tokens)
-                pieces = [RequestSlice([0] * num_tokens, context_len, block_ids, num_logits) for block_ids in block_lists]
+                pieces = [
+                    RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot)
+                    for block_ids, slot in zip(block_lists, slots)
+                ]
                 forward_times, step_times = [], []
                 for _ in range(reps + 1):  # the first pass warms up
                     t0 = time.perf_counter()
                     batch = RaggedBatch.build(pieces, bs, self.device, self._row_multiple)
                     t1 = time.perf_counter()
-                    logits = self.model.forward(batch, self.kv_cache)
+                    logits = self.model.forward(batch, self.kv_cache, self.state_pool)
                     t2 = time.perf_counter()
                     logits.argmax(dim=-1).tolist()
                     t3 = time.perf_counter()
@@ -375,6 +408,9 @@ class Engine:
             finally:
                 for block_ids in block_lists:
                     self.kv_cache.release(block_ids)
+                for slot in slots:
+                    if slot >= 0:
+                        self.state_pool.free(slot)
         return samples
 
     # -------------------------------------------------------------------- steps
@@ -394,6 +430,7 @@ class Engine:
                     f"the plan needs {self._num_blocks_needed(plan, hits, drafts)} new KV blocks but only "
                     f"{self._num_blocks_available(plan)} are free"
                 )
+        self._check_state_slots(plan)
         for request_id in plan.released:
             self.release(request_id)
         for request_id in plan.preempted:
@@ -407,6 +444,8 @@ class Engine:
         work = []
         for s in plan.scheduled:
             state = self._requests[s.request_id]
+            if self.state_pool is not None and state.state_slot < 0:
+                state.state_slot = self.state_pool.allocate()  # zeroed: the state before token 0
             # A prefix hit may have covered part of what the plan asked to compute.
             num_tokens = min(s.num_tokens, len(state.token_ids) - state.num_computed_tokens)
             work.append((state, num_tokens, drafts.get(s.request_id, [])))
@@ -418,10 +457,10 @@ class Engine:
             end = start + num_tokens
             self.kv_cache.grow(state.block_ids, end + len(draft_ids))
             num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
-            slices.append(RequestSlice(state.token_ids[start:end] + draft_ids, start, state.block_ids, num_logits))
+            slices.append(RequestSlice(state.token_ids[start:end] + draft_ids, start, state.block_ids, num_logits, state.state_slot))
         batch = RaggedBatch.build(slices, self.kv_cache.block_size, self.device, self._row_multiple)
         t1 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv_cache)  # [rows needing logits, vocab]
+        logits = self.model.forward(batch, self.kv_cache, self.state_pool)  # [rows needing logits, vocab]
         t2 = time.perf_counter()
         argmax_ids = logits.argmax(dim=-1).tolist()
 
@@ -443,6 +482,10 @@ class Engine:
             # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
             state.num_computed_tokens += num_tokens + min(num_accepted, len(emitted))
             self.kv_cache.truncate(state.block_ids, state.num_computed_tokens)
+            if self.state_pool is not None and num_accepted < len(draft_ids) and state.finish_reason is None:
+                # The recurrent state went through every draft: put back the one after the last kept token
+                # (window position 0 is the decode token, position j its j-th draft).
+                self.state_pool.restore_window(state.state_slot, num_accepted)
             if emitted:
                 self.drafter.append(state.request_id, emitted)
             self._register_full_blocks(state)
@@ -606,6 +649,26 @@ class Engine:
     def _has_kv_room(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> bool:
         return self._num_blocks_needed(plan, hits, drafts) <= self._num_blocks_available(plan)
 
+    def _check_state_slots(self, plan: StepPlan) -> None:
+        """A hybrid model computes a request only with a recurrent-state slot: refuse (nothing
+        changed) a plan that would run more requests than there are slots, counting the slots
+        its releases and preemptions give back."""
+        if self.state_pool is None:
+            return
+        emptied = {*plan.released, *plan.preempted}
+        freed = sum(1 for r in emptied if r in self._requests and self._requests[r].state_slot >= 0)
+        needed = 0
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if state is None or s.request_id in emptied or state.state_slot < 0:
+                needed += 1
+        available = self.state_pool.num_free_slots + freed
+        if needed > available:
+            raise OutOfStateSlotsError(
+                f"the plan starts {needed} requests but only {available} of {self.state_pool.num_slots} "
+                f"recurrent-state slots are free (each running request of a hybrid model holds one)"
+            )
+
     # ---------------------------------------------------------- prefix cache
 
     def _extend_block_hashes(self, token_ids: list[int], block_hashes: list[bytes], num_blocks: int) -> None:
@@ -621,8 +684,8 @@ class Engine:
         Only blocks wholly before the last known token count: that token must be
         computed to produce logits, and a shared block is never written into.
         """
-        if not self.config.enable_prefix_caching:
-            return {}
+        if not self.config.enable_prefix_caching or self.state_pool is not None:
+            return {}  # a hybrid's prefix would also need its recurrent state at the block boundary
         new = {n.request_id: n for n in plan.new_requests}
         emptied = {*plan.released, *plan.preempted}
         hits = {}
@@ -653,7 +716,7 @@ class Engine:
 
     def _register_full_blocks(self, state: RequestState) -> None:
         """Cache every block the request has completely computed and not registered yet."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or self.state_pool is not None:
             return
         num_full = state.num_computed_tokens // self.kv_cache.block_size
         if num_full <= state.num_registered_blocks:

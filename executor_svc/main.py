@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--max-draft-tokens", type=int, default=16, help="most draft tokens one request verifies per step")
+    p.add_argument(
+        "--num-state-slots", type=int, default=EngineConfig.num_state_slots,
+        help="hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; "
+        "their memory comes out of the KV budget (default %(default)s)",
+    )
     p.add_argument("--swarm-index", action="store_true", help="also draft from other requests' outputs")
     p.add_argument(
         "--no-prefix-caching",
@@ -89,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         batch_invariant=not args.no_batch_invariant,
         num_threads=args.threads,
         max_draft_tokens=args.max_draft_tokens,
+        num_state_slots=args.num_state_slots,
         use_swarm_index=args.swarm_index,
         enable_prefix_caching=not args.no_prefix_caching,
     )

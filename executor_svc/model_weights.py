@@ -19,7 +19,7 @@ up fused, so the experts run through the same `linear` as everything else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,7 +100,7 @@ def _nested_bytes(value) -> int:
     """Resident bytes of a weights dataclass, its nested dataclasses and lists of weights."""
     if value is None:
         return 0
-    if is_dataclass(value):
+    if isinstance(value, (LayerWeights, MoeWeights, DeltaNetWeights)):
         return sum(_nested_bytes(getattr(value, f.name)) for f in fields(value))
     if isinstance(value, list):
         return sum(_nested_bytes(v) for v in value)

@@ -52,6 +52,7 @@ class RequestState:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
+    state_slot: int = -1  # recurrent-state slot (hybrid models) while the request is being computed; -1: none
 
     @property
     def num_output_tokens(self) -> int:

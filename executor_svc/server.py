@@ -34,6 +34,7 @@ from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys, server_por
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
+from executor_svc.kv_cache import bytes_per_block
 from executor_svc.observability.step_interceptor import executor_interceptors
 
 log = structlog.get_logger()
@@ -137,6 +138,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             dtype=str(engine.dtype).removeprefix("torch."),
             weight_bytes=engine.weight_bytes,
             matmul=engine.matmul,
+            num_state_slots=engine.state_pool.num_slots if engine.state_pool else 0,
+            num_free_state_slots=engine.state_pool.num_free_slots if engine.state_pool else 0,
+            state_bytes_per_request=engine.state_pool.bytes_per_slot if engine.state_pool else 0,
+            kv_bytes_per_block=bytes_per_block(config, engine.kv_cache.block_size, engine.dtype),
             device=str(engine.device),
             executor_id=self.executor_id,
             num_released_requests=released,

@@ -126,8 +126,12 @@ class Planner:
         max_num_batched_tokens: int,
         cost_model: CostModel | None = None,
         max_draft_tokens: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         self.config = config
+        # A hybrid model's executor computes a request only while it holds one of its
+        # recurrent-state slots (0: no such limit), so no more requests run than it has.
+        self.max_running_requests = min(config.max_running_requests, num_state_slots or config.max_running_requests)
         self.cost_model = cost_model or CostModel()
         self.draft_policy = parse_draft_policy(config.spec)
         self.max_draft_tokens = max_draft_tokens
@@ -349,7 +353,7 @@ class Planner:
             self._static_batch.clear()
         forming_static_batch = self.config.batching == "static" and not self._static_batch
         admitted_static: list[str] = []
-        while self.waiting and prefill_budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and prefill_budget > 0 and len(self.running) < self.max_running_requests:
             request = self.waiting[0]
             if self.config.batching == "static" and not forming_static_batch and request.executor_request_id not in self._static_batch:
                 break

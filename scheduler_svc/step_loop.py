@@ -270,6 +270,7 @@ class StepLoop:
             info.max_num_batched_tokens,
             cost_model=cost_model,
             max_draft_tokens=info.max_draft_tokens,
+            num_state_slots=info.num_state_slots,
         )
         self.planner.num_free_blocks = info.num_free_kv_blocks
         self.last_connect_error = ""

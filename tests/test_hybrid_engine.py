@@ -1,0 +1,209 @@
+"""The engine on hybrid (qwen35, qwen35moe) and MoE (qwen3moe) models: greedy tokens equal
+transformers'; a request's tokens do not depend on its batch, its prefill chunking,
+preemption, or speculation (drafts kept fully, partly, not at all; the recurrent state
+rolled back to the last kept token); seeded sampling is reproducible with speculation;
+running out of recurrent-state slots is clean back-pressure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
+from executor_svc.request_state import NewRequest
+from executor_svc.sampling_params import SamplingParams
+from tests.engine_driver import drive
+from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+PROMPT = [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40, 41, 42]
+NUM_NEW_TOKENS = 12
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [PROMPT[i % len(PROMPT) :] + PROMPT[: i % len(PROMPT)] + [100 + i] for i in range(n)]
+
+
+def greedy_requests(n: int, num_new_tokens: int = NUM_NEW_TOKENS) -> list[NewRequest]:
+    return [NewRequest(f"r{i}", p, SamplingParams(), num_new_tokens, ignore_eos=True) for i, p in enumerate(prompts(n))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch → (transformers model, GGUF path)."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: write_tiny_hybrid_model(root / f"{arch}.gguf", TinyHybridSpec(arch)) for arch in ("qwen35", "qwen35moe", "qwen3moe")}
+
+
+def make_engine(path, **overrides) -> Engine:
+    config = dict(model=str(path), kv_cache_bytes=4 << 20, kernels="torch", num_state_slots=8)
+    return Engine(EngineConfig(**{**config, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    return make_engine(models["qwen35"][1])
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    """One request at a time, whole prompts, no speculation."""
+    return {r.request_id: drive(engine, [r]).tokens[r.request_id] for r in greedy_requests(8)}
+
+
+class ScriptedDrafter:
+    """Proposes each request's known greedy continuation, spoiled as the mode says:
+    `full` keeps it (every draft accepted), `partial` spoils one token in the middle of
+    each draft, `none` spoils the first. Exercises exact accept counts without relying
+    on a model that happens to repeat itself."""
+
+    def __init__(self, continuations: dict[str, list[int]], mode: str, vocab_size: int) -> None:
+        self.continuations, self.mode, self.vocab_size = continuations, mode, vocab_size
+        self.tokens: dict[str, list[int]] = {}
+        self.prompt_lens: dict[str, int] = {}
+
+    def add_request(self, request_id, token_ids):
+        self.tokens[request_id] = list(token_ids)
+        self.prompt_lens[request_id] = len(token_ids)
+
+    def append(self, request_id, token_ids):
+        self.tokens[request_id].extend(token_ids)
+
+    def release(self, request_id):
+        del self.tokens[request_id]
+
+    def num_draftable(self, request_id):
+        return 4
+
+    def propose(self, request_id, max_tokens):
+        done = len(self.tokens[request_id]) - self.prompt_lens[request_id]
+        draft = list(self.continuations[request_id][done : done + max_tokens])
+        spoil = {"full": None, "partial": len(draft) // 2, "none": 0}[self.mode]
+        if draft and spoil is not None and (spoil > 0 or self.mode == "none"):
+            draft[spoil] = (draft[spoil] + 1) % self.vocab_size
+        return draft
+
+
+# ------------------------------------------------------------------ correctness
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3moe"])
+def test_greedy_tokens_match_transformers(models, arch):
+    hf, path = models[arch]
+    engine = make_engine(path)
+    run = drive(engine, greedy_requests(2, 8), chunk_size=7)
+    for request in greedy_requests(2, 8):
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([request.prompt_token_ids]), max_new_tokens=8, do_sample=False)
+        assert run.tokens[request.request_id] == expected[0, len(request.prompt_token_ids) :].tolist(), request.request_id
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+def test_batching_and_chunking_change_no_token(engine, baseline, chunk_size):
+    reqs = greedy_requests(8)
+    arrivals = {r.request_id: 3 * i for i, r in enumerate(reqs)}  # batch sizes sweep 1..8 and back
+    run = drive(engine, reqs, chunk_size=chunk_size, arrival_steps=arrivals)
+    assert run.max_batch_size >= 4
+    assert run.tokens == baseline
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+
+
+@pytest.mark.parametrize("mode", ["full", "partial", "none"])
+def test_speculation_changes_no_token(engine, baseline, mode):
+    """Greedy at B = 1..8 with drafts kept fully, partly and not at all; the recurrent state
+    restored to the one after the last kept token each time."""
+    continuations = dict(baseline)
+    engine.drafter, saved = ScriptedDrafter(continuations, mode, engine.model_config.vocab_size), engine.drafter
+    try:
+        for batch_size in (1, 3, 8):
+            reqs = greedy_requests(batch_size)
+            run = drive(engine, reqs, chunk_size=6, draft_budget=4)
+            assert run.tokens == {r.request_id: baseline[r.request_id] for r in reqs}, (mode, batch_size)
+            assert run.num_drafted > 0
+            if mode == "full":
+                assert run.num_accepted == run.num_drafted
+            elif mode == "partial":
+                assert 0 < run.num_accepted < run.num_drafted
+            else:
+                assert run.num_accepted == 0
+    finally:
+        engine.drafter = saved
+
+
+def test_seeded_sampling_is_the_same_with_speculation_on_and_off(engine):
+    reqs = [
+        NewRequest(f"s{seed}", PROMPT, SamplingParams(temperature=1.5, seed=seed), 10, ignore_eos=True) for seed in range(6)
+    ]
+    off = drive(engine, reqs).tokens
+    engine.drafter, saved = ScriptedDrafter(off, "partial", engine.model_config.vocab_size), engine.drafter
+    try:
+        on = drive(engine, reqs, chunk_size=5, draft_budget=3)
+    finally:
+        engine.drafter = saved
+    assert len({tuple(t) for t in off.values()}) > 1, "the seeds should sample different tokens"
+    assert on.num_accepted > 0
+    assert on.tokens == off
+
+
+def test_preemption_and_recompute_change_no_token(engine, baseline):
+    """A preempted request gives its slot back and rebuilds its state from token 0."""
+    reqs = greedy_requests(3)
+    tokens = {r.request_id: [] for r in reqs}
+    known = {r.request_id: len(r.token_ids) for r in reqs}
+    computed = {r.request_id: 0 for r in reqs}
+    new, preempted, step = list(reqs), [], 0
+    while known:
+        if step in (4, 9) and "r1" in known:
+            preempted, computed["r1"] = ["r1"], 0
+        scheduled = [
+            ScheduledRequest(rid, min(known[rid] - computed[rid], 4)) for rid in known if rid not in preempted
+        ]
+        result = engine.step(StepPlan(scheduled=scheduled, new_requests=new, preempted=preempted))
+        if preempted:
+            assert engine.get_request("r1").state_slot == -1
+        new, preempted = [], []
+        for out in result.outputs:
+            tokens[out.request_id] += out.new_token_ids
+            known[out.request_id] += len(out.new_token_ids)
+            computed[out.request_id] = out.num_computed_tokens
+            if out.finish_reason is not None:
+                del known[out.request_id]
+        step += 1
+    assert tokens == {r.request_id: baseline[r.request_id] for r in reqs}
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+
+
+# ------------------------------------------------------------------ back-pressure
+
+
+def test_running_out_of_state_slots_refuses_the_plan_and_changes_nothing(models):
+    engine = make_engine(models["qwen35"][1], num_state_slots=2)
+    a, b, c = greedy_requests(3)
+    with pytest.raises(OutOfStateSlotsError, match="recurrent-state slots"):
+        engine.step(StepPlan(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
+    assert engine.request_ids == [] and engine.state_pool.num_free_slots == 2
+    engine.step(StepPlan(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
+    assert engine.state_pool.num_free_slots == 0
+    with pytest.raises(OutOfKVBlocksError):  # the same back-pressure class: RESOURCE_EXHAUSTED
+        engine.step(StepPlan(new_requests=[c], scheduled=[ScheduledRequest(c.request_id, 5)]))
+    assert engine.request_ids == ["r0", "r1"]
+    # Preempting one in the same plan frees the slot the newcomer takes.
+    engine.step(StepPlan(new_requests=[c], preempted=["r1"], scheduled=[ScheduledRequest(c.request_id, 5)]))
+    assert engine.get_request("r2").state_slot >= 0 and engine.get_request("r1").state_slot == -1
+
+
+def test_state_memory_comes_out_of_the_kv_budget(models):
+    small = make_engine(models["qwen35"][1], num_state_slots=2)
+    large = make_engine(models["qwen35"][1], num_state_slots=32)
+    per_slot = small.state_pool.bytes_per_slot
+    # 3 DeltaNet layers × (conv 3 × 128 floats + state 4 heads × 16 × 16 floats)
+    assert per_slot == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
+    assert large.kv_cache.num_usable_blocks < small.kv_cache.num_usable_blocks
+    # KV only for the one full-attention layer of four.
+    assert small.kv_cache.tensor.shape[0] == 1
+
+
+def test_calibration_runs_on_a_hybrid_model(engine):
+    samples = engine.calibrate(token_counts=(1, 4), context_lens=(0,), batch_sizes=(2,))
+    assert samples and all(s.forward_s > 0 for s in samples)
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots

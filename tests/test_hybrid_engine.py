@@ -87,10 +87,12 @@ class ScriptedDrafter:
 # ------------------------------------------------------------------ correctness
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3moe"])
-def test_greedy_tokens_match_transformers(models, arch):
+@pytest.mark.parametrize(
+    "arch,kernels", [("qwen35", "torch"), ("qwen35", "cpu"), ("qwen35moe", "torch"), ("qwen35moe", "cpu"), ("qwen3moe", "torch")]
+)
+def test_greedy_tokens_match_transformers(models, arch, kernels):
     hf, path = models[arch]
-    engine = make_engine(path)
+    engine = make_engine(path, kernels=kernels)
     run = drive(engine, greedy_requests(2, 8), chunk_size=7)
     for request in greedy_requests(2, 8):
         with torch.inference_mode():

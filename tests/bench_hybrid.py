@@ -1,0 +1,86 @@
+"""Dense vs hybrid on tiny models on this CPU: decode step time and memory per request, and
+what keeping the verify window's recurrent states costs against the draft length K.
+
+    PYTHONPATH=$PWD/protos:$PWD python -m tests.bench_hybrid
+
+The dense model is a qwen3 of the hybrid's size (same hidden size, heads, FFN, layers), so
+the difference is the token mixer: 3 of 4 layers DeltaNet instead of attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from executor_svc.engine import Engine, EngineConfig
+from executor_svc.kv_cache import bytes_per_block
+from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+
+def time_step(engine: Engine, num_requests: int, context_len: int, num_tokens: int, reps: int) -> tuple[float, int]:
+    """Best forward time of `num_requests` requests computing `num_tokens` each (all logits rows, a verify
+    of num_tokens − 1 drafts) after `context_len` tokens; and the verify-window bytes the step kept."""
+    pool = engine.state_pool
+    blocks = [[] for _ in range(num_requests)]
+    slots = [pool.allocate() for _ in range(num_requests)] if pool else [-1] * num_requests
+    try:
+        for b in blocks:
+            engine.kv_cache.grow(b, context_len + num_tokens)
+        pieces = [RequestSlice([7] * num_tokens, context_len, b, num_tokens, s) for b, s in zip(blocks, slots)]
+        batch = RaggedBatch.build(pieces, engine.kv_cache.block_size, engine.device)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            engine.model.forward(batch, engine.kv_cache, pool)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:]), pool.window_bytes if pool else 0
+    finally:
+        for b in blocks:
+            engine.kv_cache.release(b)
+        for s in slots:
+            if s >= 0:
+                pool.free(s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kernels", default="cpu")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp())
+    hybrid_spec = TinyHybridSpec("qwen35", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                                 linear_key_heads=2, linear_value_heads=4, linear_head_dim=64, num_layers=8)
+    _, hybrid_path = write_tiny_hybrid_model(root / "hybrid.gguf", hybrid_spec)
+    dense_path = write_tiny_model(root / "dense.gguf", TinyModelSpec(
+        "qwen3", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512))
+    engines = {
+        name: Engine(EngineConfig(model=str(path), kv_cache_bytes=64 << 20, kernels=args.kernels, num_state_slots=16))
+        for name, path in (("dense", dense_path), ("hybrid", hybrid_path))
+    }
+    print(f"context {args.context} tokens, kernels {args.kernels}, 1 thread")
+    print("memory per request (bytes):")
+    for name, e in engines.items():
+        per_token = bytes_per_block(e.model_config, 1, e.dtype)
+        state = e.state_pool.bytes_per_slot if e.state_pool else 0
+        print(f"  {name:6s} KV/token {per_token:6d}  state {state:7d}  at {args.context} tokens: {per_token * args.context + state}")
+    print("decode step (ms), B requests × 1 token:")
+    for b in (1, 4, 8):
+        row = [f"{1000 * time_step(e, b, args.context, 1, args.reps)[0]:7.2f}" for e in engines.values()]
+        print(f"  B={b}: dense {row[0]}  hybrid {row[1]}")
+    print("verify K drafts, B=4 (ms; window states kept, bytes):")
+    for k in (0, 1, 2, 4, 8):
+        dense_s, _ = time_step(engines["dense"], 4, args.context, k + 1, args.reps)
+        hybrid_s, window = time_step(engines["hybrid"], 4, args.context, k + 1, args.reps)
+        print(f"  K={k}: dense {1000 * dense_s:7.2f}  hybrid {1000 * hybrid_s:7.2f}  window {window}")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,9 +15,9 @@ For each token, with q, k L2-normalised (q also scaled by key_dim^-1/2), decay
 the batch at once. It is the reference and the batch-invariant path: a request's
 state after token t is the same bits whatever the batch, the prefill chunking or the
 verify window around it, because every step is the same elementwise arithmetic on
-that request's rows. It can also keep the state after each of a request's last
-positions (the verify window of speculation), so a partial acceptance restores
-exactly the state after the last kept token.
+that request's rows. For a request verifying drafts it also hands back the state
+before the verify window and the window's update inputs, from which the state after
+any kept draft is replayed bit for bit (one state per request instead of K + 1).
 
 `chunked_gated_delta_rule` is the same function evaluated a chunk of C tokens at a
 time (the WY/UT form of the DeltaNet papers: within a chunk, the C sequential
@@ -124,6 +124,35 @@ def gates(alpha: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dt_bias: tor
     return g, invariant_map(torch.sigmoid, beta.float())
 
 
+@dataclass(frozen=True)
+class DeltaRuleInputs:
+    """What the state update of some tokens reads, per token: decay [n, H, 1, 1], k [n, H, dk, 1],
+    v [n, H, dv], beta [n, H, 1] (float32), shaped for `delta_rule_step`."""
+
+    decay: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+
+    def __getitem__(self, rows) -> "DeltaRuleInputs":
+        return DeltaRuleInputs(self.decay[rows], self.k[rows], self.v[rows], self.beta[rows])
+
+
+def delta_rule_step(s: torch.Tensor, inputs: DeltaRuleInputs, t: int) -> torch.Tensor:
+    """One token's update of one request's state s [H, dk, dv]: S ← γS, then S ← S + k ⊗ β(v − Sᵀk)."""
+    s = s * inputs.decay[t]
+    predicted = (s * inputs.k[t]).sum(dim=-2)  # [H, dv]: what S already returns for k
+    return s + inputs.k[t] * ((inputs.v[t] - predicted) * inputs.beta[t])[:, None, :]
+
+
+def replay_delta_rule(state: torch.Tensor, inputs: DeltaRuleInputs, num_tokens: int) -> torch.Tensor:
+    """The state after the first `num_tokens` tokens of `inputs`, from `state` (the very bits the
+    forward pass had there: the same steps on the same shapes)."""
+    for t in range(num_tokens):
+        state = delta_rule_step(state, inputs, t)
+    return state
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,  # [T, H, dk] float32, normalised and scaled
     k: torch.Tensor,  # [T, H, dk] float32, normalised
@@ -134,33 +163,33 @@ def recurrent_gated_delta_rule(
     query_starts: list[int],
     query_lens: list[int],
     logits_counts: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The delta rule token by token → (o [T, H, dv] float32, the states after each of a
-    request's last `logits_counts[r]` positions [R, max_count, H, dk, dv] when any count
-    exceeds 1, else None).
+) -> tuple[torch.Tensor, torch.Tensor | None, DeltaRuleInputs]:
+    """The delta rule token by token → (o [T, H, dv] float32; for requests verifying drafts
+    (logits_counts[r] > 1) the state before their verify window [R, H, dk, dv] (zeros for the
+    others; None when no request verifies); the per-token update inputs).
 
     Each request runs on its own [H, dk, dv] state with the same op sequence per token,
     so its bits depend on nothing but its own tokens (not the batch, not the chunking).
+    The state after any position of a verify window is `replay_delta_rule` of the window
+    start over the window's inputs: speculation keeps one state per request, not K + 1.
     """
     num_requests = len(query_lens)
     out = torch.empty_like(v)
     counts = logits_counts or [0] * num_requests
-    max_kept = max(counts, default=0)
-    kept = torch.zeros((num_requests, max_kept, *states.shape[1:]), dtype=states.dtype, device=states.device) if max_kept > 1 else None
-    decay = invariant_map(torch.exp, g)[..., None, None]  # [T, H, 1, 1]
-    k_col, q_col, beta_row = k[..., None], q[..., None], beta[..., None]  # [T, H, dk, 1], [T, H, 1]
+    verifying = any(c > 1 for c in counts)
+    window_starts = torch.zeros_like(states) if verifying else None
+    inputs = DeltaRuleInputs(invariant_map(torch.exp, g)[..., None, None], k[..., None], v, beta[..., None])
+    q_col = q[..., None]  # [T, H, dk, 1]
     for r, (start, n) in enumerate(zip(query_starts, query_lens)):
         s = states[r]
-        first_kept = n - counts[r] if counts[r] > 1 else n
+        window_start = start + n - counts[r] if counts[r] > 1 else -1
         for t in range(start, start + n):
-            s = s * decay[t]
-            predicted = (s * k_col[t]).sum(dim=-2)  # [H, dv]: what S already returns for k
-            s = s + k_col[t] * ((v[t] - predicted) * beta_row[t])[:, None, :]
+            if t == window_start:
+                window_starts[r] = s
+            s = delta_rule_step(s, inputs, t)
             out[t] = (s * q_col[t]).sum(dim=-2)
-            if t - start >= first_kept:
-                kept[r, t - start - first_kept] = s
         states[r] = s
-    return out, kept
+    return out, window_starts, inputs
 
 
 def chunked_gated_delta_rule(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from executor_svc.gated_delta_net import (
     ConvPlan,
+    DeltaRuleInputs,
     build_conv_plan,
     causal_conv1d,
     chunked_gated_delta_rule,
@@ -127,11 +128,13 @@ class HybridTransformer:
         q, k, v = prepare_qkv(mixed, c.num_linear_key_heads, heads, c.linear_key_head_dim, dv)
         g, b = gates(alpha, beta, dn.a, dn.dt_bias)
         states = recurrent_states[slots]  # [R, heads, dk, dv], a copy
-        o, kept = self._delta_rule(q, k, v, g, b, states, batch)
+        o, window_starts, inputs = self._delta_rule(q, k, v, g, b, states, batch)
         recurrent_states[slots] = states
         for r, count in enumerate(batch.logits_counts):
-            if count > 1:
-                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count], kept[r, :count])
+            if count > 1:  # a verify window: keep what restores the state after any kept draft
+                end = batch.query_starts[r] + batch.query_lens[r]
+                window_inputs = inputs[end - count : end]
+                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count], window_starts[r], window_inputs)
         normed = self.ops.rms_norm(o.to(x.dtype), dn.norm, c.rms_norm_eps)  # [n, heads, dv]
         gated = (normed.float() * invariant_map(F.silu, z.reshape(n, heads, dv).float())).to(x.dtype)
         out = linear(gated.reshape(n, heads * dv), dn.out_proj)
@@ -148,6 +151,9 @@ class HybridTransformer:
         ]
         if not long_prefills:
             return recurrent_gated_delta_rule(q, k, v, g, b, states, batch.query_starts, batch.query_lens, list(batch.logits_counts))
+        # Chunked prefills never verify (one logits row): only the rest can need window inputs.
+        window_starts = None
+        inputs = None
         out = torch.empty_like(v)
         rest = [r for r in range(batch.num_requests) if r not in long_prefills]
         for r in long_prefills:
@@ -160,13 +166,18 @@ class HybridTransformer:
             starts = [0]
             for r in rest[:-1]:
                 starts.append(starts[-1] + batch.query_lens[r])
-            sub_out, kept = recurrent_gated_delta_rule(
+            sub_out, sub_window_starts, sub_inputs = recurrent_gated_delta_rule(
                 q[rows], k[rows], v[rows], g[rows], b[rows], sub_states, starts,
                 [batch.query_lens[r] for r in rest], [batch.logits_counts[r] for r in rest],
             )
             out[rows], states[index] = sub_out, sub_states
-            if kept is not None:
-                full = kept.new_zeros(batch.num_requests, *kept.shape[1:])
-                full[index] = kept
-                return out, full
-        return out, None
+            if sub_window_starts is not None:
+                window_starts = torch.zeros_like(states)
+                window_starts[index] = sub_window_starts
+                # Inputs indexed by the batch's rows, like the all-recurrent path's.
+                inputs = DeltaRuleInputs(*(torch.zeros(v.shape[0], *t.shape[1:], dtype=t.dtype) for t in (
+                    sub_inputs.decay, sub_inputs.k, sub_inputs.v, sub_inputs.beta)))
+                for t_full, t_sub in zip((inputs.decay, inputs.k, inputs.v, inputs.beta),
+                                         (sub_inputs.decay, sub_inputs.k, sub_inputs.v, sub_inputs.beta)):
+                    t_full[rows] = t_sub
+        return out, window_starts, inputs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc import hybrid_model
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.request_state import NewRequest
@@ -209,3 +210,22 @@ def test_calibration_runs_on_a_hybrid_model(engine):
     samples = engine.calibrate(token_counts=(1, 4), context_lens=(0,), batch_sizes=(2,))
     assert samples and all(s.forward_s > 0 for s in samples)
     assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+
+
+def test_long_prefills_take_the_chunked_delta_rule_when_batch_invariance_is_off(models, engine, monkeypatch):
+    """With batch_invariant off, a prefill of ≥ 64 tokens runs the chunked form (rounding then depends
+    on chunk boundaries, so only closeness is promised); decodes verifying drafts beside it still roll
+    back exactly. On this model the tokens come out the same as the invariant engine's."""
+    fast = make_engine(models["qwen35"][1], batch_invariant=False)
+    long_prompt = (PROMPT * 6)[:100]
+    reqs = [NewRequest("long", long_prompt, SamplingParams(), 8, ignore_eos=True), *greedy_requests(3, 8)]
+    expected = drive(engine, reqs).tokens
+    fast.drafter = ScriptedDrafter(expected, "partial", fast.model_config.vocab_size)
+    calls = []
+    chunked = hybrid_model.chunked_gated_delta_rule
+    monkeypatch.setattr(hybrid_model, "chunked_gated_delta_rule", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    arrivals = {"long": 3}  # arrives while the others decode with drafts
+    run = drive(fast, reqs, arrival_steps=arrivals, draft_budget=3)
+    assert len(calls) == 3  # the long prompt's one step, in each of the 3 DeltaNet layers
+    assert 0 < run.num_accepted < run.num_drafted
+    assert run.tokens == expected

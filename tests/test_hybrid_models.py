@@ -15,6 +15,7 @@ from executor_svc.gated_delta_net import (
     causal_conv1d,
     chunked_gated_delta_rule,
     recurrent_gated_delta_rule,
+    replay_delta_rule,
 )
 from executor_svc.gguf_file import open_gguf
 from executor_svc.hybrid_model import HybridTransformer
@@ -161,7 +162,7 @@ def test_chunked_delta_rule_equals_recurrent(n):
     state0 = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(1))
     expected, expected_state = naive_delta_rule(q, k, v, g, beta, state0)
     states = state0[None].clone()
-    out, _ = recurrent_gated_delta_rule(q, k, v, g, beta, states, [0], [n])
+    out, _, _ = recurrent_gated_delta_rule(q, k, v, g, beta, states, [0], [n])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states[0], expected_state, rtol=1e-5, atol=1e-5)
     chunked, chunked_state = chunked_gated_delta_rule(q, k, v, g, beta, state0.clone(), chunk_size=16)
@@ -169,24 +170,27 @@ def test_chunked_delta_rule_equals_recurrent(n):
     torch.testing.assert_close(chunked_state, expected_state, rtol=1e-4, atol=1e-4)
 
 
-def test_recurrent_delta_rule_is_batch_invariant_and_keeps_verify_states():
+def test_recurrent_delta_rule_is_batch_invariant_and_replays_verify_windows():
     lens = [3, 1, 6, 2]
     q, k, v, g, beta = random_inputs(sum(lens))
     starts = [0, 3, 4, 10]
     states0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(2))
     states = states0.clone()
-    out, kept = recurrent_gated_delta_rule(q, k, v, g, beta, states, starts, lens, [1, 1, 4, 2])
-    assert kept.shape == (4, 4, 4, 8, 8)
+    out, window_starts, inputs = recurrent_gated_delta_rule(q, k, v, g, beta, states, starts, lens, [1, 1, 4, 2])
     for r in range(4):
         rows = slice(starts[r], starts[r] + lens[r])
         alone = states0[r : r + 1].clone()
-        alone_out, _ = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], alone, [0], [lens[r]])
+        alone_out, _, _ = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], alone, [0], [lens[r]])
         assert torch.equal(alone_out, out[rows]) and torch.equal(alone, states[r : r + 1])
-    # Request 2 kept the states after its last 4 positions: the state after position 2 of 6 is kept[2, 0].
-    prefix = states0[2:3].clone()
-    rows = slice(starts[2], starts[2] + 3)
-    recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], prefix, [0], [3])
-    assert torch.equal(kept[2, 0], prefix[0]) and torch.equal(kept[2, 3], states[2])
+    # Request 2 verifies its last 4 positions (rows 6..9): replaying j + 1 of them from the window
+    # start gives the very state a plain run over the first 3 + j tokens has.
+    window = inputs[6:10]
+    for j in range(4):
+        plain = states0[2:3].clone()
+        rows = slice(4, 4 + 3 + j)
+        recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], plain, [0], [3 + j])
+        assert torch.equal(replay_delta_rule(window_starts[2], window, j + 1), plain[0]), j
+    assert torch.equal(replay_delta_rule(window_starts[2], window, 4), states[2])
 
 
 def test_causal_conv_carries_state_across_chunks():

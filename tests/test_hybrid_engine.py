@@ -6,6 +6,7 @@ running out of recurrent-state slots is clean back-pressure."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -229,3 +230,50 @@ def test_long_prefills_take_the_chunked_delta_rule_when_batch_invariance_is_off(
     assert len(calls) == 3  # the long prompt's one step, in each of the 3 DeltaNet layers
     assert 0 < run.num_accepted < run.num_drafted
     assert run.tokens == expected
+
+
+# ------------------------------------------------------------------ services
+
+
+def test_services_run_more_requests_than_state_slots_without_refusals(models):
+    """GetInfo reports the state pool; the scheduler caps running requests at its slots, so
+    six concurrent requests on two slots all finish, with the tokens they get alone."""
+    import asyncio
+
+    from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
+
+    from clients import AsyncSwarmClient
+    from executor_svc.server import serve as serve_executor
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.server import serve as serve_scheduler
+    from tests.stack import free_port, stop_scheduler
+
+    engine = make_engine(models["qwen35"][1], num_state_slots=2)
+    reqs = greedy_requests(6, 6)
+    alone = {r.request_id: drive(engine, [r]).tokens[r.request_id] for r in reqs}
+
+    async def main():
+        executor_address = f"127.0.0.1:{free_port()}"
+        executor = await serve_executor(engine, executor_address)
+        try:
+            async with grpc.aio.insecure_channel(executor_address) as channel:
+                info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(), timeout=10)
+            config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, max_running_requests=16)
+            server, loop, tasks = await serve_scheduler(config)
+            try:
+                await loop.wait_connected(5)
+                async with AsyncSwarmClient(config.listen) as client:
+                    completions = await asyncio.gather(*(
+                        client.complete(token_ids=r.prompt_token_ids, max_new_tokens=6, ignore_eos=True, temperature=0.0) for r in reqs
+                    ))
+            finally:
+                await stop_scheduler(server, loop, tasks)
+            return info, completions
+        finally:
+            await executor.stop(None)
+
+    info, completions = asyncio.run(main())
+    assert (info.num_state_slots, info.num_free_state_slots) == (2, 2)
+    assert info.state_bytes_per_request == engine.state_pool.bytes_per_slot
+    assert info.kv_bytes_per_block == engine.kv_cache.tensor[0].numel() // engine.kv_cache.allocator.num_blocks * 4
+    assert [list(c.token_ids) for c in completions] == [alone[r.request_id] for r in reqs]

@@ -137,6 +137,9 @@ class DeltaRuleInputs:
     def __getitem__(self, rows) -> "DeltaRuleInputs":
         return DeltaRuleInputs(self.decay[rows], self.k[rows], self.v[rows], self.beta[rows])
 
+    def copy(self) -> "DeltaRuleInputs":
+        return DeltaRuleInputs(self.decay.clone(), self.k.clone(), self.v.clone(), self.beta.clone())
+
 
 def delta_rule_step(s: torch.Tensor, inputs: DeltaRuleInputs, t: int) -> torch.Tensor:
     """One token's update of one request's state s [H, dk, dv]: S ← γS, then S ← S + k ⊗ β(v − Sᵀk)."""
@@ -163,10 +166,10 @@ def recurrent_gated_delta_rule(
     query_starts: list[int],
     query_lens: list[int],
     logits_counts: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, DeltaRuleInputs]:
-    """The delta rule token by token → (o [T, H, dv] float32; for requests verifying drafts
-    (logits_counts[r] > 1) the state before their verify window [R, H, dk, dv] (zeros for the
-    others; None when no request verifies); the per-token update inputs).
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], DeltaRuleInputs]:
+    """The delta rule token by token → (o [T, H, dv] float32; for each request r verifying drafts
+    (logits_counts[r] > 1) a copy of its state before the verify window [H, dk, dv]; the
+    per-token update inputs).
 
     Each request runs on its own [H, dk, dv] state with the same op sequence per token,
     so its bits depend on nothing but its own tokens (not the batch, not the chunking).
@@ -176,8 +179,7 @@ def recurrent_gated_delta_rule(
     num_requests = len(query_lens)
     out = torch.empty_like(v)
     counts = logits_counts or [0] * num_requests
-    verifying = any(c > 1 for c in counts)
-    window_starts = torch.zeros_like(states) if verifying else None
+    window_starts: dict[int, torch.Tensor] = {}
     inputs = DeltaRuleInputs(invariant_map(torch.exp, g)[..., None, None], k[..., None], v, beta[..., None])
     q_col = q[..., None]  # [T, H, dk, 1]
     for r, (start, n) in enumerate(zip(query_starts, query_lens)):
@@ -185,7 +187,7 @@ def recurrent_gated_delta_rule(
         window_start = start + n - counts[r] if counts[r] > 1 else -1
         for t in range(start, start + n):
             if t == window_start:
-                window_starts[r] = s
+                window_starts[r] = s.clone()
             s = delta_rule_step(s, inputs, t)
             out[t] = (s * q_col[t]).sum(dim=-2)
         states[r] = s

@@ -132,9 +132,10 @@ class HybridTransformer:
         recurrent_states[slots] = states
         for r, count in enumerate(batch.logits_counts):
             if count > 1:  # a verify window: keep what restores the state after any kept draft
+                # Copies, not views: a view would keep the whole step's tensors alive until the next step.
                 end = batch.query_starts[r] + batch.query_lens[r]
-                window_inputs = inputs[end - count : end]
-                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count], window_starts[r], window_inputs)
+                window_inputs = inputs[end - count : end].copy()
+                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count].clone(), window_starts[r], window_inputs)
         normed = self.ops.rms_norm(o.to(x.dtype), dn.norm, c.rms_norm_eps)  # [n, heads, dv]
         gated = (normed.float() * invariant_map(F.silu, z.reshape(n, heads, dv).float())).to(x.dtype)
         out = linear(gated.reshape(n, heads * dv), dn.out_proj)
@@ -152,7 +153,7 @@ class HybridTransformer:
         if not long_prefills:
             return recurrent_gated_delta_rule(q, k, v, g, b, states, batch.query_starts, batch.query_lens, list(batch.logits_counts))
         # Chunked prefills never verify (one logits row): only the rest can need window inputs.
-        window_starts = None
+        window_starts: dict[int, torch.Tensor] = {}
         inputs = None
         out = torch.empty_like(v)
         rest = [r for r in range(batch.num_requests) if r not in long_prefills]
@@ -171,9 +172,8 @@ class HybridTransformer:
                 [batch.query_lens[r] for r in rest], [batch.logits_counts[r] for r in rest],
             )
             out[rows], states[index] = sub_out, sub_states
-            if sub_window_starts is not None:
-                window_starts = torch.zeros_like(states)
-                window_starts[index] = sub_window_starts
+            if sub_window_starts:
+                window_starts = {rest[i]: start for i, start in sub_window_starts.items()}
                 # Inputs indexed by the batch's rows, like the all-recurrent path's.
                 inputs = DeltaRuleInputs(*(torch.zeros(v.shape[0], *t.shape[1:], dtype=t.dtype) for t in (
                     sub_inputs.decay, sub_inputs.k, sub_inputs.v, sub_inputs.beta)))

@@ -177,6 +177,7 @@ def test_recurrent_delta_rule_is_batch_invariant_and_replays_verify_windows():
     states0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(2))
     states = states0.clone()
     out, window_starts, inputs = recurrent_gated_delta_rule(q, k, v, g, beta, states, starts, lens, [1, 1, 4, 2])
+    assert set(window_starts) == {2, 3}  # only the requests verifying drafts
     for r in range(4):
         rows = slice(starts[r], starts[r] + lens[r])
         alone = states0[r : r + 1].clone()

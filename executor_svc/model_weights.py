@@ -166,7 +166,8 @@ def load_weights(
         num_experts, rows, cols = shape
         if packed:
             raw = np.asarray(t.raw).view(np.uint8).reshape(num_experts, rows, -1)
-            return [PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols)) for e in range(num_experts)]
+            experts = [PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols)) for e in range(num_experts)]
+            return [w.with_int16_dot() for w in experts] if int16_dot else experts
         values = t.dequantize()
         return [torch.from_numpy(np.ascontiguousarray(values[e])).to(device=device, dtype=dtype) for e in range(num_experts)]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from executor_svc.bearer_keys import bearer_key_interceptors
+from service_common.bearer_keys import bearer_key_interceptors
 
 
 def api_key_interceptors(api_key: str) -> list:

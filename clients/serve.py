@@ -27,8 +27,8 @@ import grpc
 from clients.client import AsyncSwarmClient
 from clients.errors import SwarmServeError
 from clients.health import FAST_RECONNECT_OPTIONS, wait_serving
-from executor_svc.observability.logs import LOG_FORMATS
 from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN
+from service_common.observability.logs import LOG_FORMATS
 
 # The servers bind with SO_REUSEPORT (gRPC's default), so a leftover server on the same
 # port would answer our health checks; refuse to start instead of probing the wrong one.

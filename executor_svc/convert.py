@@ -7,7 +7,7 @@ from swarmserve.executor.v1 import executor_pb2 as pb
 from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
 from executor_svc.request_state import FinishReason, NewRequest
 from executor_svc.sampler import SampledToken
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 
 FINISH_REASON_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
+from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
 from executor_svc.gguf_file import open_gguf
 from executor_svc.hybrid_model import HybridTransformer
 from executor_svc.kv_cache import KVCache
@@ -37,6 +37,7 @@ from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.tokenizer import load_tokenizer
 from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
+from service_common.errors import InvalidRequestError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)

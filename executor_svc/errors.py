@@ -1,21 +1,19 @@
 """Exceptions the executor raises for bad input.
 
 Each maps to one gRPC status code in the service layer, so a caller can tell
-"fix your request" (InvalidRequestError) from "try again later"
-(OutOfKVBlocksError) from "fix the server's model" (ModelLoadError).
+"fix your request" (InvalidRequestError, shared with the scheduler) from "try again
+later" (OutOfKVBlocksError) from "fix the server's model" (ModelLoadError).
 """
+
+from service_common.errors import InvalidRequestError
 
 
 class ExecutorError(Exception):
-    """Base class of every error the executor raises on purpose."""
+    """Base class of the executor's own errors (a malformed request is an InvalidRequestError)."""
 
 
 class ModelLoadError(ExecutorError):
     """The model file is missing, not a GGUF, truncated, or uses an unsupported feature."""
-
-
-class InvalidRequestError(ExecutorError):
-    """A request or plan is malformed (bad token ids, prompt too long, bad params)."""
 
 
 class UnknownRequestError(InvalidRequestError):

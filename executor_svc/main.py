@@ -10,10 +10,10 @@ import structlog
 
 from executor_svc.engine import DTYPE_CHOICES, KERNELS, MATMULS, Engine, EngineConfig
 from executor_svc.observability.executor_metrics import ExecutorMetrics
-from executor_svc.observability.flags import add_observability_flags
-from executor_svc.observability.logs import LOG_FORMATS, configure_logging
-from executor_svc.observability.service_telemetry import start_service_telemetry
 from executor_svc.server import engine_thread_pool, serve
+from service_common.observability.flags import add_observability_flags
+from service_common.observability.logs import LOG_FORMATS, configure_logging
+from service_common.observability.service_telemetry import start_service_telemetry
 
 log = structlog.get_logger()
 

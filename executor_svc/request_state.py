@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 
 
 class FinishReason(enum.Enum):

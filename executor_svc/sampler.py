@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -30,12 +30,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
 from executor_svc.engine import CostSample, Engine
-from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError
+from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.kv_cache import bytes_per_block
 from executor_svc.observability.step_interceptor import executor_interceptors
+from service_common.bearer_keys import BearerKeyInterceptor, load_keys, server_port
+from service_common.errors import InvalidRequestError
 
 log = structlog.get_logger()
 

@@ -1,12 +1,12 @@
 """Optional API keys: with --api-key-file, every SchedulerService call must carry
 `authorization: Bearer <key>` metadata for one of the file's keys, or it is refused
 with UNAUTHENTICATED before its handler runs; health checks stay open (see
-executor_svc/bearer_keys.py, shared with the executor's scheduler token).
+service_common/bearer_keys.py, shared with the executor's scheduler token).
 """
 
 from __future__ import annotations
 
-from executor_svc.bearer_keys import BearerKeyInterceptor, load_keys
+from service_common.bearer_keys import BearerKeyInterceptor, load_keys
 
 SERVICE = "swarmserve.scheduler.v1.SchedulerService"
 UNAUTHENTICATED_MESSAGE = (

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from tokenizers import Tokenizer
 
-from executor_svc.errors import InvalidRequestError
-from executor_svc.sampling_params import MAX_LOGPROBS, SamplingParams
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
 from scheduler_svc.request_limits import LimitExceeded, check_request_limits
+from service_common.errors import InvalidRequestError
+from service_common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)

@@ -8,13 +8,13 @@ import signal
 
 import structlog
 
-from executor_svc.observability.flags import add_observability_flags
-from executor_svc.observability.logs import LOG_FORMATS, configure_logging
-from executor_svc.observability.service_telemetry import start_service_telemetry
 from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN, TOOL_CALL_PARSERS, SchedulerConfig
 from scheduler_svc.draft_policy import parse_draft_policy
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import serve
+from service_common.observability.flags import add_observability_flags
+from service_common.observability.logs import LOG_FORMATS, configure_logging
+from service_common.observability.service_telemetry import start_service_telemetry
 
 log = structlog.get_logger()
 

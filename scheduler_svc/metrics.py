@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from executor_svc.observability import metric_buckets as buckets
-from executor_svc.observability.rpc_errors import RPC_ERROR_LABELS
+from service_common.observability import metric_buckets as buckets
+from service_common.observability.rpc_errors import RPC_ERROR_LABELS
 
 PREFIX = "swarmserve_scheduler_"
 

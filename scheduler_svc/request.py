@@ -17,7 +17,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

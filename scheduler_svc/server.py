@@ -18,7 +18,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from executor_svc.bearer_keys import bearer_key_interceptors, load_keys, server_port
 from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
@@ -28,6 +27,7 @@ from scheduler_svc.request_stream import StreamError
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.telemetry import Telemetry
 from scheduler_svc.timeline import timeline_to_pb
+from service_common.bearer_keys import bearer_key_interceptors, load_keys, server_port
 
 log = structlog.get_logger()
 

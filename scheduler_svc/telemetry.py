@@ -26,8 +26,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from executor_svc.observability.rpc_errors import RpcErrorsInterceptor
-from executor_svc.observability.trace_context import TraceContextClientInterceptor, extract_context
+from service_common.observability.rpc_errors import RpcErrorsInterceptor
+from service_common.observability.trace_context import TraceContextClientInterceptor, extract_context
 
 log = structlog.get_logger()
 

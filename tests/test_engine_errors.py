@@ -7,9 +7,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 import numpy as np
 
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
-from executor_svc.errors import InvalidRequestError, ModelLoadError, OutOfKVBlocksError, UnknownRequestError
+from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
 from executor_svc.request_state import FinishReason, NewRequest
-from executor_svc.sampling_params import SamplingParams
+from service_common.errors import InvalidRequestError
+from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 

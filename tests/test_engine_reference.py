@@ -8,7 +8,7 @@ import torch
 
 from executor_svc.cpu_ops import CpuOps
 from executor_svc.request_state import FinishReason, NewRequest
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
 

@@ -14,7 +14,7 @@ from executor_svc import hybrid_model
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.request_state import NewRequest
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 

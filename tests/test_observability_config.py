@@ -17,10 +17,10 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from clients.health_probe import main as health_probe
 from clients.serve import ServeConfig, executor_command, scheduler_command
 from executor_svc.main import build_parser as executor_parser
-from executor_svc.observability.flags import tracing_config
-from executor_svc.observability.logs import configure_logging
-from executor_svc.observability.tracing import TracingConfig, build_tracer_provider
 from scheduler_svc.main import build_parser as scheduler_parser
+from service_common.observability.flags import tracing_config
+from service_common.observability.logs import configure_logging
+from service_common.observability.tracing import TracingConfig, build_tracer_provider
 from tests.stack import free_port
 
 

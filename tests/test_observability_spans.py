@@ -15,11 +15,11 @@ from opentelemetry.trace import SpanKind
 from clients import AsyncSwarmClient
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.observability.step_interceptor import executor_interceptors
-from executor_svc.observability.tracing import TracingConfig, build_tracer_provider
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from scheduler_svc.telemetry import Telemetry
+from service_common.observability.tracing import TracingConfig, build_tracer_provider
 from tests.stack import free_port
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 

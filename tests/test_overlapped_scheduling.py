@@ -20,12 +20,13 @@ from collections import deque
 import pytest
 
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
-from executor_svc.errors import InvalidRequestError, UnknownRequestError
+from executor_svc.errors import UnknownRequestError
 from executor_svc.request_state import NewRequest
-from executor_svc.sampling_params import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request import Request
+from service_common.errors import InvalidRequestError
+from service_common.sampling_params import SamplingParams
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
 

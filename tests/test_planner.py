@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from executor_svc.sampling_params import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request import Request, RequestStatus
+from service_common.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -14,7 +14,7 @@ from executor_svc.block_allocator import BlockAllocator, block_hash, root_hash
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.request_state import NewRequest
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CODE
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from executor_svc.sampler import SampleSpec, draw, token_logprobs, token_probabilities, uniform
-from executor_svc.sampling_params import SamplingParams
 from executor_svc.verifier import verify
+from service_common.sampling_params import SamplingParams
 
 
 def sample_one(logits_row, params, seed=0, output_index=0):

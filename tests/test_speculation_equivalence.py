@@ -20,7 +20,7 @@ from scipy.stats import chi2_contingency
 
 from executor_svc.engine import Engine, EngineConfig
 from executor_svc.request_state import NewRequest
-from executor_svc.sampling_params import SamplingParams
+from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CODE, PLAIN_PROMPTS
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model

@@ -6,12 +6,12 @@ import pytest
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from executor_svc.gguf_file import open_gguf
-from executor_svc.sampling_params import SamplingParams
 from executor_svc.tokenizer import load_tokenizer
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.stop_strings import StopStringMatcher
+from service_common.sampling_params import SamplingParams
 
 TEXTS = [
     "plain ascii text with spaces  and\ttabs\n",

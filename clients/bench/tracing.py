@@ -103,8 +103,8 @@ async def in_process_costs(endpoint: str, batch_size: int, iterations: int) -> d
     from swarmserve.executor.v1 import executor_pb2 as epb
 
     from executor_svc.observability.step_interceptor import StepInterceptor
-    from executor_svc.observability.trace_context import TraceContextClientInterceptor
-    from executor_svc.observability.tracing import TracingConfig, build_tracer_provider
+    from service_common.observability.trace_context import TraceContextClientInterceptor
+    from service_common.observability.tracing import TracingConfig, build_tracer_provider
     from scheduler_svc.telemetry import Telemetry
 
     provider = build_tracer_provider(TracingConfig(otlp_endpoint=endpoint, sample_ratio=1.0, service_name="bench"))
@@ -216,7 +216,7 @@ async def _main(args: argparse.Namespace, endpoint: str) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor_svc.observability.logs import configure_logging
+    from service_common.observability.logs import configure_logging
 
     configure_logging("json", "info")  # as the services log: their debug lines are no-ops here too
     with OtlpSinkServer() as receiver:

@@ -1,7 +1,5 @@
-"""Logs, traces and metrics for both services.
+"""What the executor reports: its Prometheus metrics and the Step RPC's span and log line.
 
-It lives here because the executor package is the one both services already
-share a dependency direction with; nothing in it imports torch. The scheduler's
-own reporting (request and step spans, its metrics) is in scheduler_svc/telemetry.py
-and scheduler_svc/metrics.py.
+The plumbing under them (log configuration, tracer provider, trace context over gRPC,
+the metrics server) is shared with the scheduler, in service_common/observability/.
 """

@@ -21,8 +21,8 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from executor_svc.observability.rpc_errors import RpcErrorsInterceptor
-from executor_svc.observability.trace_context import extract_context
+from service_common.observability.rpc_errors import RpcErrorsInterceptor
+from service_common.observability.trace_context import extract_context
 
 log = structlog.get_logger()
 

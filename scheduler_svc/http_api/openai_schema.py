@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from executor_svc.sampling_params import MAX_LOGPROBS
+from service_common.sampling_params import MAX_LOGPROBS
 
 Seed = Annotated[int, Field(ge=0, lt=1 << 64)]
 MaxTokens = Annotated[int, Field(ge=1, lt=1 << 31)]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from executor_svc.observability.flags import tracing_config
-from executor_svc.observability.metrics_server import MetricsServer, metrics_host, start_metrics_server
-from executor_svc.observability.tracing import TracingConfig, build_tracer_provider
+from service_common.observability.flags import tracing_config
+from service_common.observability.metrics_server import MetricsServer, metrics_host, start_metrics_server
+from service_common.observability.tracing import TracingConfig, build_tracer_provider
 
 log = structlog.get_logger()
 

@@ -9,7 +9,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from executor_svc.observability.tracing import TracingConfig
+from service_common.observability.tracing import TracingConfig
 
 
 def _sample_ratio(text: str) -> float:

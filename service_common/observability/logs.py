@@ -12,7 +12,7 @@ import sys
 
 import structlog
 
-from executor_svc.observability.log_trace_ids import add_trace_ids
+from service_common.observability.log_trace_ids import add_trace_ids
 
 LOG_FORMATS = ("json", "console")
 

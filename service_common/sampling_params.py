@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from executor_svc.errors import InvalidRequestError
+from service_common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 # Below this, logits / temperature overflows float32 (1e-38 gave NaN probabilities and a

@@ -336,7 +336,6 @@ class Engine:
         self.kv_cache.release(state.block_ids)
         self._free_state_slot(state)  # recomputing from token 0 rebuilds the recurrent state
         state.num_computed_tokens = state.num_registered_blocks = 0
-        state.num_preemptions += 1
 
     def _free_state_slot(self, state: RequestState) -> None:
         if state.state_slot >= 0:

@@ -46,7 +46,6 @@ class RequestState:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
     session_id: str = ""
     retention_s: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed

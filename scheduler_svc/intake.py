@@ -26,7 +26,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
 from scheduler_svc.request_limits import LimitExceeded, check_request_limits
 from service_common.errors import InvalidRequestError
-from service_common.sampling_params import MAX_LOGPROBS, SamplingParams
+from service_common.sampling_params import SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
@@ -172,8 +172,6 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
     except LimitExceeded as exc:
         raise InvalidArgument(str(exc)) from None
     sampling = _sampling(msg)
-    if msg.num_logprobs > MAX_LOGPROBS:
-        raise InvalidArgument(f"num_logprobs must be at most {MAX_LOGPROBS}, got {msg.num_logprobs}")
     prompt = prompt_token_ids(msg, limits)
     ctx = limits.context_length
     if len(prompt) >= ctx:

@@ -198,7 +198,6 @@ class Planner:
         request = self.requests.get(executor_request_id)
         if request is None:
             return None
-        request.is_aborted = True
         self.finish(request)
         return request
 

@@ -52,7 +52,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    is_aborted: bool = False  # the client went away or asked to stop; release at the next step
     # Overlapped scheduling: what the plans sent but not answered yet are expected to add (the planner
     # sets both before each plan; both 0 when nothing is in flight): tokens into KV, and tokens sampled.
     num_in_flight_tokens: int = 0

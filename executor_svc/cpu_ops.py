@@ -58,9 +58,9 @@ class CpuOps:
         """(rms_norm(residual + x), residual + x); `residual` is updated IN PLACE and returned."""
         return self._k.add_rms_norm(x, residual, weight, eps)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding into a new tensor. x [T, heads, head_dim]; cos/sin [T, head_dim // 2] float32."""
-        return self._k.rope(x, cos, sin, interleaved)
+        return self._k.rope(x, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * I] (gate then up) → silu(gate) · up [T, I]."""

@@ -37,16 +37,13 @@ class TorchOps:
         residual = residual + x
         return self.rms_norm(residual, weight, eps), residual
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding. x [T, heads, head_dim]; cos/sin [T, head_dim // 2] float32.
 
-        Half-split (default): dimension i pairs with i + head_dim/2 (Hugging Face,
-        qwen2/qwen3 GGUFs). Interleaved: 2i pairs with 2i + 1 (llama GGUFs as stored).
+        Half-split: dimension i pairs with i + head_dim/2 (Hugging Face, qwen2/qwen3 GGUFs;
+        llama GGUFs' interleaved Q/K rows are permuted to it at load, see model_weights).
         """
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        if interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

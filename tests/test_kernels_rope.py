@@ -1,4 +1,4 @@
-"""The Triton RoPE against `TorchOps.rope`, both conventions, in and out of place, under the interpreter."""
+"""The Triton RoPE against `TorchOps.rope`, in and out of place, under the interpreter."""
 
 from __future__ import annotations
 
@@ -34,18 +34,16 @@ def tables(num_tokens, head_dim, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
 @pytest.mark.parametrize("num_heads,head_dim", [(3, 64), (2, 128), (5, 80)])
-def test_matches_torch(dtype, interleaved, num_heads, head_dim):
+def test_matches_torch(dtype, num_heads, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     x = torch.randn(7, num_heads, head_dim, generator=gen).to(dtype)
     cos, sin = tables(7, head_dim, gen)
-    out = apply_rope(x, cos, sin, interleaved)
-    torch.testing.assert_close(out, TorchOps().rope(x, cos, sin, interleaved), **TOLERANCES[dtype])
+    out = apply_rope(x, cos, sin)
+    torch.testing.assert_close(out, TorchOps().rope(x, cos, sin), **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
-def test_in_place_on_a_strided_qkv_view(interleaved):
+def test_in_place_on_a_strided_qkv_view():
     """q and k rotated where they sit in the fused QKV output; v and the other rows untouched."""
     gen = torch.Generator().manual_seed(0)
     num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 64
@@ -54,10 +52,10 @@ def test_in_place_on_a_strided_qkv_view(interleaved):
     cos, sin = tables(num_tokens, head_dim, gen)
     q = qkv[:, :q_size].view(-1, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
-    ref_q, ref_k = TorchOps().rope(q, cos, sin, interleaved), TorchOps().rope(k, cos, sin, interleaved)
+    ref_q, ref_k = TorchOps().rope(q, cos, sin), TorchOps().rope(k, cos, sin)
     v_before = qkv[:, q_size + kv_size :].clone()
-    assert apply_rope(q, cos, sin, interleaved, out=q) is q
-    apply_rope(k, cos, sin, interleaved, out=k)
+    assert apply_rope(q, cos, sin, out=q) is q
+    apply_rope(k, cos, sin, out=k)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert torch.equal(qkv[:, q_size + kv_size :], v_before)
 

@@ -410,9 +410,8 @@ def section_correct_small_kernels(report: Report, shape: dict, dtype_name: str, 
         ours, ref = both("rms_norm", q, head_weight, eps)
         _compare(report, "rms_norm_per_head", shape, dtype_name, f"T={t} q view", ours, ref)
 
-    def check_rope(interleaved):
-        name = "rope_interleaved" if interleaved else "rope_half_split"
-        _compare(report, name, shape, dtype_name, f"T={t} q view", *both("rope", q, cos, sin, interleaved))
+    def check_rope():
+        _compare(report, "rope_half_split", shape, dtype_name, f"T={t} q view", *both("rope", q, cos, sin))
 
     def check_silu_mul():
         _compare(report, "silu_mul", shape, dtype_name, f"T={t} I={inter}", *both("silu_mul", gate_up))
@@ -430,8 +429,7 @@ def section_correct_small_kernels(report: Report, shape: dict, dtype_name: str, 
         ("rms_norm", check_rms_norm),
         ("add_rms_norm", check_add_rms_norm),
         ("rms_norm_per_head", check_per_head_norm),
-        ("rope_half_split", lambda: check_rope(False)),
-        ("rope_interleaved", lambda: check_rope(True)),
+        ("rope_half_split", check_rope),
         ("silu_mul", check_silu_mul),
         ("write_kv", check_write_kv),
     ]

@@ -1,4 +1,4 @@
-"""Rotary position embedding, half-split or interleaved, in place or out of place.
+"""Rotary position embedding (half-split), in place or out of place.
 
 One program rotates every head of one token. The arithmetic rounds where the
 torch reference (`TorchOps.rope`) rounds: cos/sin are cast to x's dtype and each
@@ -32,18 +32,13 @@ def _rope_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]  # [BLOCK_H, BLOCK_HALF]
-    if INTERLEAVED:
-        first = 2 * i
-        second = 2 * i + 1
-    else:
-        first = i
-        second = i + HALF
+    first = i
+    second = i + HALF
     dtype = x_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + token * stride_cos + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + token * stride_sin + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
@@ -61,12 +56,11 @@ def apply_rope(
     x: torch.Tensor,  # [T, heads, head_dim]
     cos: torch.Tensor,  # [T, head_dim // 2]
     sin: torch.Tensor,
-    interleaved: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q or k by position; writes `out` (a new tensor when None; pass x for in place).
 
-    Half-split (default): dimension i pairs with i + head_dim/2. Interleaved: 2i pairs with 2i + 1.
+    Half-split: dimension i pairs with i + head_dim/2.
     """
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("cos", cos, ndim=2, dtypes=FLOAT_DTYPES)
@@ -102,7 +96,6 @@ def apply_rope(
         HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
-        INTERLEAVED=interleaved,
         num_warps=4,
     )
     return out

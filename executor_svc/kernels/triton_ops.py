@@ -52,9 +52,9 @@ class TritonOps:
         """(rms_norm(residual + x), residual + x): the residual add fused with the next norm."""
         return add_rms_norm(x, residual, weight, eps)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding into a new tensor. x [T, heads, head_dim]; cos/sin [T, head_dim // 2] float32."""
-        return apply_rope(x, cos, sin, interleaved)
+        return apply_rope(x, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * I] (gate then up) → silu(gate) · up [T, I]."""

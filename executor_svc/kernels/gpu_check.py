@@ -14,8 +14,8 @@ rest; a time budget skips whatever is left when it runs out):
 - invariant  the attention kernel's batch invariance, bit for bit, on the device.
 - greedy     a random-weight model of the small shape decoding a ragged batch for
              ~32 steps in lockstep (both op sets are fed the torch path's greedy
-             tokens; every 8th step is a 3-token verify run): argmax mismatches, the
-             max logit difference, and the device epilogue against plain torch.
+             tokens; every 8th step is a 3-token verify run): argmax mismatches and the
+             max logit difference.
 - kernel     each kernel, Triton vs torch, for B = 1 .. 64 decode tokens at context
              512 (bytes moved / time against the copy bandwidth); attention prefill
              (flops / time against the matmul rate).
@@ -437,30 +437,6 @@ def section_correct_small_kernels(report: Report, shape: dict, dtype_name: str, 
         report.run("correct", f"{name} {shape['name']} {dtype_name}", check)
 
 
-def section_correct_epilogue(report: Report, device, vocab_size: int) -> None:
-    triton_ops, _ = _ops()
-    gen = torch.Generator(device=device).manual_seed(13)
-    rows = [1, 4, 4, 1, 6, 1]  # rows per request
-    num_rows = sum(rows)
-    logits = torch.randn(num_rows, vocab_size, generator=gen, device=device)
-    logits[0, [5, vocab_size - 7]] = 100.0  # a tie: the lowest index wins
-    best = torch.argmax(logits, dim=-1)
-    row_starts = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    drafts = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    drafts[1:4] = best[1:4]  # request 1: all 3 accepted
-    drafts[5:8] = best[5:8]
-    drafts[6] = (best[6] + 1) % vocab_size  # request 2: 1 accepted
-    drafts[10:15] = best[10:15]
-    drafts[10] = (best[10] + 1) % vocab_size  # request 4: 0 accepted
-    expected = [0, 3, 1, 0, 0, 0]
-    for dtype_name in ("fp32", "bf16"):
-        typed = logits.to(DTYPES[dtype_name])
-        argmax_ids, num_accepted = triton_ops.greedy_verify(typed, drafts, row_starts)
-        ok = torch.equal(argmax_ids, torch.argmax(typed, dim=-1)) and num_accepted.tolist() == expected
-        summary = "exact" if ok else f"FAIL accepted {num_accepted.tolist()} != {expected}"
-        report.add("correct", "greedy_verify", "", dtype_name, f"S={num_rows} V={vocab_size}", ok=ok, summary=summary)
-
-
 def section_correct_attention(report: Report, shape: dict, dtype_name: str, device, sizes: Sizes) -> None:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device=device).manual_seed(11)
@@ -552,7 +528,7 @@ def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> Non
     }
     pending = [list(p) for p in prompts]  # tokens each request computes next step
     positions = [0] * len(prompts)
-    rows = mismatches = epilogue_disagreements = 0
+    rows = mismatches = 0
     max_logit_diff = 0.0
     for step in range(sizes.greedy_steps + 1):
         is_verify = any(len(p) > 1 for p in pending) and step > 0
@@ -568,33 +544,14 @@ def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> Non
         mismatches += int((ref_ids != our_ids).sum())
         max_logit_diff = max(max_logit_diff, float((ours - ref).abs().max()))
 
-        # The device epilogue on the same logits against plain torch: argmax and accept counts.
-        row_counts = [s.num_logits for s in slices]
-        starts = [0] + torch.tensor(row_counts).cumsum(0).tolist()
-        drafts = torch.full((ours.shape[0],), -1, dtype=torch.int64)
-        if is_verify:
-            for r in range(len(prompts)):
-                drafts[starts[r] : starts[r + 1] - 1] = torch.tensor(pending[r][1:])
-        row_starts = torch.tensor(starts, dtype=torch.int32, device=device)
-        epilogue_ids, num_accepted = triton_ops.greedy_verify(ours, drafts.to(device), row_starts)
-        epilogue_disagreements += int((epilogue_ids != our_ids).sum())
-        our_list = our_ids.tolist()
-        for r in range(len(prompts)):
-            n = 0
-            while drafts[starts[r] + n] >= 0 and int(drafts[starts[r] + n]) == our_list[starts[r] + n]:
-                n += 1
-            epilogue_disagreements += int(n != int(num_accepted[r]))
-
+        starts = [0] + torch.tensor([s.num_logits for s in slices]).cumsum(0).tolist()
         for r in range(len(prompts)):
             positions[r] += len(pending[r])
             token = int(ref_ids[starts[r + 1] - 1])
             # Before every 8th step: a 3-token run, the greedy token and two arbitrary drafts to verify.
             extra = torch.randint(0, config.vocab_size, (2,), generator=gen).tolist() if (step + 1) % 8 == 0 else []
             pending[r] = [token] + extra
-    summary = (
-        f"argmax mismatches {mismatches}/{rows}, max |dlogit| {max_logit_diff:.1e}, "
-        f"epilogue disagreements {epilogue_disagreements}"
-    )
+    summary = f"argmax mismatches {mismatches}/{rows}, max |dlogit| {max_logit_diff:.1e}"
     report.add(
         "greedy",
         "lockstep_decode",
@@ -604,8 +561,6 @@ def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> Non
         mismatches=mismatches,
         rows=rows,
         max_logit_diff=max_logit_diff,
-        epilogue_disagreements=epilogue_disagreements,
-        ok=epilogue_disagreements == 0,
         summary=summary,
     )
 
@@ -656,9 +611,6 @@ def section_kernel_timings(report: Report, bench: Bench, shape: dict, device, si
         cos = torch.rand(b, hd // 2, generator=gen, device=device)
         sin = torch.rand(b, hd // 2, generator=gen, device=device)
         gate_up = torch.randn(b, 2 * inter, generator=gen, device=device).to(dtype)
-        logits = torch.randn(b, shape["vocab_size"], generator=gen, device=device)
-        drafts = torch.full((b,), -1, dtype=torch.int64, device=device)
-        row_starts = torch.arange(b + 1, dtype=torch.int32, device=device)
         k_cache, v_cache, slots = cache.k_cache, cache.v_cache, batch.slot_mapping
         timings = [
             (
@@ -702,13 +654,6 @@ def section_kernel_timings(report: Report, bench: Bench, shape: dict, device, si
                 lambda: triton_ops.write_kv(k, v, k_cache, v_cache, slots),
                 lambda: torch_ops.write_kv(k, v, k_cache, v_cache, slots),
                 4 * k.numel() * elt,
-            ),
-            (
-                "argmax_epilogue",
-                f"B={b} V={shape['vocab_size']}",
-                lambda: triton_ops.greedy_verify(logits, drafts, row_starts),
-                lambda: torch.argmax(logits, dim=-1),  # the torch path copies the logits to the host after
-                logits.numel() * 4,
             ),
         ]
         for name, size, triton_fn, torch_fn, bytes_moved in timings:
@@ -817,7 +762,6 @@ def main(argv: list[str] | None = None) -> int:
             args_ = (report, shape, dtype_name, device, sizes)
             label = f"small kernels {shape['name']} {dtype_name}"
             plan.append(("correct", label, section_correct_small_kernels, args_))
-    plan.append(("correct", "greedy_verify", section_correct_epilogue, (report, device, models[0]["vocab_size"])))
     for shape in models:
         for dtype_name in DTYPES:
             args_ = (report, shape, dtype_name, device, sizes)

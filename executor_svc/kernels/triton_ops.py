@@ -2,7 +2,6 @@
 
 Every method takes and returns what the `TorchOps` method of the same name does
 (shapes, dtypes, in-place writes), so the model code does not know which it runs.
-`greedy_verify` is extra: the device-side sampling epilogue.
 
 The attention kernel's tile sizes are fixed per instance (and, where left to the
 default, by the model's dtype and head_dim): they decide the order of the softmax
@@ -18,7 +17,6 @@ from executor_svc.kernels.kv_store import write_kv
 from executor_svc.kernels.paged_attention import AttentionMetadata, build_attention_metadata, paged_attention
 from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
 from executor_svc.kernels.rope import apply_rope
-from executor_svc.kernels.sampling_epilogue import greedy_verify
 from executor_svc.kernels.silu_mul import silu_mul
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.torch_ops import qkv_rope_write
@@ -86,9 +84,3 @@ class TritonOps:
         return qkv_rope_write(
             self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
         )
-
-    def greedy_verify(
-        self, logits: torch.Tensor, draft_token_ids: torch.Tensor, row_starts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax_ids [S] int64, num_accepted [R] int32); see `sampling_epilogue`."""
-        return greedy_verify(logits, draft_token_ids, row_starts)

@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that start their own services")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    batching = benches.add_parser("batching", help="the seeds' swarm workload: static vs continuous batching")
+    batching = benches.add_parser("batching", help="8 agents, 40…900 output tokens each: static vs continuous batching")
     bench_batching.add_arguments(batching)
     batching.set_defaults(run=bench_batching.run)
     spec = benches.add_parser("spec", help="draft policies x live batch size x workload: accepted tokens/s")

@@ -26,7 +26,7 @@ class SchedulerConfig:
     executor_reconnect_timeout_s: float = 60.0  # streams wait this long for a lost executor (0: fail at once)
     drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long (deploy's stop grace matches)
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
-    spec: str = "goodput"  # draft budgets: off | fixed:K | seed | goodput
+    spec: str = "goodput"  # draft budgets: off | fixed:K | even | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
     min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
     scheduler_id: str = ""  # how the executor knows this scheduler; empty: host/listen address (stable across restarts)

@@ -22,8 +22,9 @@ prices far too cheap: the fit was 30–40% under on batched decode (issue 10, it
 The hinge is there because a decode step is a roofline: flat (memory-bound)
 until the arithmetic catches up with the weight stream, then linear in T. A
 straight line through such data puts a slope where the card is flat and says
-almost nothing is free (the seeds' card: a = 25 ms, 1.04 ms/token gives S ≈ 2
-from a line, ≈ 25 from the hinge, and the seeds measured ~24). The knee is
+almost nothing is free (a 9B Q4_K_M model on an RX 9070 XT: a 25 ms weight
+stream and 1.04 ms of arithmetic per token give S ≈ 2 from a line, ≈ 25 from
+the hinge; ~24 is what hides under the stream). The knee is
 chosen from a grid by least squares, and the hinge is kept only if it halves
 the line's residual, so noise never invents a knee.
 

@@ -4,11 +4,11 @@ Batching and speculation spend the same compute slack (DESIGN.md, "Cost model
 and the speculation budget"): a step of B decodes already commits B tokens, so
 the drafts worth adding shrink as the batch grows. A constant draft length is
 wrong at every batch size but one. Four policies, selectable with
-`--spec off|fixed:K|seed|goodput` so they can be compared:
+`--spec off|fixed:K|even|goodput` so they can be compared:
 
 - `off`: no drafts.
 - `fixed:K`: K drafts for every request that has them (the baseline to beat).
-- `seed`: the seeds' rule. S = the free-token budget at this step's KV; the
+- `even`: an even split of the free budget. S = the free-token budget at this step's KV; the
   step's other tokens (one committed token per decode, plus prefill chunks)
   come out of S first, and what is left is split evenly over the requests that
   can draft, so Σ(1 + k_i) + prefill ≤ S whenever the step fits in S at all.
@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from scheduler_svc.cost_model import CostModel
 
-DRAFT_POLICY_CHOICES = "off|fixed:K|seed|goodput"
+DRAFT_POLICY_CHOICES = "off|fixed:K|even|goodput"
 DEFAULT_DRAFT_POLICY = "goodput"
 FREE_TOKEN_TOLERANCE = 0.05  # S counts a step as free within 5% of a one-token step
 # The executor's paged attention reads a request's KV once per tile of this many query tokens
@@ -204,8 +204,8 @@ class FixedPolicy(DraftPolicy):
 
 
 @dataclass(frozen=True)
-class SeedPolicy(DraftPolicy):
-    """The seeds' rule: what S leaves after the step's other tokens, split evenly.
+class EvenSplitPolicy(DraftPolicy):
+    """What S leaves after the step's other tokens, split evenly.
 
     S comes from the cost model at this step's KV. Prefill chunk tokens are
     arithmetic like any other, so they spend S before drafts do: a step
@@ -215,7 +215,7 @@ class SeedPolicy(DraftPolicy):
     tokens that do not divide evenly go to the likeliest-accepted requests.
     """
 
-    name: ClassVar[str] = "seed"
+    name: ClassVar[str] = "even"
 
     def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
         num_free_tokens = cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE)
@@ -288,12 +288,12 @@ class GoodputPolicy(DraftPolicy):
 
 
 def parse_draft_policy(text: str) -> DraftPolicy:
-    """The `--spec` flag: off | fixed:K | seed | goodput."""
+    """The `--spec` flag: off | fixed:K | even | goodput."""
     value = text.strip().lower()
     if value == "off":
         return OffPolicy()
-    if value == "seed":
-        return SeedPolicy()
+    if value == "even":
+        return EvenSplitPolicy()
     if value == "goodput":
         return GoodputPolicy()
     if value.startswith("fixed:"):

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec",
         type=_draft_policy_text,
         default=defaults.spec,
-        help="speculative draft budgets: off | fixed:K | seed | goodput (default %(default)s)",
+        help="speculative draft budgets: off | fixed:K | even | goodput (default %(default)s)",
     )
     p.add_argument(
         "--decode-latency-target-ms",

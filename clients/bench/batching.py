@@ -1,4 +1,4 @@
-"""`swarmserve bench batching`: the seeds' swarm workload under static vs continuous batching.
+"""`swarmserve bench batching`: eight coding agents under static vs continuous batching.
 
 Eight agents with output lengths 40, 90, 150, 220, 300, 480, 650 and 900 tokens
 (EOS ignored, so the lengths are exact), and `--waves - 1` more groups like them
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from clients.bench.services import start_services
+from clients.bench.swarm import AGENT_OUTPUT_LENGTHS
 from clients.client import AsyncSwarmClient
 
-SEED_LENGTHS = (40, 90, 150, 220, 300, 480, 650, 900)
 BATCH_SLOTS = 8
 TOPICS = ("a unit test", "a refactor plan", "a grep result", "a file rewrite", "a code review", "a bug report", "an API doc", "a design note")
 
@@ -46,7 +46,7 @@ async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
         async with AsyncSwarmClient(services.scheduler_address) as client:
             await client.complete("warm up", max_new_tokens=4, ignore_eos=True)
             steps_before = (await client.server_info()).num_steps
-            lengths = [max(1, round(n * args.scale)) for n in SEED_LENGTHS] * args.waves
+            lengths = [max(1, round(n * args.scale)) for n in AGENT_OUTPUT_LENGTHS] * args.waves
             t0 = time.monotonic()
             completions = await asyncio.gather(
                 *(

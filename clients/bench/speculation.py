@@ -25,7 +25,7 @@ from pathlib import Path
 from clients.bench.services import start_scheduler, start_services
 from clients.client import AsyncSwarmClient
 
-POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "seed", "goodput")
+POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "even", "goodput")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 NOISE = 0.10  # "within noise": within 10% of the best policy at that B
 

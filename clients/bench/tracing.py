@@ -29,22 +29,19 @@ from types import SimpleNamespace
 from clients.bench.otlp_sink import OtlpSinkServer
 from clients.bench.services import free_port
 from clients.client import AsyncSwarmClient
-from clients.serve import ServeConfig, Supervisor
+from clients.serve import ServeConfig, Supervisor, flag_args
 from clients.timeline import fetch_timeline
 
 
 async def run_round(mode: str, args: argparse.Namespace, endpoint: str, log_file) -> dict:
+    tracing = [("--log-format", "json"), ("--otlp-endpoint", endpoint if mode == "on" else None)]
+    tracing.append(("--trace-sample-ratio", 1.0 if mode == "on" else None))
     config = ServeConfig(
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
         http_listen="",
-        model=args.model,
-        kv_cache_gb=args.kv_cache_gb,
-        threads=args.threads,
-        max_running_requests=max(1, args.requests),
-        log_format="json",
-        otlp_endpoint=endpoint if mode == "on" else None,
-        trace_sample_ratio=1.0 if mode == "on" else None,
+        executor_args=tuple(flag_args([("--model", args.model), ("--kv-cache-gb", args.kv_cache_gb), ("--threads", args.threads), *tracing])),
+        scheduler_args=tuple(flag_args([("--max-running-requests", max(1, args.requests)), *tracing])),
     )
     supervisor = Supervisor(config, log_file=log_file)
     try:

@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import httpx
 from clients.bench.llama_server import llama_complete, llama_server_version, start_llama_server
 from clients.bench.services import start_services
 from clients.client import AsyncSwarmClient
+from clients.serve import flag_value
 
 SLOT_CONTEXT = 192  # llama-server KV tokens per stream (`-c N*192`): a short prompt + 128 tokens
 CONTEXT_MARGIN = 64  # prompt tokens a slot must hold besides the generated ones
@@ -189,17 +189,6 @@ def common_prefix_chars(a: str, b: str) -> int:
             break
         n += 1
     return n
-
-
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value given for `flag` in a child's command line (`--f v` or `--f=v`)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1 :]
-    return value
 
 
 @dataclass(frozen=True)

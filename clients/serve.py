@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -86,6 +87,13 @@ class ServeConfig:
     @property
     def model(self) -> str:
         return flag_value(self.executor_args, "--model") or EngineConfig.model
+
+
+def free_port() -> int:
+    """A port nothing on this machine's loopback listens on now (for tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def connect_address(listen: str) -> str:
@@ -223,6 +231,11 @@ class Supervisor:
         self._log_file = log_file  # children's output; None shares this process's stdout/stderr
         self._children: dict[str, asyncio.subprocess.Process] = {}  # in start order
         self._stop_requested = asyncio.Event()
+
+    def pid(self, name: str) -> int | None:
+        """The process id of a started child ("executor" | "scheduler"), else None."""
+        process = self._children.get(name)
+        return None if process is None else process.pid
 
     def request_stop(self) -> None:
         self._stop_requested.set()

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model in the engine, and the transformers reference."""
+"""Shared fixtures: tiny random GGUFs and engines on them, the embedded model in the engine,
+and the transformers reference."""
 
 from __future__ import annotations
 
@@ -47,11 +48,36 @@ def hf_reference(default_model_path):
     return tokenizer, model
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """A tiny random model's engine, one per test module, for in-process services."""
-    from executor_svc.engine import Engine, EngineConfig
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory):
+    """tiny_gguf_path(spec) -> the path of that tiny random GGUF, written once per session."""
     from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+    paths = {}
+
+    def path_of(spec: TinyModelSpec = TinyModelSpec()):
+        if spec not in paths:
+            paths[spec] = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", spec)
+        return paths[spec]
+
+    return path_of
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_gguf_path):
+    """make_tiny_engine(spec, **EngineConfig fields) -> a fresh Engine on that tiny random GGUF."""
+    from executor_svc.engine import Engine, EngineConfig
+    from tests.tiny_gguf import TinyModelSpec
+
+    def make(spec: TinyModelSpec = TinyModelSpec(), **config):
+        return Engine(EngineConfig(model=str(tiny_gguf_path(spec)), **config))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def engine(make_tiny_engine):
+    """A tiny random model's engine, one per test module, for in-process services."""
+    from tests.tiny_gguf import TinyModelSpec
+
+    return make_tiny_engine(TinyModelSpec(context_length=256), kv_cache_bytes=8 << 20)

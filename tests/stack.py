@@ -1,44 +1,41 @@
-"""The real services as subprocesses on loopback ports, for end-to-end tests."""
+"""The real services as subprocesses on loopback ports, for end-to-end tests.
+
+Started with the command lines `swarmserve serve` uses, one at a time and synchronously,
+so a test can kill and restart either; readiness is the same health check as serve's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients import health
+from clients.serve import ServeConfig, executor_command, free_port, scheduler_command
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PROCESS_POLL_S = 0.1
 
 
 def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Block until the standard health service says SERVING."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
+    """Block until `address` is SERVING (clients.health.wait_serving); RuntimeError if `proc` exits first."""
+
+    async def wait() -> None:
+        async with grpc.aio.insecure_channel(address, options=list(health.FAST_RECONNECT_OPTIONS)) as channel:
+            serving = asyncio.ensure_future(health.wait_serving(channel, timeout))
+            while not serving.done():
+                if proc is not None and proc.poll() is not None:
+                    serving.cancel()
+                    raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+                await asyncio.wait({serving}, timeout=PROCESS_POLL_S)
+            serving.result()
+
+    asyncio.run(wait())
 
 
 @dataclass
@@ -63,29 +60,28 @@ class Stack:
     def http_url(self) -> str:
         return f"http://{self.http_address}"
 
-    def _spawn(self, module: str, args: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, command: list[str], name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def config(self) -> ServeConfig:
+        return ServeConfig(
+            executor_listen=self.executor_address,
+            scheduler_listen=self.scheduler_address,
+            http_listen=self.http_address,
+            executor_args=tuple(self.executor_args),
+            scheduler_args=tuple(self.scheduler_args),
+        )
 
     def start_executor(self, wait: bool = True) -> None:
-        self.executor = self._spawn(
-            "executor_svc.main", ["--listen", self.executor_address, *self.executor_args], "executor"
-        )
+        self.executor = self._spawn(executor_command(self.config), "executor")
         if wait:
             wait_serving(self.executor_address, 120, self.executor)
 
     def start_scheduler(self, wait: bool = True) -> None:
-        self.scheduler = self._spawn(
-            "scheduler_svc.main",
-            [
-                "--listen", self.scheduler_address,
-                "--executor", self.executor_address,
-                *(["--http-listen", self.http_address] if self.serve_http else []),
-                *self.scheduler_args,
-            ],  # fmt: skip
-            "scheduler",
-        )
+        self.scheduler = self._spawn(scheduler_command(self.config), "scheduler")
         if wait:
             wait_serving(self.scheduler_address, 60, self.scheduler)
 

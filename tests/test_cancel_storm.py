@@ -16,20 +16,18 @@ import time
 import grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
 from tests.stack import free_port, stop_scheduler
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 NUM_REQUESTS = 2_000 if os.environ.get("SWARMSERVE_LONG_TESTS") == "1" else 200
 
 
-def test_cancel_storm_leaves_no_request_and_no_kv_block(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec(context_length=512))
-    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=2 << 20))  # small: preemptions happen too
+def test_cancel_storm_leaves_no_request_and_no_kv_block(make_tiny_engine):
+    engine = make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=2 << 20)  # small: preemptions happen too
     rng = random.Random(0)
 
     async def main():

@@ -10,13 +10,12 @@ import sys
 import time
 
 from clients import AsyncSwarmClient
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
 from tests.stack import ROOT, free_port, stop_scheduler
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 CLIENT = """
 import asyncio, sys
@@ -33,9 +32,8 @@ asyncio.run(main())
 """
 
 
-def test_killed_clients_leave_no_request_and_no_kv_block(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec(context_length=512))
-    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+def test_killed_clients_leave_no_request_and_no_kv_block(make_tiny_engine):
+    engine = make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=8 << 20)
 
     async def main():
         executor_address = f"127.0.0.1:{free_port()}"

@@ -12,19 +12,19 @@ from executor_svc.request_state import FinishReason, NewRequest
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 PROMPT = [40, 41, 42, 43, 44, 45]
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(context_length=64))
+def tiny_path(tiny_gguf_path):
+    return tiny_gguf_path(TinyModelSpec(context_length=64))
 
 
 @pytest.fixture(scope="module")
-def tiny_path_256(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("m256") / "tiny.gguf", TinyModelSpec(context_length=256))
+def tiny_path_256(tiny_gguf_path):
+    return tiny_gguf_path(TinyModelSpec(context_length=256))
 
 
 @pytest.fixture()

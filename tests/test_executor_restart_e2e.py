@@ -18,7 +18,7 @@ import pytest
 from clients import AsyncSwarmClient, SwarmServeError
 from clients.events import FinishEvent, TokenEvent
 from tests.stack import Stack
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 NUM_NEW_TOKENS = 400
 SAMPLED_TEMPERATURE = 20.0  # the tiny model is so sharp that lower temperatures are greedy in effect
@@ -29,8 +29,8 @@ REQUESTS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=512))
+def tiny_model(tiny_gguf_path):
+    return tiny_gguf_path(TinyModelSpec(context_length=512))
 
 
 async def run(client: AsyncSwarmClient, request: dict, first_token: asyncio.Event | None = None):

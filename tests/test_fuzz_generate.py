@@ -20,13 +20,12 @@ from hypothesis import strategies as st
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
 from tests.engine_driver import num_held_requests
 from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 NUM_CASES = 10_000 if os.environ.get("SWARMSERVE_LONG_TESTS") == "1" else 1_000
 DEFINED = {
@@ -38,10 +37,9 @@ DEFINED = {
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(make_tiny_engine):
     """Executor and scheduler on an event loop of their own thread; yields (address, engine)."""
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=128))
-    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=4 << 20))
+    engine = make_tiny_engine(TinyModelSpec(context_length=128), kv_cache_bytes=4 << 20)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

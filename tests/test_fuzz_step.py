@@ -22,10 +22,9 @@ from hypothesis import strategies as st
 from swarmserve.executor.v1 import executor_pb2 as epb
 from swarmserve.executor.v1 import executor_pb2_grpc as epb_grpc
 
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from tests.stack import free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 NUM_CASES = 10_000 if os.environ.get("SWARMSERVE_LONG_TESTS") == "1" else 1_000
 SCHEDULER_ID = "fuzzing-scheduler"
@@ -34,9 +33,8 @@ IDS = ["a", "b", "c", "d", ""]
 
 
 @pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=128))
-    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=1 << 20, max_num_batched_tokens=256))
+def executor(make_tiny_engine):
+    engine = make_tiny_engine(TinyModelSpec(context_length=128), kv_cache_bytes=1 << 20, max_num_batched_tokens=256)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

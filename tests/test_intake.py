@@ -13,12 +13,12 @@ from executor_svc.gguf_file import open_gguf
 from executor_svc.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.intake import InvalidArgument, ModelLimits, intake
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 
 @pytest.fixture(scope="module")
-def limits(tmp_path_factory) -> ModelLimits:
-    path = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
+def limits(tiny_gguf_path) -> ModelLimits:
+    path = tiny_gguf_path(TinyModelSpec(context_length=256))
     info = load_tokenizer(open_gguf(path))
     return ModelLimits(
         tokenizer=info.tokenizer,

@@ -24,14 +24,14 @@ from clients import AsyncSwarmClient, SwarmServeError
 from clients.bench.otlp_sink import OtlpSinkServer
 from clients.cli import main as cli_main
 from tests.stack import Stack, free_port
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 REQUESTS = {"wire-a": ("the cat sat on the mat, the cat sat on the", 12), "wire-b": ("one two one two one", 7), "wire-c": ("hello", 3)}
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
+def observed(tiny_gguf_path, tmp_path_factory):
+    model = tiny_gguf_path(TinyModelSpec(context_length=256))
     log_dir = tmp_path_factory.mktemp("logs")
     executor_metrics, scheduler_metrics = free_port(), free_port()
     with OtlpSinkServer() as receiver:

@@ -19,7 +19,7 @@ from collections import deque
 
 import pytest
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, ScheduledRequest, StepPlan
 from executor_svc.errors import UnknownRequestError
 from executor_svc.request_state import NewRequest
 from scheduler_svc.config import SchedulerConfig
@@ -27,13 +27,12 @@ from scheduler_svc.planner import Plan, Planner, StepResultView
 from scheduler_svc.request import Request
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=512))
-    return Engine(EngineConfig(model=str(model), kv_cache_bytes=4 << 20, max_draft_tokens=8))
+def engine(make_tiny_engine):
+    return make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=4 << 20, max_draft_tokens=8)
 
 
 def to_engine_plan(plan: Plan) -> StepPlan:

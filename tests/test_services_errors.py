@@ -15,14 +15,14 @@ from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
 from tests.stack import Stack, wait_serving
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=CONTEXT))
+def tiny_model(tiny_gguf_path):
+    return tiny_gguf_path(TinyModelSpec(context_length=CONTEXT))
 
 
 def tiny_stack(tiny_model, tmp_path_factory, *scheduler_args) -> Stack:

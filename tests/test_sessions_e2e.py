@@ -10,7 +10,7 @@ import pytest
 
 from clients import AsyncSwarmClient
 from tests.stack import Stack
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 BLOCK = 16
 NUM_KV_BLOCKS = 40  # 39 usable
@@ -18,8 +18,8 @@ BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × k
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(context_length=1024))
+def stack(tiny_gguf_path, tmp_path_factory):
+    model = tiny_gguf_path(TinyModelSpec(context_length=1024))
     kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
     s = Stack(["--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration"], ["--spec", "off"], log_dir=tmp_path_factory.mktemp("logs"))
     s.start()

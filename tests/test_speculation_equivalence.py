@@ -18,12 +18,11 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2_contingency
 
-from executor_svc.engine import Engine, EngineConfig
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CODE, PLAIN_PROMPTS
-from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+from tests.tiny_gguf import TinyModelSpec
 
 NUM_NEW_TOKENS = 40
 
@@ -131,9 +130,8 @@ TINY_MODEL_TEMPERATURE = 20.0
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(seed=3))
-    return Engine(EngineConfig(model=str(path), kv_cache_bytes=8 << 20))
+def tiny_engine(make_tiny_engine):
+    return make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20)
 
 
 def test_sampling_distribution_is_unchanged_by_speculation(tiny_engine):

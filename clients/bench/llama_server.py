@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from clients.bench.services import free_port, stop_process
+from clients.bench.services import stop_process
+from clients.serve import free_port
 
 HEALTH_POLL_S = 0.2
 

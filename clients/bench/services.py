@@ -1,28 +1,19 @@
 """Benchmarks start their own services: an executor and a scheduler on free loopback ports.
 
-Extra flags go straight to each child (e.g. `--no-prefix-caching`, `--spec goodput`),
-their logs to one file, and both are stopped on exit.
+Both come up as `swarmserve serve` brings them up (its Supervisor). Extra flags go straight
+to each child (e.g. `--no-prefix-caching`, `--spec goodput`), their logs to one file, and
+both are stopped on exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import grpc
-
 from clients.client import AsyncSwarmClient
-from clients.health import wait_serving
-from clients.serve import ServeConfig, connect_address, executor_command, flag_args, scheduler_command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clients.serve import ServeConfig, Supervisor, flag_args, free_port, scheduler_command
 
 
 @dataclass(frozen=True)
@@ -80,22 +71,16 @@ async def start_services(
     config = ServeConfig(
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
+        http_listen=http_listen,
         executor_args=(
             *flag_args([("--model", model), ("--dtype", dtype), ("--kv-cache-gb", kv_cache_gb), ("--log-format", "json")]),
             *executor_args,
         ),
+        scheduler_args=(*flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]), *scheduler_args),
     )
-    executor = await asyncio.create_subprocess_exec(*executor_command(config), stdout=log_file, stderr=log_file)
+    supervisor = Supervisor(config, log_file=log_file)
     try:
-        async with grpc.aio.insecure_channel(connect_address(config.executor_listen)) as channel:
-            await wait_serving(channel, 300)
-        async with start_scheduler(
-            connect_address(config.executor_listen),
-            log_file,
-            *scheduler_args,
-            max_running_requests=max_running_requests,
-            http_listen=http_listen,
-        ) as scheduler_address:
-            yield Services(connect_address(config.executor_listen), scheduler_address, executor.pid, http_listen)
+        ready = await supervisor.start()  # never None: nothing here asks it to stop
+        yield Services(ready.executor_address, ready.scheduler_address, supervisor.pid("executor"), http_listen)
     finally:
-        await stop_process(executor)
+        await supervisor.stop()

@@ -27,9 +27,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from clients.bench.otlp_sink import OtlpSinkServer
-from clients.bench.services import free_port
 from clients.client import AsyncSwarmClient
-from clients.serve import ServeConfig, Supervisor, flag_args
+from clients.serve import ServeConfig, Supervisor, flag_args, free_port
 from clients.timeline import fetch_timeline
 
 

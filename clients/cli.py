@@ -404,7 +404,7 @@ async def _serve(config: ServeConfig) -> int:
         ready = await supervisor.start()
         child_exit = None
         if ready is not None:
-            print(format_serve_banner(ready.executor_address, ready.scheduler_address, ready.model_name, ready.http_url), flush=True)
+            print(format_serve_banner(ready.model_name, ready.addresses(supervisor.config)), flush=True)
             child_exit = await supervisor.wait()
         if child_exit is None:
             print("swarmserve: stopping", file=sys.stderr, flush=True)

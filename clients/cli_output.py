@@ -72,6 +72,7 @@ def format_error(error: BaseException) -> str:
     return f"error: {str(error) or type(error).__name__}"
 
 
-def format_serve_banner(executor_address: str, scheduler_address: str, model_name: str, http_url: str = "") -> str:
-    http = f", OpenAI/Anthropic HTTP API on {http_url}/v1" if http_url else ""
-    return f"swarmserve: executor on {executor_address}, scheduler on {scheduler_address}{http} (model {model_name})"
+def format_serve_banner(model_name: str, addresses: list[tuple[str, str]]) -> str:
+    """`swarmserve serve`'s banner: the model, then one line per address it serves on."""
+    width = max(len(what) for what, _ in addresses)
+    return "\n".join([f"swarmserve: serving {model_name}", *(f"  {what:<{width}}  {where}" for what, where in addresses)])

@@ -205,6 +205,21 @@ class ServeReady:
     model_name: str
     http_url: str = ""  # the OpenAI/Anthropic HTTP API's base URL; empty: off
 
+    def addresses(self, config: ServeConfig) -> list[tuple[str, str]]:
+        """(what, where) for everything serve listens on: both gRPC services, the scheduler's
+        HTTP front when it has one, and the Prometheus endpoints when they are on."""
+        listed = [("executor", f"grpc://{self.executor_address}"), ("scheduler", f"grpc://{self.scheduler_address}")]
+        if self.http_url:
+            listed.append(("OpenAI/Anthropic HTTP API", f"{self.http_url}/v1"))
+        if config.metrics_port is not None:
+            for name, listen, port in (
+                ("scheduler", config.scheduler_listen, config.metrics_port),
+                ("executor", config.executor_listen, config.metrics_port + 1),
+            ):
+                host = connect_address(listen).rpartition(":")[0]
+                listed.append((f"{name} metrics", f"http://{host}:{port}/metrics"))
+        return listed
+
 
 async def _is_listening(address: str) -> bool:
     host, _, port = address.rpartition(":")

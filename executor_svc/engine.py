@@ -24,6 +24,7 @@ from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError, Unknow
 from executor_svc.gguf_file import open_gguf
 from executor_svc.hybrid_model import HybridTransformer
 from executor_svc.kv_cache import KVCache
+from executor_svc.load_progress import load_progress
 from executor_svc.model import Transformer
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_source import resolve_model_path
@@ -175,7 +176,8 @@ class Engine:
         self.tokenizer = load_tokenizer(gguf)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
-        weights = load_weights(gguf, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16")
+        with load_progress(gguf) as loading:
+            weights = load_weights(loading, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16")
         self.weight_bytes = weights.num_bytes
         self.ops = resolve_ops(config.kernels, self.device)
         # Hybrid models keep a recurrent state per running request beside the paged KV of their attention layers.

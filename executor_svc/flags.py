@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip timing forward passes at start-up (the scheduler's cost model then starts from a prior)",
     )
-    p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
+    p.add_argument(
+        "--log-format", default="auto", choices=LOG_FORMATS, help="auto: console on a terminal, else JSON lines (default %(default)s)"
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--scheduler-token-file",

@@ -24,7 +24,8 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(engine_thread, Engine, config_from_args(args))
     calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, engine.calibrate)
-    log.info("calibrated", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
+    log.info("calibrated", num_samples=len(calibration))
+    log.debug("calibration_samples", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
     server = await serve(
         engine,
         args.listen,

@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="attach even if the executor serves another scheduler, which is then refused (default: refuse to)",
     )
-    p.add_argument("--log-format", default="json", choices=LOG_FORMATS)
+    p.add_argument(
+        "--log-format", default="auto", choices=LOG_FORMATS, help="auto: console on a terminal, else JSON lines (default %(default)s)"
+    )
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)
     return p

@@ -17,7 +17,7 @@ from clients.cli_output import completion_to_json, decode_tokens_per_second, for
 from clients.completion import collect_completion
 from clients.events import TokenLogprob, TopLogprob, event_from_pb, finish_reason_name
 from clients.generate_request import build_generate_request
-from clients.serve import ChildExit, ServeConfig, connect_address, describe_exit, executor_command, scheduler_command
+from clients.serve import ChildExit, ServeConfig, ServeReady, connect_address, describe_exit, executor_command, scheduler_command
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
 
@@ -262,11 +262,20 @@ def test_summary_mentions_the_stop_string_and_speculation_when_there_is_some():
     assert "accepted=6/8" in line and "preemptions=2" in line
 
 
-def test_serve_banner():
-    assert (
-        format_serve_banner("127.0.0.1:50052", "127.0.0.1:50051", "SmolLM2")
-        == "swarmserve: executor on 127.0.0.1:50052, scheduler on 127.0.0.1:50051 (model SmolLM2)"
+def test_serve_banner_lists_every_address():
+    ready = ServeReady("127.0.0.1:50052", "127.0.0.1:50051", "SmolLM2")
+    assert format_serve_banner(ready.model_name, ready.addresses(ServeConfig())) == (
+        "swarmserve: serving SmolLM2\n"
+        "  executor   grpc://127.0.0.1:50052\n"
+        "  scheduler  grpc://127.0.0.1:50051"
     )
+    with_http = ServeReady("127.0.0.1:50052", "127.0.0.1:50051", "SmolLM2", http_url="http://127.0.0.1:8000")
+    config = ServeConfig(executor_listen="0.0.0.0:50052", metrics_port=9100)
+    assert with_http.addresses(config)[2:] == [
+        ("OpenAI/Anthropic HTTP API", "http://127.0.0.1:8000/v1"),
+        ("scheduler metrics", "http://127.0.0.1:9100/metrics"),
+        ("executor metrics", "http://127.0.0.1:9101/metrics"),
+    ]
 
 
 # --- CLI arguments ---

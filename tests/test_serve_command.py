@@ -29,7 +29,7 @@ def test_serve_starts_both_services_answers_and_stops_cleanly():
     try:
         banner = ""
         deadline = time.monotonic() + 180
-        while scheduler not in banner and time.monotonic() < deadline and proc.poll() is None:
+        while f"http://{http}/v1" not in banner and time.monotonic() < deadline and proc.poll() is None:
             banner += proc.stdout.readline()
         assert executor in banner and scheduler in banner and f"http://{http}/v1" in banner, banner
         with SwarmClient(scheduler) as client:

@@ -1,4 +1,7 @@
-"""structlog configuration: JSON lines by default, a console renderer for a terminal.
+"""structlog configuration: a console renderer for a terminal, JSON lines otherwise.
+
+`auto` (the default) picks by where the log goes: a person at a terminal reads the
+console renderer; files, pipes and containers (no TTY) get one JSON object per line.
 
 Library code logs through `structlog.get_logger()` with bound ids
 (`request_id`, `step_id`); this module only decides how lines are rendered, and
@@ -14,12 +17,20 @@ import structlog
 
 from service_common.observability.log_trace_ids import add_trace_ids
 
-LOG_FORMATS = ("json", "console")
+LOG_FORMATS = ("auto", "json", "console")
 
 
-def configure_logging(fmt: str = "json", level: str = "info") -> None:
+def resolve_log_format(fmt: str, stream=None) -> str:
+    """`auto` -> "console" when `stream` (stderr by default) is a terminal, else "json"."""
+    if fmt != "auto":
+        return fmt
+    return "console" if (stream or sys.stderr).isatty() else "json"
+
+
+def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    fmt = resolve_log_format(fmt)
     numeric_level = logging.getLevelName(level.upper())
     if not isinstance(numeric_level, int):
         raise ValueError(f"unknown log level {level!r}")

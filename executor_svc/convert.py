@@ -5,18 +5,9 @@ from __future__ import annotations
 from swarmserve.executor.v1 import executor_pb2 as pb
 
 from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.request_state import NewRequest
 from executor_svc.sampler import SampledToken
 from service_common.sampling_params import SamplingParams
-
-FINISH_REASON_TO_PB = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.EOS: pb.FINISH_REASON_EOS,
-    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.CONTEXT_FULL: pb.FINISH_REASON_CONTEXT_FULL,
-}
-
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
@@ -65,7 +56,7 @@ def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
     return pb.RequestResult(
         request_id=out.request_id,
         new_token_ids=out.new_token_ids,
-        finish_reason=FINISH_REASON_TO_PB[out.finish_reason],
+        finish_reason=pb.FINISH_REASON_UNSPECIFIED if out.finish_reason is None else out.finish_reason.to_pb(pb.FinishReason),
         num_computed_tokens=out.num_computed_tokens,
         num_drafted_tokens=out.num_drafted_tokens,
         num_accepted_tokens=out.num_accepted_tokens,

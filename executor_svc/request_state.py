@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from service_common.finish_reason import FinishReason
 from service_common.sampling_params import SamplingParams
-
-
-class FinishReason(enum.Enum):
-    EOS = "eos"  # sampled an end-of-sequence token (and ignore_eos is off)
-    STOP_TOKEN = "stop_token"  # sampled one of the request's stop token ids
-    LENGTH = "length"  # produced max_new_tokens
-    CONTEXT_FULL = "context_full"  # prompt + output reached the model's context length
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel
 from scheduler_svc.draft_policy import DraftAllocation, DraftCandidate, DraftStep, parse_draft_policy
 from scheduler_svc.request import Request, RequestStatus
+from service_common.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class StepResultView:
 
     request_id: str  # the executor's id for the request (Request.executor_request_id)
     new_token_ids: list[int]
-    finish_reason: str | None  # eos | stop_token | length | context_full
+    finish_reason: FinishReason | None  # from the executor: eos | stop_token | length | context_full
     num_computed_tokens: int
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -103,7 +104,7 @@ class StepResultView:
 class RequestUpdate:
     request: Request
     new_token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list
 
 

@@ -18,15 +18,7 @@ from tokenizers import Tokenizer
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import Request
 from scheduler_svc.stop_strings import StopStringMatcher
-
-FINISH_REASONS = {
-    "eos": pb.FINISH_REASON_EOS,
-    "stop_token": pb.FINISH_REASON_STOP_TOKEN,
-    "stop_string": pb.FINISH_REASON_STOP_STRING,
-    "length": pb.FINISH_REASON_LENGTH,
-    "context_full": pb.FINISH_REASON_CONTEXT_FULL,
-    "aborted": pb.FINISH_REASON_ABORTED,
-}
+from service_common.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,7 @@ class RequestStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, not include_special_tokens)
         self._stops = StopStringMatcher(stop_strings)
         self.is_closed = False
-        self.finish_reason: str | None = None  # once finished: eos, length, stop_string, aborted, ...
+        self.finish_reason: FinishReason | None = None  # once finished
         self.error_code: grpc.StatusCode | None = None  # once failed
         self.error_message = ""
 
@@ -63,14 +55,14 @@ class RequestStream:
         )
         return self._stops.matched is not None
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         """Send the held-back text (unless a stop string matched) and the final message."""
         if self.is_closed:
             return
-        tail = "" if reason == "stop_string" else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        tail = "" if reason == FinishReason.STOP_STRING else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
         if self._stops.matched is not None:
             # The held-back tail completed a stop string: the output ends there.
-            reason = "stop_string"
+            reason = FinishReason.STOP_STRING
         if tail:
             self._put(pb.GenerateResponse(request_id=self.request_id, delta=pb.TokenDelta(text=tail)))
         r = self.request
@@ -86,7 +78,7 @@ class RequestStream:
             accepted_tokens=r.num_accepted_tokens,
             num_preemptions=r.num_preemptions,
         )
-        final = pb.GenerateFinal(finish_reason=FINISH_REASONS[reason], usage=usage, stop_string=self._stops.matched or "")
+        final = pb.GenerateFinal(finish_reason=FinishReason(reason).to_pb(pb.FinishReason), usage=usage, stop_string=self._stops.matched or "")
         self._put(pb.GenerateResponse(request_id=self.request_id, final=final))
         self.finish_reason = reason
         self.is_closed = True

@@ -47,15 +47,10 @@ from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
 from scheduler_svc.telemetry import StepScope, Telemetry
+from service_common.finish_reason import FinishReason
 
 log = structlog.get_logger()
 
-EXECUTOR_FINISH_REASONS = {
-    epb.FINISH_REASON_EOS: "eos",
-    epb.FINISH_REASON_STOP_TOKEN: "stop_token",
-    epb.FINISH_REASON_LENGTH: "length",
-    epb.FINISH_REASON_CONTEXT_FULL: "context_full",
-}
 RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 
 
@@ -195,7 +190,7 @@ class StepLoop:
             return False
         if self.planner is not None:
             self.planner.abort(stream.request.executor_request_id)
-        stream.finish("aborted")
+        stream.finish(FinishReason.ABORTED)
         self._wake.set()
         return True
 
@@ -379,7 +374,7 @@ class StepLoop:
             StepResultView(
                 request_id=r.request_id,
                 new_token_ids=list(r.new_token_ids),
-                finish_reason=EXECUTOR_FINISH_REASONS.get(r.finish_reason),
+                finish_reason=FinishReason.from_pb(epb.FinishReason, r.finish_reason),
                 num_computed_tokens=r.num_computed_tokens,
                 num_drafted_tokens=r.num_drafted_tokens,
                 num_accepted_tokens=r.num_accepted_tokens,
@@ -409,7 +404,7 @@ class StepLoop:
                 continue
             reason = update.finish_reason
             if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
-                reason = "stop_string"
+                reason = FinishReason.STOP_STRING
                 planner.finish(update.request)
                 update.request.finish_time = end
             if reason is not None:

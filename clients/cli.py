@@ -141,10 +141,19 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarmserve", description="swarmserve: serve a model, or generate from a running server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+BENCHES = (
+    ("batching", bench_batching, "8 agents, 40…900 output tokens each: static vs continuous batching"),
+    ("spec", bench_speculation, "draft policies x live batch size x workload: accepted tokens/s"),
+    ("swarm", bench_swarm, "agents x turns with a shared system prompt, tool pauses and copy-heavy turns"),
+    ("overlap", bench_overlap, "scheduler + RPC share of each step, sync vs overlapped scheduling; cost-model error"),
+    ("tracing", bench_tracing, "per-step overhead of tracing on vs off"),
+    ("http", bench_http, "the HTTP front's overhead per token against gRPC, at 1 and 16 streams"),
+    ("vs", bench_vs, "swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory"),
+)
 
+
+def _add_request_commands(commands) -> None:
+    """generate and chat: one request (or a chat) against a running scheduler."""
     generate = commands.add_parser("generate", help="complete a raw-text prompt, streaming the text")
     generate.add_argument(
         "prompt",
@@ -174,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_flags(chat)
     chat.set_defaults(run=_run_chat)
 
+
+def _add_inspection_commands(commands) -> None:
+    """info and timeline: what a running scheduler reports."""
     info = commands.add_parser("info", help="print the scheduler's GetServerInfo as JSON")
     _add_connection_flags(info)
     info.set_defaults(run=_run_info)
@@ -182,30 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_arguments(timeline_command)
     timeline_command.set_defaults(run=timeline.run)
 
+
+def _add_bench_commands(commands) -> None:
+    """bench <name>: benchmarks that start their own services."""
     bench = commands.add_parser("bench", help="benchmarks that start their own services")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    batching = benches.add_parser("batching", help="8 agents, 40…900 output tokens each: static vs continuous batching")
-    bench_batching.add_arguments(batching)
-    batching.set_defaults(run=bench_batching.run)
-    spec = benches.add_parser("spec", help="draft policies x live batch size x workload: accepted tokens/s")
-    bench_speculation.add_arguments(spec)
-    spec.set_defaults(run=bench_speculation.run)
-    swarm = benches.add_parser("swarm", help="agents x turns with a shared system prompt, tool pauses and copy-heavy turns")
-    bench_swarm.add_arguments(swarm)
-    swarm.set_defaults(run=bench_swarm.run)
-    overlap = benches.add_parser("overlap", help="scheduler + RPC share of each step, sync vs overlapped scheduling; cost-model error")
-    bench_overlap.add_arguments(overlap)
-    overlap.set_defaults(run=bench_overlap.run)
-    tracing = benches.add_parser("tracing", help="per-step overhead of tracing on vs off")
-    bench_tracing.add_arguments(tracing)
-    tracing.set_defaults(run=bench_tracing.run)
-    http = benches.add_parser("http", help="the HTTP front's overhead per token against gRPC, at 1 and 16 streams")
-    bench_http.add_arguments(http)
-    http.set_defaults(run=bench_http.run)
-    vs = benches.add_parser("vs", help="swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory")
-    bench_vs.add_arguments(vs)
-    vs.set_defaults(run=bench_vs.run)
+    for name, module, help_text in BENCHES:
+        command = benches.add_parser(name, help=help_text)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
 
+
+def _add_serve_command(commands) -> None:
     serve = commands.add_parser(
         "serve",
         allow_abbrev=False,  # --executor (the scheduler's flag) must not pass for --executor-listen
@@ -256,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL (default %(default)g)",
     )
     serve.set_defaults(run=_run_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmserve", description="swarmserve: serve a model, or generate from a running server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_request_commands(commands)
+    _add_inspection_commands(commands)
+    _add_bench_commands(commands)
+    _add_serve_command(commands)
     return parser
 
 

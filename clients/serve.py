@@ -185,6 +185,21 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+async def stop_process(process: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM (the services' "stop gracefully"), then SIGKILL if it is still there after `grace_s`."""
+    if process.returncode is not None:
+        return
+    try:
+        process.terminate()
+    except ProcessLookupError:
+        pass
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+
+
 class ServeError(Exception):
     """The service could not be started (a child died, never became ready, or the port is taken)."""
 
@@ -333,15 +348,4 @@ class Supervisor:
     async def stop(self) -> None:
         """Stop the children, the last started first: SIGTERM, then SIGKILL after the grace period."""
         for name in reversed(list(self._children)):
-            process = self._children[name]
-            if process.returncode is not None:
-                continue
-            try:
-                process.terminate()
-            except ProcessLookupError:
-                pass
-            try:
-                await asyncio.wait_for(process.wait(), self.config.shutdown_grace_s)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+            await stop_process(self._children[name], self.config.shutdown_grace_s)

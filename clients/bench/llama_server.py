@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from clients.bench.services import stop_process
-from clients.serve import free_port
+from clients.bench.services import STOP_GRACE_S
+from clients.serve import free_port, stop_process
 
 HEALTH_POLL_S = 0.2
 
@@ -102,7 +102,7 @@ async def start_llama_server(
             await _wait_healthy(http, url, process, startup_timeout_s)
         yield LlamaServer(url, process.pid)
     finally:
-        await stop_process(process)
+        await stop_process(process, STOP_GRACE_S)
 
 
 async def llama_complete(http: httpx.AsyncClient, server: LlamaServer, prompt: str, max_tokens: int) -> LlamaCompletion:

@@ -13,7 +13,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from clients.client import AsyncSwarmClient
-from clients.serve import ServeConfig, Supervisor, flag_args, free_port, scheduler_command
+from clients.serve import ServeConfig, Supervisor, flag_args, free_port, scheduler_command, stop_process
+
+STOP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -22,16 +24,6 @@ class Services:
     scheduler_address: str
     executor_pid: int | None = None  # for reading its resident memory
     http_address: str = ""  # the scheduler's HTTP API, when asked for
-
-
-async def stop_process(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 15)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
 
 
 @asynccontextmanager
@@ -51,7 +43,7 @@ async def start_scheduler(
             await client.wait_ready(120)
         yield config.scheduler_listen
     finally:
-        await stop_process(process)
+        await stop_process(process, STOP_GRACE_S)
 
 
 @asynccontextmanager

@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from executor_svc.grammar import GrammarMatcher, GrammarSpec
 from executor_svc.sampling_params import SamplingParams
 
 
 class FinishReason(enum.Enum):
-    EOS = "eos"  # sampled an end-of-sequence token (and ignore_eos is off)
+    EOS = "eos"  # sampled an end-of-sequence token (and ignore_eos is off), or completed its grammar
     STOP_TOKEN = "stop_token"  # sampled one of the request's stop token ids
     LENGTH = "length"  # produced max_new_tokens
     CONTEXT_FULL = "context_full"  # prompt + output reached the model's context length
@@ -26,6 +27,7 @@ class NewRequest:
     session_id: str = ""  # an agent's conversation: its KV is preferred when evicting...
     retention_s: float = 0.0  # ... for this long after the request ends (0: no preference)
     output_token_ids: tuple[int, ...] = ()  # already generated (resubmitted after an executor restart)
+    structured_output: GrammarSpec | None = None  # None: unconstrained
 
     @property
     def token_ids(self) -> list[int]:
@@ -53,6 +55,7 @@ class RequestState:
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
     state_slot: int = -1  # recurrent-state slot (hybrid models) while the request is being computed; -1: none
+    grammar: GrammarMatcher | None = None  # where its output stands in its structured_output grammar
 
     @property
     def num_output_tokens(self) -> int:

@@ -18,6 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 
+import structlog
 import torch
 
 from executor_svc.errors import InvalidRequestError, OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
@@ -38,6 +39,8 @@ from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.tokenizer import load_tokenizer
 from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
+
+log = structlog.get_logger()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)
@@ -192,6 +195,7 @@ class StepTimings:
     prepare_s: float
     forward_s: float
     sample_s: float
+    grammar_s: float = 0.0  # of sample_s: computing and applying the grammar masks (0 without grammar requests)
 
 
 @dataclass(frozen=True)
@@ -476,6 +480,7 @@ class Engine:
         t2 = time.perf_counter()
         # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
         raw_rows = self._mask_grammar_rows(logits, work, slices)
+        t_grammar = time.perf_counter() - t2
         argmax_ids = logits.argmax(dim=-1).tolist()
 
         outputs = []
@@ -524,7 +529,7 @@ class Engine:
                     self._finished_ids.popitem(last=False)
         t3 = time.perf_counter()
         return self._step_output(
-            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2), batch.num_logits
+            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2, t_grammar), batch.num_logits
         )
 
     def rebase(self, plan: StepPlan) -> StepPlan:
@@ -607,7 +612,9 @@ class Engine:
             state.token_ids.append(token_id)
             state.finish_reason = self._finish_reason(state, token_id)
             if state.grammar is not None:
-                state.grammar.consume(token_id)
+                if not state.grammar.consume(token_id):
+                    log.warning("grammar_failed", request_id=state.request_id, token_id=token_id, error=state.grammar.error)
+                # Complete (or failed): the grammar allows nothing more, whatever ignore_eos says.
                 if state.finish_reason is None and state.grammar.is_stopped:
                     state.finish_reason = FinishReason.EOS
             if state.finish_reason is not None:

@@ -91,15 +91,20 @@ class GrammarMatcher:
         """How many leading tokens the grammar allows from here (nothing is consumed)."""
         return self.matcher.validate_tokens(list(token_ids))
 
-    def consume(self, token_id: int) -> None:
-        if not self.matcher.consume_token(token_id):
-            # The mask allowed only grammatical tokens, so this is a bug, not bad input.
-            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+    def consume(self, token_id: int) -> bool:
+        """Advance past a sampled token; False leaves the matcher stopped in an error state
+        (a token the mask allowed is always accepted, so that would be llguidance's own
+        limit, e.g. a grammar too complex to follow, or a bug)."""
+        return self.matcher.consume_token(token_id)
 
     @property
     def is_stopped(self) -> bool:
-        """Nothing more may follow: EOS was consumed, or the grammar admits no extension."""
+        """Nothing more may follow: EOS was consumed, the grammar admits no extension, or an error."""
         return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
 
 class GrammarCompiler:

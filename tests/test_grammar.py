@@ -275,3 +275,30 @@ def test_compiled_grammars_are_reused(engine):
     assert first is not again  # each request gets its own copy ...
     assert engine.grammars._compile(JSON_SPEC) is engine.grammars._compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
 
+
+
+# ------------------------------------------------------------------ the embedded model
+
+EMBEDDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        "reason": {"type": "string", "maxLength": 30},
+    },
+    "required": ["answer", "confidence", "reason"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_the_embedded_model_samples_json_that_validates_on_20_seeds(engine_fp32):
+    spec = GrammarSpec("json_schema", json.dumps(EMBEDDED_SCHEMA))  # the default whitespace, as a client sends it
+    prompt = "Is the sky blue? Answer in JSON with the keys answer, confidence and reason.\n"
+    requests = [request(engine_fp32, f"e{seed}", spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=160) for seed in range(20)]
+    run = drive(engine_fp32, requests)
+    texts = [text_of(engine_fp32, run.tokens[r.request_id]) for r in requests]
+    for r, text in zip(requests, texts):
+        assert run.finish_reasons[r.request_id] == FinishReason.EOS, text
+        jsonschema.validate(json.loads(text), EMBEDDED_SCHEMA)
+    assert len(set(texts)) > 1, "every seed gave the same output: sampling did not explore"

@@ -203,19 +203,27 @@ def apply_masks(logits: torch.Tensor, row_spans: Sequence[tuple[int, int]], bitm
     grammar request, in the bitmask's row order (as fill_masks laid it out); bitmask
     [sum of the spans' rows, ceil(V / 32)] int32 on the CPU.
     """
-    vocab_size, mask_row = logits.shape[-1], 0
     if logits.device.type == "cpu":
-        # numpy, single-threaded: torch's unpacking and masked_fill_ of a 50k row took milliseconds
-        # on a busy CPU (its thread pool waiting for cores), numpy a tenth of that.
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
-        values = logits.numpy()
-        for start, num_rows in row_spans:
-            np.putmask(values[start : start + num_rows], allowed[mask_row : mask_row + num_rows] == 0, -np.inf)
-            mask_row += num_rows
-        return
+        _apply_masks_numpy(logits, row_spans, bitmask)
+    else:
+        _apply_masks_torch(logits, row_spans, bitmask)
+
+
+def _apply_masks_numpy(logits: torch.Tensor, row_spans: Sequence[tuple[int, int]], bitmask: torch.Tensor) -> None:
+    # numpy, single-threaded: torch's unpacking and masked_fill_ of a 50k row took milliseconds
+    # on a busy CPU (its thread pool waiting for cores), numpy a tenth of that.
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[-1]]
+    values, mask_row = logits.numpy(), 0
+    for start, num_rows in row_spans:
+        np.putmask(values[start : start + num_rows], allowed[mask_row : mask_row + num_rows] == 0, -np.inf)
+        mask_row += num_rows
+
+
+def _apply_masks_torch(logits: torch.Tensor, row_spans: Sequence[tuple[int, int]], bitmask: torch.Tensor) -> None:
     bitmask = bitmask.to(logits.device, non_blocking=True)  # 32x smaller than the unpacked mask
     bits = (bitmask.unsqueeze(-1) >> _bit_positions(logits.device)) & 1  # [R, W, 32]
-    forbidden = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] == 0  # [R, V]
+    forbidden = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] == 0  # [R, V]
+    mask_row = 0
     for start, num_rows in row_spans:
         logits[start : start + num_rows].masked_fill_(forbidden[mask_row : mask_row + num_rows], float("-inf"))
         mask_row += num_rows

@@ -12,11 +12,12 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from executor_svc.engine import ScheduledRequest, StepPlan
 from executor_svc.errors import InvalidRequestError
 from executor_svc.gguf_file import open_gguf
-from executor_svc.grammar import GrammarCompiler, GrammarSpec, fill_masks
+from executor_svc.grammar import GrammarCompiler, GrammarSpec, _apply_masks_numpy, _apply_masks_torch, fill_masks
 from executor_svc.request_state import FinishReason, NewRequest
 from executor_svc.sampling_params import SamplingParams
 from executor_svc.tokenizer import load_tokenizer
@@ -98,6 +99,20 @@ def test_batched_masks_equal_masks_computed_one_position_at_a_time(engine):
     assert [bytes(row.numpy().tobytes()) for row in bitmask] == expected
     # The matchers end where they started.
     assert a.num_valid(tokens) == len(tokens) and b.num_valid(tokens[2:]) == len(tokens) - 2
+
+
+@pytest.mark.parametrize("apply", [_apply_masks_numpy, _apply_masks_torch], ids=["cpu", "device"])
+def test_masks_set_exactly_the_forbidden_logits_of_the_grammar_rows(apply):
+    vocab_size, generator = 70, torch.Generator().manual_seed(0)  # 70: the last word of each mask is partly unused
+    logits = torch.randn(6, vocab_size, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 3), dtype=torch.int32, generator=generator)
+    expected = logits.clone()
+    for mask_row, row in enumerate([0, 3, 4, 5]):  # spans (0, 1) and (3, 3): rows 1 and 2 have no grammar
+        for t in range(vocab_size):
+            if not (int(bitmask[mask_row, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    apply(logits, [(0, 1), (3, 3)], bitmask)
+    assert torch.equal(logits, expected)
 
 
 # ------------------------------------------------------------------ sampling under a grammar

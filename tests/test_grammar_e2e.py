@@ -45,9 +45,11 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def executor(tiny_model, tmp_path_factory):
     stack = Stack(executor_args(tiny_model), log_dir=tmp_path_factory.mktemp("logs"))
-    stack.start_executor()
-    yield stack
-    stack.stop()
+    try:  # a start that times out must not leave the process behind
+        stack.start_executor()
+        yield stack
+    finally:
+        stack.stop()
 
 
 def with_scheduler(stack: Stack, *args: str):
@@ -127,7 +129,6 @@ def test_a_bad_grammar_is_invalid_argument_and_the_server_goes_on(stack, structu
 
 def test_greedy_under_a_grammar_is_the_same_with_speculation_on_and_off(tiny_model, tmp_path_factory):
     executor = Stack(executor_args(tiny_model), log_dir=tmp_path_factory.mktemp("logs"))
-    executor.start_executor()
     regex = r"[a-z ]{20,60}\."  # free text: the drafter finds repeats to propose
     requests = [
         {"structured_output": {"json_schema": SCHEMA}, "temperature": 0.0, "max_new_tokens": 120},
@@ -136,6 +137,7 @@ def test_greedy_under_a_grammar_is_the_same_with_speculation_on_and_off(tiny_mod
     ]
     by_policy = {}
     try:
+        executor.start_executor()
         for policy in ("off", "fixed:4"):
             with_scheduler(executor, "--spec", policy)
             try:

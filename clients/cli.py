@@ -124,6 +124,11 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
         metavar="STR",
         help="stop string (repeatable); not included in the output",
     )
+    grammar = parser.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", metavar="FILE", default=None, help="constrain the output to this JSON schema")
+    grammar.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    grammar.add_argument("--lark", metavar="FILE", default=None, help="constrain the output to this llguidance Lark grammar")
+    grammar.add_argument("--regex", metavar="PATTERN", default=None, help="constrain the output to this regex")
     parser.add_argument(
         "--include-special-tokens",
         action="store_true",
@@ -291,6 +296,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(service_flags)}")
     if args.command in ("generate", "chat"):
         args.stop = args.stop or []
+        try:
+            args.structured_output = structured_output(args)
+        except OSError as error:
+            parser.error(f"{args.command}: cannot read the grammar file: {error}")
     if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
         parser.error("generate: give exactly one of PROMPT or --token-ids")
     if args.command == "serve":
@@ -310,6 +319,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The grammar flag given, read from its file where it names one (None: no constraint)."""
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            return {"json_schema": f.read()}
+    if args.lark:
+        with open(args.lark) as f:
+            return {"lark": f.read()}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.json_object:
+        return {"json_object": True}
+    return None
+
+
 def request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The client keyword arguments the request flags stand for (None: not given)."""
     return {
@@ -323,6 +347,7 @@ def request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "ignore_eos": args.ignore_eos,
         "include_special_tokens": args.include_special_tokens,
         "request_id": args.request_id,
+        "structured_output": args.structured_output,
     }
 
 

@@ -88,6 +88,7 @@ class AsyncSwarmClient:
         request_id: str | None = None,
         session_id: str | None = None,
         retention_s: float | None = None,
+        structured_output: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> GenerateStream:
         """Stream TokenEvents, then one FinishEvent: `async for event in client.generate(...)`.
@@ -96,6 +97,8 @@ class AsyncSwarmClient:
         applied by the server). Sampling arguments left None take the server's defaults.
         `session_id` names an agent's conversation: its KV stays cached in preference
         for `retention_s` seconds (server default 30) after the request, for the next turn.
+        `structured_output` constrains the output: {"json_schema": dict or JSON text},
+        {"json_object": True}, {"lark": grammar} or {"regex": pattern}.
         Raises ValueError here, before any RPC, for a malformed request; errors from the
         server are raised as SwarmServeError while iterating.
         """
@@ -117,6 +120,7 @@ class AsyncSwarmClient:
             request_id=request_id,
             session_id=session_id,
             retention_s=retention_s,
+            structured_output=structured_output,
         )
         deadline = self._deadline(timeout)
         return GenerateStream(

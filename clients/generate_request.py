@@ -9,11 +9,14 @@ apply -- and `temperature=0.0` is sent, because it is set, not falsy.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 CHAT_MESSAGE_KEYS = frozenset({"role", "content"})
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "lark", "regex")
 
 
 def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessages:
@@ -37,6 +40,20 @@ def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessage
     return out
 
 
+def structured_output_to_pb(spec: Mapping[str, Any]) -> pb.StructuredOutput:
+    """One of {"json_schema": dict or JSON text}, {"json_object": True}, {"lark": grammar}, {"regex": pattern}."""
+    if not isinstance(spec, Mapping) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KINDS:
+        raise ValueError(f"structured_output must be a dict with exactly one of the keys {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+    kind, value = next(iter(spec.items()))
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "json_object" and value is not True:
+        raise ValueError("structured_output json_object must be True")
+    if kind in ("lark", "regex") and not isinstance(value, str):
+        raise ValueError(f"structured_output {kind} must be a string, got {type(value).__name__}")
+    return pb.StructuredOutput(**{kind: value})
+
+
 def build_generate_request(
     prompt: str | None = None,
     *,
@@ -56,8 +73,11 @@ def build_generate_request(
     request_id: str | None = None,
     session_id: str | None = None,
     retention_s: float | None = None,
+    structured_output: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of `prompt` (raw text), `token_ids` or `messages` (chat) is the prompt.
+
+    `structured_output` constrains the output to a grammar (see structured_output_to_pb).
 
     A single string for `stop` is one stop string, not a sequence of characters.
     Raises ValueError (or protobuf's TypeError/ValueError for a value its field cannot
@@ -101,4 +121,6 @@ def build_generate_request(
         request.session_id = session_id
     if retention_s is not None:
         request.retention_s = retention_s
+    if structured_output is not None:
+        request.structured_output.CopyFrom(structured_output_to_pb(structured_output))
     return request

@@ -5,6 +5,7 @@ from __future__ import annotations
 from swarmserve.executor.v1 import executor_pb2 as pb
 
 from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
+from executor_svc.grammar import GrammarSpec
 from executor_svc.request_state import NewRequest
 from executor_svc.sampler import SampledToken
 from service_common.sampling_params import SamplingParams
@@ -20,6 +21,13 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def grammar_from_pb(msg: pb.StructuredOutput) -> GrammarSpec | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
 def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
     return NewRequest(
         request_id=msg.request_id,
@@ -31,6 +39,7 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
         session_id=msg.session_id,
         retention_s=msg.retention_s,
         output_token_ids=tuple(msg.output_token_ids),
+        structured_output=grammar_from_pb(msg.structured_output),
     )
 
 

@@ -18,6 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 
+import structlog
 import torch
 
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
@@ -35,11 +36,14 @@ from executor_svc.request_state import FinishReason, NewRequest, RequestState
 from executor_svc.block_allocator import block_hash, root_hash
 from executor_svc.config import MATMULS, EngineConfig
 from executor_svc.drafter import Drafter
+from executor_svc.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.tokenizer import load_tokenizer
 from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
 from service_common.errors import InvalidRequestError
+
+log = structlog.get_logger()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)
@@ -150,6 +154,7 @@ class StepTimings:
     prepare_s: float
     forward_s: float
     sample_s: float
+    grammar_s: float = 0.0  # of sample_s: computing and applying the grammar masks (0 without grammar requests)
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,7 @@ class Engine:
         self.kv_cache = KVCache.from_memory_budget(self.model_config, kv_bytes, config.block_size, self.dtype, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         # Packed-weight kernels are row-invariant by construction; dense fp32 CPU GEMMs group rows
         # in fours (see ragged_batch.py); on a GPU padding buys nothing.
         is_dense_cpu = self.device.type == "cpu" and not weights.is_packed
@@ -258,6 +264,15 @@ class Engine:
             raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be a finite number >= 0, got {new.retention_s}")
         if new.max_new_tokens <= 0:
             raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
+        self._grammar_matcher(new)  # compiles it (then cached for _insert), or says what is wrong with it
+
+    def _grammar_matcher(self, new: NewRequest) -> GrammarMatcher | None:
+        if new.structured_output is None:
+            return None
+        try:
+            return self.grammars.matcher(new.structured_output, new.output_token_ids)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"request {new.request_id!r}: {exc}") from None
 
     def add_request(self, new: NewRequest) -> None:
         self.validate_new_request(new)
@@ -277,6 +292,7 @@ class Engine:
             ignore_eos=new.ignore_eos,
             session_id=new.session_id,
             retention_s=new.retention_s,
+            grammar=self._grammar_matcher(new),
         )
         self.drafter.add_request(new.request_id, new.token_ids)
 
@@ -421,6 +437,9 @@ class Engine:
         t1 = time.perf_counter()
         logits = self.model.forward(batch, self.kv_cache, self.state_pool)  # [rows needing logits, vocab]
         t2 = time.perf_counter()
+        # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
+        raw_rows = self._mask_grammar_rows(logits, work, slices)
+        t_grammar = time.perf_counter() - t2
         argmax_ids = logits.argmax(dim=-1).tolist()
 
         outputs = []
@@ -434,7 +453,7 @@ class Engine:
                 emitted = self._append_until_finish(state, emitted)
                 if state.sampling.num_logprobs:
                     logprobs = [
-                        token_logprobs(logits[row + j], token_id, state.sampling.num_logprobs)
+                        token_logprobs(raw_rows.get(row + j, logits[row + j]), token_id, state.sampling.num_logprobs)
                         for j, token_id in enumerate(emitted)
                     ]
                 row += piece.num_logits
@@ -469,7 +488,7 @@ class Engine:
                     self._finished_ids.popitem(last=False)
         t3 = time.perf_counter()
         return self._step_output(
-            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2), batch.num_logits
+            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2, t_grammar), batch.num_logits
         )
 
     def rebase(self, plan: StepPlan) -> StepPlan:
@@ -500,9 +519,31 @@ class Engine:
         preempted = [r for r in plan.preempted if r in self._requests or r not in self._finished_ids]
         return replace(plan, scheduled=scheduled, preempted=preempted)
 
+    def _mask_grammar_rows(
+        self, logits: torch.Tensor, work: list[tuple[RequestState, int, list[int]]], slices: list[RequestSlice]
+    ) -> dict[int, torch.Tensor]:
+        """Mask each grammar request's rows of logits [rows, V] in place to what its grammar allows
+        there (see grammar.py). Returns the unmasked rows of requests that asked for logprobs, by row.
+        A step without grammar requests does nothing here."""
+        row_spans, logprob_rows, requests, row = [], [], [], 0
+        for (state, _, draft_ids), piece in zip(work, slices):
+            if piece.num_logits and state.grammar is not None:
+                row_spans.append((row, piece.num_logits))
+                if state.sampling.num_logprobs:
+                    logprob_rows.extend(range(row, row + piece.num_logits))
+                requests.append((state.grammar, draft_ids))
+            row += piece.num_logits
+        if not requests:
+            return {}
+        raw_rows = {r: logits[r].clone() for r in logprob_rows}
+        bitmask = fill_masks(requests, sum(n for _, n in row_spans), self.model_config.vocab_size)
+        with torch.inference_mode():  # the forward pass made logits an inference tensor
+            apply_masks(logits, row_spans, bitmask)
+        return raw_rows
+
     def _propose_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
-        max_new_tokens or the context."""
+        max_new_tokens or the context, and cut at the first token a request's grammar forbids."""
         drafts = {}
         gone = {*plan.released, *plan.preempted}
         for s in plan.scheduled:
@@ -517,15 +558,24 @@ class Engine:
             )
             if room > 0:
                 proposed = self.drafter.propose(s.request_id, room)
+                if proposed and state.grammar is not None:
+                    proposed = proposed[: state.grammar.num_valid(proposed)]
                 if proposed:
                     drafts[s.request_id] = proposed
         return drafts
 
     def _append_until_finish(self, state: RequestState, emitted: list[int]) -> list[int]:
-        """Append new tokens in order, stopping at the one that finishes the request; returns those appended."""
+        """Append new tokens in order (advancing the request's grammar), stopping at the one that
+        finishes the request; returns those appended."""
         for i, token_id in enumerate(emitted):
             state.token_ids.append(token_id)
             state.finish_reason = self._finish_reason(state, token_id)
+            if state.grammar is not None:
+                if not state.grammar.consume(token_id):
+                    log.warning("grammar_failed", request_id=state.request_id, token_id=token_id, error=state.grammar.error)
+                # Complete (or failed): the grammar allows nothing more, whatever ignore_eos says.
+                if state.finish_reason is None and state.grammar.is_stopped:
+                    state.finish_reason = FinishReason.EOS
             if state.finish_reason is not None:
                 return emitted[: i + 1]
         return emitted

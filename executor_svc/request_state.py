@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from executor_svc.grammar import GrammarMatcher, GrammarSpec
 from service_common.finish_reason import FinishReason
 from service_common.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequest:
     session_id: str = ""  # an agent's conversation: its KV is preferred when evicting...
     retention_s: float = 0.0  # ... for this long after the request ends (0: no preference)
     output_token_ids: tuple[int, ...] = ()  # already generated (resubmitted after an executor restart)
+    structured_output: GrammarSpec | None = None  # None: unconstrained
 
     @property
     def token_ids(self) -> list[int]:
@@ -45,6 +47,7 @@ class RequestState:
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
     state_slot: int = -1  # recurrent-state slot (hybrid models) while the request is being computed; -1: none
+    grammar: GrammarMatcher | None = None  # where its output stands in its structured_output grammar
 
     @property
     def num_output_tokens(self) -> int:

@@ -47,6 +47,7 @@ class SchedulerConfig:
     max_prompt_bytes: int = 1 << 20  # a text prompt, or all chat messages together (UTF-8 bytes)
     max_chat_messages: int = 2048
     max_message_bytes: int = 4 << 20  # any gRPC message or HTTP request body the scheduler receives
+    max_grammar_bytes: int = 256 << 10  # a structured_output's schema, grammar or regex (UTF-8 bytes)
     # The OpenAI- and Anthropic-compatible HTTP API (scheduler_svc/http_api), in this process. Empty: off.
     http_listen: str = ""
     max_choices: int = 8  # OpenAI's `n`: completions per request
@@ -67,6 +68,7 @@ class SchedulerConfig:
             "max_chat_messages",
             "max_message_bytes",
             "max_choices",
+            "max_grammar_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

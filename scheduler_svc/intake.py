@@ -12,6 +12,7 @@ for 1.3 s).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -27,6 +28,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.request_limits import LimitExceeded, check_request_limits
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
+from scheduler_svc.structured_output import GrammarChecker, InvalidGrammar, StructuredOutput
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
@@ -46,6 +48,10 @@ class ModelLimits:
     eos_token: str
     context_length: int
     vocab_size: int
+
+    @functools.cached_property
+    def grammar_checker(self) -> GrammarChecker:
+        return GrammarChecker(self.tokenizer, self.vocab_size, self.eos_token)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,16 @@ def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
         )
     except InvalidRequestError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
+
+
+def _structured_output(msg: pb.GenerateRequest, limits: ModelLimits) -> StructuredOutput | None:
+    try:
+        spec = StructuredOutput.from_pb(msg.structured_output)
+        if spec is not None:
+            limits.grammar_checker.check(spec)
+        return spec
+    except InvalidGrammar as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -172,6 +188,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
     except LimitExceeded as exc:
         raise InvalidArgument(str(exc)) from None
     sampling = _sampling(msg)
+    structured_output = _structured_output(msg, limits)
     prompt = prompt_token_ids(msg, limits)
     ctx = limits.context_length
     if len(prompt) >= ctx:
@@ -217,5 +234,6 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
         session_id=msg.session_id,
         retention_s=retention_s,
         executor_request_id=uuid.uuid4().hex,  # never the client's id: see Request
+        structured_output=structured_output,
     )
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)

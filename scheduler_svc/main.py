@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest gRPC message or HTTP request body the scheduler receives (default %(default)s)",
     )
     limits.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=defaults.max_grammar_bytes,
+        help="a structured_output's JSON schema, Lark grammar or regex, in bytes (default %(default)s)",
+    )
+    limits.add_argument(
         "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
     )
     limits.add_argument(
@@ -195,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         http_listen=args.http_listen,
         max_choices=args.max_choices,
         tool_call_parser=args.tool_call_parser,
+        max_grammar_bytes=args.max_grammar_bytes,
     )
 
 

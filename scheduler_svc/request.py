@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from service_common.sampling_params import SamplingParams
+from scheduler_svc.structured_output import StructuredOutput
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +39,7 @@ class Request:
     session_id: str = ""
     retention_s: float = 0.0
     executor_request_id: str = ""  # empty: the client's id (pure-core tests); intake always sets a fresh one
+    structured_output: StructuredOutput | None = None  # None: unconstrained
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

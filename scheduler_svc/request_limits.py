@@ -60,6 +60,14 @@ def check_request_limits(msg: pb.GenerateRequest, config: SchedulerConfig) -> No
                 f"chat.messages and chat.tools are {size} bytes together; the limit is {config.max_prompt_bytes} "
                 "(--max-prompt-bytes)"
             )
+    grammar_kind = msg.structured_output.WhichOneof("kind")
+    if grammar_kind in ("json_schema", "lark", "regex"):
+        size = len(getattr(msg.structured_output, grammar_kind).encode())
+        if size > config.max_grammar_bytes:
+            raise LimitExceeded(
+                f"structured_output.{grammar_kind} is {size} bytes; the limit is {config.max_grammar_bytes} "
+                "(--max-grammar-bytes)"
+            )
     if len(msg.stop) > config.max_stop_strings:
         raise LimitExceeded(
             f"{len(msg.stop)} stop strings; the limit is {config.max_stop_strings} (--max-stop-strings)"

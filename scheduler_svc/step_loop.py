@@ -301,6 +301,7 @@ class StepLoop:
                     session_id=r.session_id,
                     retention_s=r.retention_s,
                     output_token_ids=r.output_token_ids,  # non-empty only when resubmitted
+                    structured_output=r.structured_output.to_pb() if r.structured_output else None,
                 )
                 for r in plan.new_requests
             ],

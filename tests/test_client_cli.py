@@ -297,6 +297,7 @@ def test_request_flag_defaults(command):
         "ignore_eos": False,
         "include_special_tokens": False,
         "request_id": None,
+        "structured_output": None,
     }
 
 
@@ -312,6 +313,34 @@ def test_request_flags_reach_the_client_kwargs():
     assert kwargs["stop"] == ["a", "b"]
     # Every kwarg is one build_generate_request accepts.
     build_generate_request("hi", **kwargs)
+
+
+def test_grammar_flags_reach_the_request(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    kwargs = request_kwargs(parse_args(["generate", "hi", "--json-schema", str(schema)]))
+    request = build_generate_request("hi", **kwargs)
+    assert request.structured_output.json_schema == schema.read_text()
+    assert build_generate_request("hi", **request_kwargs(parse_args(["chat", "--regex", "a+"]))).structured_output.regex == "a+"
+    assert build_generate_request("hi", **request_kwargs(parse_args(["chat", "--json-object"]))).structured_output.json_object
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "yes" | "no"')
+    assert request_kwargs(parse_args(["chat", "--lark", str(lark)]))["structured_output"] == {"lark": lark.read_text()}
+    assert build_generate_request("hi", structured_output={"json_schema": {"type": "object"}}).structured_output.json_schema == (
+        '{"type": "object"}'
+    )
+    for bad in ({}, {"json_object": False}, {"regex": 1}, {"json_schema": "{}", "regex": "a"}, {"yaml": "x"}):
+        with pytest.raises(ValueError, match="structured_output"):
+            build_generate_request("hi", structured_output=bad)
+
+
+def test_grammar_flags_are_exclusive_and_files_must_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["generate", "hi", "--json-object", "--regex", "a"])
+    assert exit.value.code == 2
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["generate", "hi", "--json-schema", str(tmp_path / "missing.json")])
+    assert exit.value.code == 2 and "cannot read the grammar file" in capsys.readouterr().err
 
 
 def test_generate_takes_a_prompt_or_token_ids():

@@ -5,6 +5,7 @@ No server: the tiny model's real tokenizer and chat template, and a SchedulerCon
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
@@ -129,3 +130,42 @@ def test_token_ids_beyond_the_context_are_refused_before_they_are_read(limits):
 def test_message_size_must_exceed_the_prompt_limit():
     with pytest.raises(ValueError, match="max_message_bytes"):
         SchedulerConfig(max_prompt_bytes=4 << 20, max_message_bytes=4 << 20)
+
+
+# ------------------------------------------------------------- structured output (issue 13)
+
+
+def test_a_grammar_is_carried_to_the_request(limits):
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    accepted = intake(generate(structured_output=pb.StructuredOutput(json_schema=schema)), limits, SchedulerConfig())
+    assert (accepted.request.structured_output.kind, accepted.request.structured_output.text) == ("json_schema", schema)
+    assert accepted.request.structured_output.to_pb().json_schema == schema
+    assert intake(generate(), limits, SchedulerConfig()).request.structured_output is None
+    json_object = intake(generate(structured_output=pb.StructuredOutput(json_object=True)), limits, SchedulerConfig())
+    assert json_object.request.structured_output.to_pb().json_object
+
+
+@pytest.mark.parametrize(
+    "structured_output,problem",
+    [
+        (pb.StructuredOutput(json_schema="{oops"), "structured_output.json_schema is not a valid JSON schema"),
+        (pb.StructuredOutput(json_schema='"a string"'), "must be a JSON object"),
+        (pb.StructuredOutput(json_schema='{"type": "integer", "minimum": "x"}'), "structured_output.json_schema is invalid"),
+        (pb.StructuredOutput(json_schema='{"$ref": "#/defs/missing"}'), "/defs/missing"),
+        (pb.StructuredOutput(regex="a(b"), "unclosed group"),
+        (pb.StructuredOutput(lark="start: foo"), 'unknown name: "foo"'),
+        # Only the model's token table knows which special tokens exist.
+        (pb.StructuredOutput(lark='start: "a" <|no_such_token|>'), "unknown special token"),
+        (pb.StructuredOutput(json_object=False), "json_object must be true"),
+    ],
+)
+def test_a_bad_grammar_is_invalid_argument_naming_the_problem(limits, structured_output, problem):
+    with pytest.raises(InvalidArgument, match=re.escape(problem)):
+        intake(generate(structured_output=structured_output), limits, SchedulerConfig())
+
+
+def test_a_grammar_beyond_the_size_limit_is_refused_before_it_is_compiled(limits):
+    config = SchedulerConfig(max_grammar_bytes=64)
+    with pytest.raises(InvalidArgument, match=r"structured_output.regex is 65 bytes; the limit is 64 \(--max-grammar-bytes\)"):
+        intake(generate(structured_output=pb.StructuredOutput(regex="a" * 65)), limits, config)
+    assert intake(generate(structured_output=pb.StructuredOutput(regex="a" * 64)), limits, config).request.structured_output

@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
 }
 
 
@@ -84,17 +84,17 @@ def test_tool_use_and_tool_result_turns_render_and_hit_the_cache(client):
     assert count == second.usage.input_tokens + second.usage.cache_read_input_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="grammar engine not merged: the executor ignores GenerateRequest.structured_output")
+@pytest.mark.xfail(strict=True, reason="on the tiny test model a forced hermes call never ends (finish_reason length even at 256 tokens), while json_schema output does: the forced-call Lark grammar needs a look (see the issue 13 note)")
 def test_a_forced_tool_call_comes_back_as_tool_use(client):
     reply = client.messages.create(
-        model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=64,
+        model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=256,
         extra_body=GREEDY, tool_choice={"type": "tool", "name": "get_weather"},
     )  # fmt: skip
     uses = [block for block in reply.content if block.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
     with client.messages.stream(
-        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=64,
+        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=256,
         extra_body=GREEDY, tool_choice={"type": "any"},
     ) as stream:  # fmt: skip
         final = stream.get_final_message()
@@ -102,7 +102,6 @@ def test_a_forced_tool_call_comes_back_as_tool_use(client):
     jsonschema.validate(final.content[-1].input, WEATHER["input_schema"])
 
 
-@pytest.mark.xfail(strict=True, reason="grammar engine not merged: the executor ignores GenerateRequest.structured_output")
 def test_output_config_json_schema_is_followed(client):
     schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 10}}, "required": ["color"], "additionalProperties": False}
     for seed in range(5):

@@ -19,7 +19,7 @@ from clients.sync_client import SwarmClient  # noqa: E402
 from tests.http_stack import http_stack, pick_stop  # noqa: E402
 
 GRAMMAR_PENDING = pytest.mark.xfail(
-    strict=True, reason="grammar engine not merged: the executor ignores GenerateRequest.structured_output"
+    strict=True, reason="on the tiny test model a forced hermes call never ends (finish_reason length even at 256 tokens), while json_schema output does: the forced-call Lark grammar needs a look (see the issue 13 note)"
 )
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 WEATHER_TOOL = {
@@ -27,7 +27,7 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
     },
 }
 
@@ -156,7 +156,7 @@ def test_agent_loop_with_a_forced_tool_call(client):
     finds turn 1's prompt cached."""
     messages = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
     first = client.chat.completions.create(
-        model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=64, temperature=0.0,
+        model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=256, temperature=0.0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )  # fmt: skip
     calls = first.choices[0].message.tool_calls
@@ -166,7 +166,7 @@ def test_agent_loop_with_a_forced_tool_call(client):
     jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
     streamed = list(
         client.chat.completions.create(
-            model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=64, temperature=0.0, tool_choice="required", stream=True
+            model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=256, temperature=0.0, tool_choice="required", stream=True
         )
     )
     deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
@@ -182,7 +182,7 @@ def test_agent_loop_with_a_forced_tool_call(client):
 def test_json_schema_output_validates_on_20_seeds(client):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
         "required": ["name", "age"],
         "additionalProperties": False,
     }  # fmt: skip

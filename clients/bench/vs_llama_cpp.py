@@ -339,6 +339,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
         ) as services:
             info = await executor_info(services.executor_address)
             result["swarmserve_dtype"] = info.dtype
+            result["swarmserve_matmul"] = info.matmul
             result["swarmserve_spec"] = flag_value(scheduler_args, "--spec") or _default_spec()
             measured_resident = False
             for num_streams in args.streams:
@@ -422,7 +423,7 @@ def format_report(result: dict) -> str:
         f"model {Path(result['model']).name} ({_mib(gguf)}), greedy, EOS ignored, {result['threads']} threads",
         f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}"
         + (f", args {' '.join(result['llama_args'])}" if result.get("llama_args") else ""),
-        f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, spec {result.get('swarmserve_spec', '?')}"
+        f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, matmul {result.get('swarmserve_matmul') or '?'}, spec {result.get('swarmserve_spec', '?')}"
         + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
         + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
         "",

@@ -84,7 +84,6 @@ def test_tool_use_and_tool_result_turns_render_and_hit_the_cache(client):
     assert count == second.usage.input_tokens + second.usage.cache_read_input_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="on the tiny test model a forced hermes call never ends (finish_reason length even at 256 tokens), while json_schema output does: the forced-call Lark grammar needs a look (see the issue 13 note)")
 def test_a_forced_tool_call_comes_back_as_tool_use(client):
     reply = client.messages.create(
         model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=256,
@@ -93,6 +92,14 @@ def test_a_forced_tool_call_comes_back_as_tool_use(client):
     uses = [block for block in reply.content if block.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="streamed tool_choice any (several calls allowed) on the tiny model: stop_reason tool_use, but the "
+    "stream's last content block is text, not tool_use (see the issue 13 note)",
+)
+def test_a_streamed_tool_choice_any_ends_with_tool_use(client):
     with client.messages.stream(
         model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=256,
         extra_body=GREEDY, tool_choice={"type": "any"},

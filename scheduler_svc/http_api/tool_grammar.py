@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from scheduler_svc.http_api.tool_calls import HERMES_CLOSE, HERMES_OPEN
+from service_common.grammar_source import JSON_DEFAULTS
 
 
 def _call_schema(name: str, parameters: dict | None, arguments_key: str) -> dict:
@@ -35,6 +36,9 @@ def forced_call_grammar(parser: str, functions: list[tuple[str, dict | None]], a
         raise ValueError(f"no grammar for tool-call syntax {parser!r}")
     schemas = [_call_schema(name, parameters, arguments_key) for name, parameters in functions]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # The same bounded whitespace as json_schema output: `%json` alone allows any run of it,
+    # and a model can loop on newlines inside the call until max_tokens.
+    schema = {**schema, "x-guidance": JSON_DEFAULTS}
     repeat = f"({separator} call)*" if allow_several else ""
     if parser == "hermes":
         call = f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"'

@@ -4,8 +4,18 @@ and the transformers reference."""
 from __future__ import annotations
 
 import os
+import sys
 
-import pytest
+# The Triton interpreter runs tl.dot through numpy's OpenBLAS, whose AVX2 (Haswell/Zen)
+# sgemm kernels sum a row differently at a tile's edge than inside it: a Triton kernel's
+# bit-for-bit batch invariance (by construction on a GPU) then fails under the interpreter
+# on AVX2 CPUs only (AVX-512 ones use other kernels). OpenBLAS's generic kernels keep each
+# row's order fixed. It must be set before numpy loads OpenBLAS, i.e. before any test module.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Prescott")
+if "numpy" in sys.modules and os.environ["OPENBLAS_CORETYPE"] == "Prescott":
+    print("conftest: numpy was imported before OPENBLAS_CORETYPE could be set; interpreter invariance tests may fail")
+
+import pytest  # noqa: E402
 
 # The reference never fetches anything from a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: serve test venv venv-test bench clean
 
-$(VENV)/.base: pyproject.toml setup.py Makefile $(wildcard protos/swarmserve/*/v1/*.proto) $(wildcard executor_svc/cpu_kernels/*.cpp)
+$(VENV)/.base: pyproject.toml setup.py Makefile $(wildcard protos/swarmserve/*/v1/*.proto) $(wildcard executor_svc/cpu_kernels/*.cpp executor_svc/cpu_kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)

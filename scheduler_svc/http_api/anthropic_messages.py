@@ -196,14 +196,7 @@ async def messages(front: Front, body: MessagesRequest, request: HttpRequest) ->
     if body.stream:
         events = _stream_events(front, message_id, streams, output)
         return EventStream(events, on_close=lambda: generation.release_all(front.loop, streams))
-    try:
-        async def collect():
-            async for _, event in generation.events(streams):
-                output.add(event)
-
-        await generation.until_disconnected(request, collect())
-    finally:
-        generation.release_all(front.loop, streams)
+    await generation.collect_all(front.loop, request, streams, [output])
     content = ([{"type": "text", "text": output.text}] if output.text or not output.calls else []) + [
         _tool_use(call) for call in output.calls
     ]

@@ -89,6 +89,21 @@ def _unwrap(event: pb.GenerateResponse | StreamError) -> pb.TokenDelta | pb.Gene
     return event.final if event.HasField("final") else event.delta
 
 
+async def collect_all(loop: StepLoop, request: HttpRequest, streams: list[RequestStream], outputs: list) -> None:
+    """Each stream's events into its output (`outputs[i].add`) until all end, for a plain
+    (non-streamed) response; the streams are released however it ends, and a client that
+    hangs up first aborts them (ClientGone)."""
+
+    async def collect() -> None:
+        async for index, event in events(streams):
+            outputs[index].add(event)
+
+    try:
+        await until_disconnected(request, collect())
+    finally:
+        release_all(loop, streams)
+
+
 async def until_disconnected(request: HttpRequest, work: Awaitable[T]) -> T:
     """`work`'s result, or ClientGone (with `work` cancelled) if the client hangs up first.
 

@@ -136,16 +136,8 @@ async def chat_completions(front: Front, body: ChatCompletionRequest, request: H
     if body.stream:
         chunks = _stream_chunks(front, body, completion_id, streams, outputs)
         return EventStream(chunks, on_close=lambda: generation.release_all(front.loop, streams))
-    try:
-        await generation.until_disconnected(request, _collect(streams, outputs))
-    finally:
-        generation.release_all(front.loop, streams)
+    await generation.collect_all(front.loop, request, streams, outputs)
     return JSONResponse(_completion(front, body, completion_id, outputs))
-
-
-async def _collect(streams, outputs: list[ChoiceOutput]) -> None:
-    async for index, event in generation.events(streams):
-        outputs[index].add(event)
 
 
 def usage(finals: list[pb.GenerateFinal]) -> dict:

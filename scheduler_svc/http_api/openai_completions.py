@@ -72,14 +72,7 @@ async def completions(front: Front, body: CompletionRequest, request: HttpReques
     if body.stream:
         chunks = _stream_chunks(front, body, completion_id, streams, outputs)
         return EventStream(chunks, on_close=lambda: generation.release_all(front.loop, streams))
-    try:
-        async def collect():
-            async for index, event in generation.events(streams):
-                outputs[index].add(event)
-
-        await generation.until_disconnected(request, collect())
-    finally:
-        generation.release_all(front.loop, streams)
+    await generation.collect_all(front.loop, request, streams, outputs)
     choices = [_choice(front, body, i, out, out.text, out.logprobs, out.token_ids, 0) for i, out in enumerate(outputs)]
     for choice in choices:
         choice["finish_reason"] = openai_finish_reason(outputs[choice["index"]])

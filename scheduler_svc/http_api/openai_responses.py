@@ -30,7 +30,6 @@ from scheduler_svc.http_api.openai_schema import (
     FunctionCallOutputItem,
     InputMessage,
     OtherItem,
-    ReasoningItem,
     ResponsesRequest,
 )
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
@@ -179,14 +178,7 @@ async def responses(front: Front, body: ResponsesRequest, request: HttpRequest) 
     if body.stream:
         events = _stream_events(front, body, ids, created, streams, output)
         return EventStream(events, on_close=lambda: generation.release_all(front.loop, streams))
-    try:
-        async def collect():
-            async for _, event in generation.events(streams):
-                output.add(event)
-
-        await generation.until_disconnected(request, collect())
-    finally:
-        generation.release_all(front.loop, streams)
+    await generation.collect_all(front.loop, request, streams, [output])
     return JSONResponse(_response(front, body, ids, created, output))
 
 

@@ -8,6 +8,7 @@ that is where a stream's requests are released.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
@@ -17,6 +18,22 @@ from starlette.types import Receive, Scope, Send
 def sse(data: dict | str, event: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+def openai_chunks(object_name: str, response_id: str, model: str, include_usage: bool) -> Callable[..., str]:
+    """The SSE writer of an OpenAI stream (chat.completion.chunk / text_completion): each chunk
+    carries the stream's id, object, created time and model; with include_usage every chunk
+    has `usage` (null until the last, which passes it)."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict], **extra) -> str:
+        data = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            data["usage"] = None
+        data.update(extra)
+        return sse(data)
+
+    return chunk
 
 
 class EventStream(StreamingResponse):

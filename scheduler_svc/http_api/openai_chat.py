@@ -13,7 +13,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput, openai_finish_reason
 from scheduler_svc.http_api.errors import ApiError, bad_field
-from scheduler_svc.http_api.event_stream import EventStream, sse
+from scheduler_svc.http_api.event_stream import EventStream, openai_chunks, sse
 from scheduler_svc.http_api.front import (
     Front,
     check_choices,
@@ -203,15 +203,8 @@ def _completion(front: Front, body: ChatCompletionRequest, completion_id: str, o
 async def _stream_chunks(
     front: Front, body: ChatCompletionRequest, completion_id: str, streams, outputs: list[ChoiceOutput]
 ) -> AsyncIterator[str]:
-    created, model = int(time.time()), front.model_name
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-    def chunk(choices: list[dict], **extra) -> str:
-        data = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        if include_usage:
-            data["usage"] = None
-        data.update(extra)
-        return sse(data)
+    chunk = openai_chunks("chat.completion.chunk", completion_id, front.model_name, include_usage)
 
     for index in range(len(streams)):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from scheduler_svc.load_report import RouterGauges
 from service_common.observability import metric_buckets as buckets
 from service_common.observability.rpc_errors import RPC_ERROR_LABELS
 
@@ -68,7 +69,8 @@ class SchedulerMetrics:
         self._last_token_s: dict[str, float] = {}  # request id -> when its last tokens were delivered
 
     def watch(self, loop) -> None:
-        """Read the queue, the batch and the KV mirror from the step loop at scrape time."""
+        """Read the queue, the batch and the KV mirror from the step loop at scrape time,
+        for our gauges and for the ones routers read under vLLM's names (load_report)."""
 
         def planner_value(read):
             return lambda: read(loop.planner) if loop.planner is not None else 0
@@ -78,6 +80,7 @@ class SchedulerMetrics:
         self.kv_blocks_free.set_function(planner_value(lambda p: p.num_free_blocks))
         self.kv_blocks_used.set_function(planner_value(lambda p: p.num_kv_blocks - p.num_free_blocks))
         self.executor_connected.set_function(lambda: 1 if loop.is_connected else 0)
+        self.registry.register(RouterGauges(loop))
 
     def observe_step(self, record, updates, step_exemplar: dict | None = None, request_exemplar=None) -> None:
         """One step: its StepRecord and the planner's RequestUpdates for it.

@@ -5,7 +5,8 @@ Errors leave in the shape of the API the path belongs to: Anthropic's under
 `param` names the first bad field (FastAPI's default would be a 422 in its own shape).
 With --api-key-file every /v1/ route needs `Authorization: Bearer <key>` or
 `x-api-key: <key>` (what the Anthropic SDK sends) with one of the file's keys;
-/health and /metrics stay open, like the gRPC health service.
+/health and /metrics stay open, like the gRPC health service. A gateway in front of
+several schedulers reads /health, /v1/models, /v1/loads and /metrics (load_report).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from scheduler_svc.http_api.errors import ApiError
 from scheduler_svc.http_api.front import Front
 from scheduler_svc.http_api.generation import ClientGone
 from scheduler_svc.http_api.openai_schema import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from scheduler_svc.load_report import Load, smg_loads
 from scheduler_svc.step_loop import StepLoop
 
 log = structlog.get_logger()
@@ -121,6 +123,13 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
         if metrics is None:
             raise ApiError(404, "metrics are off")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/loads")
+    async def loads():
+        """SMG's load report (load_report.smg_loads), which it polls for its load-aware routing."""
+        if not loop.is_connected:
+            raise ApiError(503, f"the executor at {config.executor} is not connected; no load to report")
+        return smg_loads(Load.of(loop))
 
     @app.get("/v1/models")
     async def models():

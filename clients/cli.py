@@ -30,6 +30,7 @@ from clients.completion import Completion, collect_completion
 from clients.errors import SwarmServeError
 from clients.events import TokenEvent
 from clients.serve import ServeConfig, ServeError, Supervisor, executor_command, scheduler_command, split_service_flags
+from clients.serve_fleet import GATEWAY_POLICIES, GATEWAYS, Fleet, FleetConfig
 from clients.sync_client import SwarmClient
 from executor_svc.flags import build_parser as executor_parser
 from executor_svc.flags import config_from_args as executor_config
@@ -260,6 +261,34 @@ def _add_serve_command(commands) -> None:
         metavar="S",
         help="seconds between SIGTERM and SIGKILL (default %(default)g)",
     )
+    fleet = FleetConfig(ServeConfig())
+    serve.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="executor+scheduler pairs, each on its own ports, behind --gateway (default %(default)s)",
+    )
+    serve.add_argument(
+        "--gateway",
+        choices=GATEWAYS,
+        default=None,
+        help="start this gateway on --http-listen in front of the pairs' HTTP APIs "
+        "(smg: the Shepherd Model Gateway, `pip install smg`); needed with --replicas above 1",
+    )
+    serve.add_argument(
+        "--gateway-policy",
+        choices=GATEWAY_POLICIES,
+        default=fleet.gateway_policy,
+        help="the gateway's routing policy (default %(default)s: an agent's turns go to the pair holding its prefix)",
+    )
+    serve.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `smg launch` argument, repeatable, e.g. --gateway-arg=--routing-key-headers --gateway-arg=x-session-id",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -273,10 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config(args: argparse.Namespace, service_flags: list[str]) -> ServeConfig:
-    """serve's own flags and the services' flags (`service_flags`, routed to their service)."""
+def serve_config(args: argparse.Namespace, service_flags: list[str]) -> ServeConfig | FleetConfig:
+    """serve's own flags and the services' flags (`service_flags`, routed to their service);
+    a FleetConfig with a gateway in front when there is one."""
     executor_args, scheduler_args = split_service_flags(service_flags)
-    return ServeConfig(
+    config = ServeConfig(
         executor_listen=args.executor_listen,
         scheduler_listen=args.scheduler_listen,
         http_listen=args.http_listen,
@@ -286,6 +316,11 @@ def serve_config(args: argparse.Namespace, service_flags: list[str]) -> ServeCon
         startup_timeout_s=args.startup_timeout,
         shutdown_grace_s=args.shutdown_grace,
     )
+    if args.gateway is None:
+        if args.replicas > 1:
+            raise ValueError("--replicas above 1 needs a gateway in front: add --gateway smg")
+        return config
+    return FleetConfig(config, args.replicas, args.gateway, args.gateway_policy, gateway_args=tuple(args.gateway_arg))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -308,9 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as error:
             parser.error(f"serve: {error}")
         # Each service checks its own flags and config now, not after the other has started.
+        pair = args.config.base if isinstance(args.config, FleetConfig) else args.config
         for name, service_parser, config_from_args, command in (
-            ("executor", executor_parser(), executor_config, executor_command(args.config)),
-            ("scheduler", scheduler_parser(), scheduler_config, scheduler_command(args.config)),
+            ("executor", executor_parser(), executor_config, executor_command(pair)),
+            ("scheduler", scheduler_parser(), scheduler_config, scheduler_command(pair)),
         ):
             try:
                 config_from_args(service_parser.parse_args(command[3:]))
@@ -429,8 +465,8 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(config: ServeConfig) -> int:
-    supervisor = Supervisor(config)
+async def _serve(config: ServeConfig | FleetConfig) -> int:
+    supervisor = Fleet(config) if isinstance(config, FleetConfig) else Supervisor(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, supervisor.request_stop)
@@ -448,7 +484,7 @@ async def _serve(config: ServeConfig) -> int:
     finally:
         await supervisor.stop()
     if child_exit is not None:
-        print(f"error: the {child_exit.describe()}; stopped the other server", file=sys.stderr, flush=True)
+        print(f"error: the {child_exit.describe()}; stopped the other servers", file=sys.stderr, flush=True)
         return EXIT_ERROR
     print("swarmserve: stopped", file=sys.stderr, flush=True)
     return 0

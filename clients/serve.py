@@ -236,7 +236,7 @@ class ServeReady:
         return listed
 
 
-async def _is_listening(address: str) -> bool:
+async def is_listening(address: str) -> bool:
     host, _, port = address.rpartition(":")
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), _PORT_PROBE_TIMEOUT_S)
@@ -246,7 +246,7 @@ async def _is_listening(address: str) -> bool:
     return True
 
 
-async def _finish(tasks: list[asyncio.Future]) -> None:
+async def cancel_all(tasks: list[asyncio.Future]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -283,7 +283,7 @@ class Supervisor:
         if config.http_listen:
             addresses.append(("scheduler's HTTP API", connect_address(config.http_listen)))
         for name, address in addresses:
-            if await _is_listening(address):
+            if await is_listening(address):
                 raise ServeError(f"something already listens on {address}; is another swarmserve running? (needed by the {name})")
 
         steps = (
@@ -309,7 +309,7 @@ class Supervisor:
             try:
                 await asyncio.wait({serving, exited, stopped}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await _finish([serving, exited, stopped])
+                await cancel_all([serving, exited, stopped])
         if self._stop_requested.is_set():
             return False
         if process.returncode is not None:
@@ -337,7 +337,7 @@ class Supervisor:
         try:
             done, _ = await asyncio.wait({*exits, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await _finish([*exits, stopped])
+            await cancel_all([*exits, stopped])
         if stopped in done:
             return None
         for name, process in self._children.items():

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 OVERRIDES = {"cpu": [], "rocm": [DEPLOY / "docker-compose.rocm.yml"], "cuda": [DEPLOY / "docker-compose.cuda.yml"]}
+SCALE = DEPLOY / "docker-compose.scale.yml"
 
 
 def compose_command() -> list[str] | None:
@@ -84,7 +85,7 @@ def test_compose_config_validates(variant, tmp_path):
 def compose_builds() -> dict[Path, Path]:
     """Every Dockerfile the compose files build -> its build context."""
     builds = {}
-    for path in [COMPOSE, *(p for paths in OVERRIDES.values() for p in paths)]:
+    for path in [COMPOSE, SCALE, *(p for paths in OVERRIDES.values() for p in paths)]:
         for service in load(path)["services"].values():
             build = service.get("build")
             if build is None:
@@ -148,10 +149,12 @@ def test_every_dockerfile_copies_what_exists_in_its_context():
                 for pattern in dockerignore_patterns(context):
                     assert not fnmatch.fnmatch(source.rstrip("/"), pattern), f"{source} is excluded by .dockerignore ({pattern})"
     assert num_sources >= 3 * 6  # the three swarmserve images copy the package sources
+    smg = dockerfile_instructions(DEPLOY / "smg" / "Dockerfile")
+    assert ("RUN", "pip install smg==1.13.0") in smg  # the gateway pinned, like every image
 
 
 def test_compose_images_are_pinned():
-    for path in [COMPOSE, *(p for paths in OVERRIDES.values() for p in paths)]:
+    for path in [COMPOSE, SCALE, *(p for paths in OVERRIDES.values() for p in paths)]:
         for name, service in load(path)["services"].items():
             image = service.get("image", "")
             if image:
@@ -267,3 +270,66 @@ def test_compose_scheduler_keeps_its_id_across_container_recreation():
     """The executor serves one scheduler id; the default (host/listen) changes with the container."""
     command = load(COMPOSE)["services"]["scheduler"]["command"]
     assert any(a.startswith("--scheduler-id=") for a in command)
+
+
+def _compose_config(tmp_path, *files: Path) -> dict:
+    command = compose_command()
+    if command is None:
+        if os.environ.get("CI"):
+            pytest.fail("neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)")
+        pytest.skip("no docker compose tool here (apt-get install docker-compose)")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    result = subprocess.run([*command, *(a for f in files for a in ("-f", str(f))), "config"], capture_output=True, text=True, env=env, cwd=DEPLOY)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_scale_compose_puts_the_pairs_behind_one_gateway(tmp_path):
+    """docker-compose.scale.yml over the base: the single pair off (profile), N pairs each
+    running `swarmserve serve` with flags serve accepts, the gateway on the one published
+    port pointing at every pair's HTTP front, health checks gating it, traces and metrics
+    wired to the same collector and Prometheus."""
+    from clients.cli import parse_args
+
+    merged = _compose_config(tmp_path, COMPOSE, SCALE)["services"]  # validates; v2 leaves out inactive profiles
+    started = {name for name, service in merged.items() if not service.get("profiles")}
+    pairs = sorted(name for name in started if name.startswith("pair-"))
+    assert len(pairs) >= 2 and started == {*pairs, "gateway", "otel-collector", "jaeger", "prometheus", "grafana"}
+    services = {**load(COMPOSE)["services"], **load(SCALE)["services"]}  # as written (each tool renders ports its own way)
+    assert services["executor"]["profiles"] == services["scheduler"]["profiles"] == ["single"]
+    for name in started:
+        assert merged[name].get("restart") == "unless-stopped", name
+        assert merged[name]["healthcheck"]["test"][0] == "CMD", name
+
+    gateway = services["gateway"]
+    command = gateway["command"]
+    assert command[0] == "launch" and "--policy=cache_aware" in command
+    urls = command[command.index("--worker-urls") + 1 :]
+    urls = urls[: next((i for i, a in enumerate(urls) if a.startswith("--")), len(urls))]
+    published = [p for name in started for p in services[name].get("ports", [])]
+    assert [p for p in gateway["ports"]] == ["127.0.0.1:8000:8000"] and all(str(p).startswith("127.0.0.1:") for p in published)
+    assert not any(services[p].get("ports") for p in pairs), "agents reach the pairs only through the gateway"
+    pair_ids = set()
+    for name in pairs:
+        pair = {**services[name], "command": merged[name]["command"]}  # with the variables' defaults in
+        assert pair["command"][:2] == ["swarmserve", "serve"]
+        config = parse_args(pair["command"][1:]).config  # every flag is one serve accepts
+        assert f"http://{name}:{config.http_listen.rsplit(':', 1)[1]}" in urls
+        assert gateway["depends_on"][name]["condition"] == "service_healthy"
+        drain_s = float(_flag(pair["command"], "--drain-timeout-s"))
+        assert drain_s < config.shutdown_grace_s < float(pair["stop_grace_period"].rstrip("s"))
+        pair_ids.add(_flag(pair["command"], "--scheduler-id"))
+    assert len(urls) == len(pairs) and len(pair_ids) == len(pairs)
+    assert "/readiness" in " ".join(gateway["healthcheck"]["test"])
+
+    collector = load(DEPLOY / "otel-collector" / "config.yaml")
+    grpc_port = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
+    for name in pairs:
+        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{grpc_port}"
+    assert "--enable-trace" in command and _flag(command, "--otlp-traces-endpoint") == f"otel-collector:{grpc_port}"
+
+    scrape = load(DEPLOY / "prometheus" / "prometheus.scale.yml")
+    targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    metrics_port = int(_flag(services[pairs[0]]["command"], "--metrics-port"))
+    assert targets == {f"{p}:{port}" for p in pairs for port in (metrics_port, metrics_port + 1)} | {f"gateway:{_flag(command, '--prometheus-port')}"}
+    assert any(v.startswith("./prometheus/prometheus.scale.yml:/etc/prometheus/prometheus.yml") for v in services["prometheus"]["volumes"])

@@ -8,7 +8,12 @@
 - the Grafana dashboard loads and queries only metrics (and labels) the services'
   registries export, from datasources that are provisioned;
 - Prometheus scrapes the ports the services' --metrics-port flags open, and traces flow
-  services -> collector -> Jaeger on matching ports.
+  services -> collector -> Jaeger on matching ports;
+- docker-compose.scale.yml puts N `swarmserve serve` pairs behind the SMG gateway;
+- deploy/k8s: the core resources validate against the Kubernetes schemas (kubernetes-validate,
+  strict), the InferencePool against the inference extension's CRD schema (vendored in
+  tests/data), and the pieces reference each other consistently (Gateway and HTTPRoute,
+  whose CRDs are not vendored, only this way).
 """
 
 from __future__ import annotations
@@ -333,3 +338,155 @@ def test_scale_compose_puts_the_pairs_behind_one_gateway(tmp_path):
     metrics_port = int(_flag(services[pairs[0]]["command"], "--metrics-port"))
     assert targets == {f"{p}:{port}" for p in pairs for port in (metrics_port, metrics_port + 1)} | {f"gateway:{_flag(command, '--prometheus-port')}"}
     assert any(v.startswith("./prometheus/prometheus.scale.yml:/etc/prometheus/prometheus.yml") for v in services["prometheus"]["volumes"])
+
+
+K8S = DEPLOY / "k8s"
+INFERENCE_POOL_CRD = ROOT / "tests" / "data" / "inferencepools.crd.yaml"
+CORE_GROUPS = ("v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1")
+
+
+def k8s_resources() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> resource, for every document in deploy/k8s/*.yaml."""
+    resources = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            key = (document["kind"], document["metadata"]["name"])
+            assert key not in resources, f"{path.name}: {key} twice"
+            resources[key] = document
+    return resources
+
+
+def test_k8s_core_resources_validate_against_the_kubernetes_schemas():
+    """kubernetes-validate (the Kubernetes OpenAPI schemas, strict: no unknown field)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    resources = k8s_resources()
+    core = [r for r in resources.values() if r["apiVersion"] in CORE_GROUPS]
+    assert {r["kind"] for r in core} >= {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"}
+    for resource in core:
+        kubernetes_validate.validate(resource, "1.37.0", strict=True)
+    # The validator is strict: a misspelt probe field is refused.
+    broken = json.loads(json.dumps(resources[("Deployment", "swarmserve")]))
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grcp"] = {"port": 50052}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.37.0", strict=True)
+
+
+def _unknown_fields(value, schema: dict, path: str = "") -> list[str]:
+    """Fields of `value` its OpenAPI schema does not declare (the API server would prune them)."""
+    if isinstance(value, dict) and "properties" in schema:
+        found = []
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                found.append(f"{path}.{key}")
+            else:
+                found += _unknown_fields(item, schema["properties"][key], f"{path}.{key}")
+        return found
+    if isinstance(value, list) and "items" in schema:
+        return [f for i, item in enumerate(value) for f in _unknown_fields(item, schema["items"], f"{path}[{i}]")]
+    return []
+
+
+def test_k8s_inference_pool_validates_against_its_crd_schema():
+    """The InferencePool against the inference extension's own CRD schema (JSON Schema, plus no
+    undeclared field); Gateway and HTTPRoute, whose CRDs are not vendored, structurally below."""
+    import jsonschema
+
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = version["schema"]["openAPIV3Schema"]
+    pools = [r for r in k8s_resources().values() if r["kind"] == "InferencePool"]
+    assert len(pools) == 1 and pools[0]["apiVersion"] == f"{crd['spec']['group']}/v1"
+    jsonschema.Draft7Validator(schema).validate(pools[0])
+    assert _unknown_fields(pools[0], schema) == []
+    broken = json.loads(json.dumps(pools[0]))
+    del broken["spec"]["targetPorts"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(schema).validate(broken)
+
+
+def _container(pod_spec: dict, name: str) -> dict:
+    return next(c for c in pod_spec["containers"] if c["name"] == name)
+
+
+def _arg(command: list[str], flag: str) -> str:
+    return next(a.split("=", 1)[1] for a in command if a.startswith(flag + "="))
+
+
+def test_k8s_pieces_fit_together():
+    """The pair's flags parse, probes hit the listen ports, the GPU is requested, the grace
+    period covers the drain, and every selector and reference points at what exists."""
+    from executor_svc.config import EngineConfig
+    from executor_svc.flags import build_parser as executor_parser
+    from scheduler_svc.load_report import KV_USAGE, RUNNING, WAITING
+    from scheduler_svc.main import build_parser as scheduler_parser
+
+    resources = k8s_resources()
+    deployment = resources[("Deployment", "swarmserve")]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    pod = deployment["spec"]["template"]["spec"]
+    executor, scheduler = _container(pod, "executor"), _container(pod, "scheduler")
+
+    executor_args = executor_parser().parse_args(executor["command"][1:])
+    scheduler_args = scheduler_parser().parse_args(scheduler["command"][1:])
+    executor_port = int(executor_args.listen.rsplit(":", 1)[1])
+    assert scheduler_args.executor == f"127.0.0.1:{executor_port}"  # its own pod's executor
+    grpc_port = int(scheduler_args.listen.rsplit(":", 1)[1])
+    http_port = int(scheduler_args.http_listen.rsplit(":", 1)[1])
+    assert executor["resources"]["limits"]["nvidia.com/gpu"] == 1 and executor_args.device == "cuda"
+    for container, port in ((executor, executor_port), (scheduler, grpc_port)):
+        assert container["startupProbe"]["grpc"]["port"] == port  # the standard grpc.health.v1 service
+    assert executor["livenessProbe"]["grpc"]["port"] == executor_port
+    assert scheduler["readinessProbe"]["grpc"]["port"] == grpc_port  # NOT_SERVING while draining
+    named_ports = {p["name"]: p["containerPort"] for p in scheduler["ports"]}
+    assert named_ports["http"] == http_port and named_ports["grpc"] == grpc_port
+
+    drain_s = scheduler_args.drain_timeout_s
+    pre_stop = executor["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and float(pre_stop[1]) >= drain_s  # the executor outlives the drain
+    assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1])
+
+    service = resources[("Service", "swarmserve")]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(named_ports)
+    pdb = resources[("PodDisruptionBudget", "swarmserve")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
+
+    pool = resources[("InferencePool", "swarmserve")]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [http_port]  # /metrics and the API
+    picker = pool["spec"]["endpointPickerRef"]
+    epp_service = resources[("Service", picker["name"])]
+    assert picker["port"]["number"] in {p["port"] for p in epp_service["spec"]["ports"]}
+    epp_deployment = resources[("Deployment", picker["name"])]
+    epp_pod = epp_deployment["spec"]["template"]["spec"]
+    assert epp_service["spec"]["selector"].items() <= epp_deployment["spec"]["template"]["metadata"]["labels"].items()
+    epp = _container(epp_pod, "epp")
+    assert _arg(epp["args"], "--pool-name") == pool["metadata"]["name"]
+    assert _arg(epp["args"], "--grpc-port") == str(picker["port"]["number"])
+    # The gauges it scrapes are the ones swarmserve exports under those names.
+    assert _arg(epp["args"], "--total-queued-requests-metric") == WAITING
+    assert _arg(epp["args"], "--total-running-requests-metric") == RUNNING
+    assert _arg(epp["args"], "--kv-cache-usage-percentage-metric") == KV_USAGE
+    assert resources[("ServiceAccount", epp_pod["serviceAccountName"])]
+    role = resources[("RoleBinding", "swarmserve-epp")]["roleRef"]["name"]
+    granted = {r for rule in resources[("Role", role)]["rules"] for r in rule["resources"]}
+    assert {"inferencepools", "pods"} <= granted
+
+    config_path = _arg(epp["args"], "--config-file")
+    (mount,) = [m for m in epp["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in epp_pod["volumes"] if v["name"] == mount["name"]]
+    picker_config = yaml.safe_load(resources[("ConfigMap", volume["configMap"]["name"])]["data"][Path(config_path).name])
+    assert picker_config["kind"] == "EndpointPickerConfig"
+    defined = {p.get("name", p["type"]) for p in picker_config["plugins"]}
+    for profile in picker_config["schedulingProfiles"]:
+        assert {p["pluginRef"] for p in profile["plugins"]} <= defined
+    prefix = next(p for p in picker_config["plugins"] if p["type"] == "prefix-cache-scorer")
+    assert prefix["parameters"]["blockSize"] == EngineConfig.block_size
+
+    route = resources[("HTTPRoute", "swarmserve")]
+    (backend,) = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert (backend["group"], backend["kind"], backend["name"]) == ("inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+    (parent,) = route["spec"]["parentRefs"]
+    assert ("Gateway", parent["name"]) in resources

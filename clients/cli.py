@@ -20,6 +20,7 @@ from clients import timeline
 from clients.bench import batching as bench_batching
 from clients.bench import http_overhead as bench_http
 from clients.bench import overlap as bench_overlap
+from clients.bench import scaleout as bench_scaleout
 from clients.bench import speculation as bench_speculation
 from clients.bench import swarm as bench_swarm
 from clients.bench import tracing as bench_tracing
@@ -155,6 +156,7 @@ BENCHES = (
     ("tracing", bench_tracing, "per-step overhead of tracing on vs off"),
     ("http", bench_http, "the HTTP front's overhead per token against gRPC, at 1 and 16 streams"),
     ("vs", bench_vs, "swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory"),
+    ("scaleout", bench_scaleout, "1 pair vs 2 pairs vs 2 pairs behind SMG (cache_aware, round_robin): req/s, prefix hits, gateway latency"),
 )
 
 

@@ -123,6 +123,19 @@ def gateway_command(config: FleetConfig, metrics_port: int, python: str = sys.ex
     ]  # fmt: skip
 
 
+async def wait_gateway_ready(entry_url: str, num_workers: int) -> None:
+    """Until the gateway at `entry_url` counts `num_workers` healthy workers (its /readiness)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            try:
+                answer = await client.get(f"{entry_url}/readiness")
+                if answer.status_code == 200 and answer.json().get("healthy_workers") == num_workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass  # not listening yet, or not answering JSON yet
+            await asyncio.sleep(READINESS_POLL_S)
+
+
 @dataclass(frozen=True)
 class FleetReady:
     entry_url: str  # the gateway's base URL: what agents talk to
@@ -182,7 +195,7 @@ class Fleet:
 
     async def _wait_gateway_ready(self, entry_url: str) -> bool:
         """True once the gateway counts every pair healthy; False if a stop was requested first."""
-        ready = asyncio.ensure_future(self._poll_readiness(entry_url))
+        ready = asyncio.ensure_future(wait_gateway_ready(entry_url, self.config.num_replicas))
         exited = asyncio.ensure_future(self.gateway.wait())
         stopped = asyncio.ensure_future(self._stop_requested.wait())
         try:
@@ -198,18 +211,6 @@ class Fleet:
                 f"the gateway did not count all {self.config.num_replicas} replicas healthy within {self.config.base.startup_timeout_s:g}s"
             )
         return True
-
-    async def _poll_readiness(self, entry_url: str) -> None:
-        want = self.config.num_replicas
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                try:
-                    answer = await client.get(f"{entry_url}/readiness")
-                    if answer.status_code == 200 and answer.json().get("healthy_workers") == want:
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass  # not listening yet, or not answering JSON yet
-                await asyncio.sleep(READINESS_POLL_S)
 
     async def wait(self) -> ChildExit | None:
         """Until the gateway exits or the last pair is down (returned), or a stop is requested (None).

@@ -259,3 +259,13 @@ def test_fleet_flags_lay_out_ports_and_refuse_what_cannot_work():
 
             args, rest = build_parser().parse_known_args(["serve", *argv])
             serve_config(args, rest)
+
+
+def test_scaleout_bench_draws_its_picture(tmp_path):
+    """`bench scaleout`'s PNG (deploy/scale-out.png is one) from a result of its shape."""
+    from clients.bench.scaleout import plot
+
+    run = {"requests_per_s": 10.0, "makespan_s": 4.8, "mean_latency_s": 1.2, "prefix_hit_rate": 0.8}
+    results = {"agents": 16, "turns": 3, "tokens": 16, "runs": {"1 pair": run, "SMG cache_aware": run}, "gateway_latency": {"added_s": 0.002}}
+    plot(results, tmp_path / "scale-out.png")
+    assert (tmp_path / "scale-out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

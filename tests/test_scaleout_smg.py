@@ -192,6 +192,49 @@ def test_trace_context_crosses_the_gateway(fleet):
     assert spans[0].parent_span_id == parent_id and spans[0].service_name == "swarmserve-scheduler"
 
 
+def test_a_session_header_pins_a_conversation_under_round_robin(fleet):
+    """The documented alternative to cache_aware: SMG's routing key from `x-session-id` (which
+    our front also takes as the session id). A second gateway, round_robin, in front of the
+    same pairs: six requests of one session land on one pair, where plain round robin would
+    alternate."""
+    fleet, _ = fleet
+    port = free_port()
+    gateway = subprocess.Popen(
+        [
+            sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--routing-key-override", "--routing-key-headers", "x-session-id",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
+            "--worker-urls", *fleet.replica_urls,
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    entry = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(entry + "/readiness", timeout=2).json().get("healthy_workers") == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        with openai.OpenAI(base_url=entry + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            for session in ("session-a", "session-b"):
+                before = [_finished(url) for url in fleet.replica_urls]
+                for turn in range(6):
+                    client.chat.completions.create(
+                        model=fleet.model,
+                        messages=[{"role": "user", "content": f"{session} turn {turn}"}],
+                        extra_headers={"x-session-id": session},
+                    )
+                served = [_finished(url) - b for url, b in zip(fleet.replica_urls, before)]
+                assert sorted(served) == [0, 6], (session, served)
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+
+
 def test_a_dead_pair_is_routed_around_and_ctrl_c_leaves_nothing_behind(fleet):
     fleet, _ = fleet
     children = _children(fleet.proc.pid)

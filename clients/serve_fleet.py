@@ -106,8 +106,15 @@ class FleetConfig:
         return None if self.base.metrics_port is None else self.base.metrics_port + 2 * self.num_replicas
 
 
-def gateway_command(config: FleetConfig, metrics_port: int, python: str = sys.executable) -> list[str]:
+# What the README tells agents to send as `model`: a pair's front takes any name, SMG routes by
+# name, so the launcher makes this one an alias of the served model.
+MODEL_ALIAS = "swarmserve"
+
+
+def gateway_command(config: FleetConfig, metrics_port: int, model_name: str = "", python: str = sys.executable) -> list[str]:
+    """`smg launch` in front of the replicas; with the served `model_name`, `swarmserve` is an alias of it."""
     host, _, port = config.base.http_listen.rpartition(":")
+    alias = ["--model-alias", f"{MODEL_ALIAS}={model_name}"] if model_name and model_name != MODEL_ALIAS else []
     return [
         python, "-m", "smg", "launch",
         "--host", host.strip("[]"),
@@ -119,6 +126,7 @@ def gateway_command(config: FleetConfig, metrics_port: int, python: str = sys.ex
         "--health-check-interval-secs", str(config.gateway_health_check_interval_s),
         "--shutdown-grace-period-secs", str(max(1, round(config.base.shutdown_grace_s))),
         "--log-level", "warn",
+        *alias,
         *config.gateway_args,
     ]  # fmt: skip
 
@@ -182,7 +190,7 @@ class Fleet:
             return None
         metrics_port = self.config.gateway_metrics_port or free_port()
         self.gateway = await asyncio.create_subprocess_exec(
-            *gateway_command(self.config, metrics_port, self._python),
+            *gateway_command(self.config, metrics_port, started[0].model_name, self._python),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file or sys.stderr,  # its ASCII-art banner is a log, not our banner on stdout
             stderr=self._log_file,

@@ -179,8 +179,8 @@ def test_agents_stick_to_the_pair_holding_their_prefix(fleet):
 def test_trace_context_crosses_the_gateway(fleet):
     fleet, receiver = fleet
     with openai.OpenAI(base_url=fleet.entry_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        client.chat.completions.create(
-            model=fleet.model, messages=[{"role": "user", "content": "traced"}], extra_headers={"traceparent": TRACEPARENT}
+        client.chat.completions.create(  # "swarmserve", the README's model name: an alias at the gateway
+            model="swarmserve", messages=[{"role": "user", "content": "traced"}], extra_headers={"traceparent": TRACEPARENT}
         )
     trace_id, parent_id = TRACEPARENT.split("-")[1:3]
     deadline = time.monotonic() + 20
@@ -285,10 +285,11 @@ def test_fleet_flags_lay_out_ports_and_refuse_what_cannot_work():
         ("127.0.0.1:50053", "127.0.0.1:50054", "127.0.0.1:8002", 9102),
         ("127.0.0.1:50055", "127.0.0.1:50056", "127.0.0.1:8003", 9104),
     ]
-    command = gateway_command(config, config.gateway_metrics_port)
+    command = gateway_command(config, config.gateway_metrics_port, "tiny")
     assert command[command.index("--port") + 1] == "8000" and command[command.index("--prometheus-port") + 1] == "9106"
     assert command[command.index("--worker-urls") + 1 :][:3] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
     assert command[-2:] == ["--log-level", "info"]  # after ours, so it wins
+    assert command[command.index("--model-alias") + 1] == "swarmserve=tiny"
 
     for argv, message in (
         (["--replicas", "2"], "needs a gateway"),

@@ -114,7 +114,7 @@ async def _main(args: argparse.Namespace) -> dict:
         results["runs"]["2 pairs, pinned"] = await run_swarm(pair_urls, model, "pinned", args)
         entry = f"http://{base.http_listen}"
         for policy in POLICIES:
-            command = gateway_command(dataclasses.replace(fleet, gateway_policy=policy), free_port())
+            command = gateway_command(dataclasses.replace(fleet, gateway_policy=policy), free_port(), model)
             gateway = await asyncio.create_subprocess_exec(*command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
             try:
                 await asyncio.wait_for(wait_gateway_ready(entry, 2), 60)

@@ -99,13 +99,16 @@ async def _main(args: argparse.Namespace) -> dict:
         executor_listen=f"127.0.0.1:{args.base_port + 12}",  # replica i adds 2*i; HTTP fronts on base+1, base+2
         scheduler_listen=f"127.0.0.1:{args.base_port + 11}",
         http_listen=f"127.0.0.1:{args.base_port}",
-        executor_args=("--model", args.model, "--kv-cache-gb", str(args.kv_cache_gb), "--no-calibration"),
+        executor_args=(
+            "--model", args.model, "--kv-cache-gb", str(args.kv_cache_gb), "--no-calibration",
+            *(("--threads", str(args.threads)) if args.threads else ()),
+        ),  # fmt: skip
         scheduler_args=("--spec", "off"),
     )
     fleet = FleetConfig(base, num_replicas=2)
     log = open(args.log, "ab")
     pairs = [Supervisor(replica, log_file=log) for replica in fleet.replicas]
-    results: dict = {"agents": args.agents, "turns": args.turns, "tokens": args.tokens, "runs": {}}
+    results: dict = {"agents": args.agents, "turns": args.turns, "tokens": args.tokens, "threads": args.threads, "runs": {}}
     try:
         ready = await asyncio.gather(*(pair.start() for pair in pairs))
         model = ready[0].model_name
@@ -175,7 +178,8 @@ def plot(results: dict, path: Path) -> None:
     hits.set_ylabel("prefix hit rate (later turns)")
     latency = results.get("gateway_latency")
     subtitle = f", gateway adds {latency['added_s'] * 1000:.1f} ms/request" if latency else ""
-    bars.set_title(f"{results['agents']} agents x {results['turns']} turns x {results['tokens']} tokens{subtitle}", fontsize=9)
+    threads = f", {results['threads']} thread(s) per executor" if results.get("threads") else ""
+    bars.set_title(f"{results['agents']} agents x {results['turns']} turns x {results['tokens']} tokens{threads}{subtitle}", fontsize=9)
     handles = bars.get_legend_handles_labels()[0] + hits.get_legend_handles_labels()[0]
     bars.legend(handles, ["requests/s", "prefix hit rate"], loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     fig.tight_layout()
@@ -198,6 +202,7 @@ def print_report(results: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="the executors' --model (a small GGUF on a CPU machine)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.05)
+    parser.add_argument("--threads", type=int, default=None, help="each executor's torch threads (default: torch's choice)")
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="output tokens per turn (default %(default)s)")

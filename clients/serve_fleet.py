@@ -38,9 +38,9 @@ from clients.serve import (
     ServeReady,
     Supervisor,
     cancel_all,
-    is_listening,
     connect_address,
     free_port,
+    is_listening,
     stop_process,
 )
 
@@ -238,6 +238,8 @@ class Fleet:
                 for task in done:
                     i = live.pop(task)
                     child_exit = task.result()
+                    if child_exit is None:  # the pair saw the stop request first
+                        return None
                     await self.pairs[i].stop()
                     self._report(f"error: replica {i}'s {child_exit.describe()}; stopped its other server, the gateway routes around it")
                     if not live:

@@ -142,9 +142,13 @@ def fleet(tmp_path_factory):
             assert "gateway metrics" in banner, f"no banner: {banner}\n{log.read_text()[-3000:]}"
             yield Fleet(proc, banner, log), receiver
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:  # a test failed before Ctrl-C: stop it the same way, its children too
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def _agent(entry_url: str, model: str, index: int) -> list:

@@ -248,11 +248,23 @@ def test_a_dead_pair_is_routed_around_and_ctrl_c_leaves_nothing_behind(fleet):
     pids = {_cmdline(pid): pid for pid in children}
     victim = next(pid for line, pid in pids.items() if f"--listen {fleet.replica_schedulers[1]} " in line)
     victim_executor = next(pid for line, pid in pids.items() if f"--listen {fleet.replica_executors[1]} " in line)
-    os.kill(victim, signal.SIGKILL)
+    dead_url = fleet.replica_urls[1]
+
+    # Mid-run: agents are talking to both pairs when one pair's scheduler dies. Those whose turn
+    # was on it may fail (their conversation's KV died with it); that is not asserted.
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(_agent, fleet.entry_url, fleet.model, i) for i in range(200, 208)]
+        served_before = _finished(dead_url)
+        deadline = time.monotonic() + 30
+        while _finished(dead_url) < served_before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _finished(dead_url) >= served_before + 2, "no agent's turn reached the pair to kill"
+        os.kill(victim, signal.SIGKILL)
+        for future in running:
+            future.exception()  # wait; a failure here is the dead pair's in-flight turn
 
     # The launcher stops the dead pair's executor and goes on serving; the gateway takes the
     # pair out of rotation, and new agents complete on the other.
-    dead_url = fleet.replica_urls[1]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (_is_alive(victim_executor) or _is_healthy(fleet.entry_url, dead_url)):
         time.sleep(0.2)
@@ -272,7 +284,6 @@ def test_a_dead_pair_is_routed_around_and_ctrl_c_leaves_nothing_behind(fleet):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
             s.bind((host, int(port)))  # fails while anything still listens there
-
 
 
 def _is_healthy(entry_url: str, worker_url: str) -> bool:

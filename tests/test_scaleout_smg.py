@@ -7,8 +7,9 @@ through its one entry address by the official `openai` SDK.
   each agent's prompt is unique from its first block), and both pairs served agents;
 - a W3C `traceparent` sent to the gateway reaches the pair, whose request span (exported
   over OTLP to a receiver on loopback) is a child of it;
-- failover: one pair's scheduler is killed; the launcher stops that pair's executor and
-  goes on, the gateway marks it unhealthy and new agents keep completing on the other;
+- a session-id header as SMG's routing key pins a conversation to one pair (round_robin);
+- failover: one pair's scheduler is killed mid-run; the launcher stops that pair's executor
+  and goes on, the gateway marks it unhealthy and new agents keep completing on the other;
 - Ctrl-C stops the gateway and every server: no process left, every port free.
 """
 

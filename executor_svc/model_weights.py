@@ -150,13 +150,12 @@ def load_weights(
             # llama Q/K rows back to half-split RoPE order; rows are independent in every GGUF type.
             order = unpermute_qk_rows(np.arange(shape[0]), n) if n else None
             if packed:
-                w = PackedWeight.from_gguf(t, order)
-                parts.append(w.with_int16_dot() if int16_dot else w)
+                parts.append(PackedWeight.from_gguf(t, order))
             else:
                 values = t.dequantize()
                 parts.append(values if order is None else values[order])
         if packed:
-            return parts[0] if len(parts) == 1 else PackedWeight.concat(parts)
+            return for_matmul(parts[0] if len(parts) == 1 else PackedWeight.concat(parts))
         values = np.ascontiguousarray(np.concatenate(parts))
         return torch.from_numpy(values).to(device=device, dtype=dtype)
 
@@ -166,8 +165,7 @@ def load_weights(
         num_experts, rows, cols = shape
         if packed:
             raw = np.asarray(t.raw).view(np.uint8).reshape(num_experts, rows, -1)
-            experts = [PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols)) for e in range(num_experts)]
-            return [w.with_int16_dot() for w in experts] if int16_dot else experts
+            return [PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols)) for e in range(num_experts)]
         values = t.dequantize()
         return [torch.from_numpy(np.ascontiguousarray(values[e])).to(device=device, dtype=dtype) for e in range(num_experts)]
 
@@ -175,6 +173,14 @@ def load_weights(
         if packed:
             return PackedWeight.concat(parts)
         return torch.cat(parts)
+
+    def for_matmul(w: Weight) -> Weight:
+        """A packed weight in the layout its matmul reads (repacked once, after any stacking)."""
+        if not int16_dot:
+            return w
+        if isinstance(w, tuple):
+            return tuple(part.with_int16_dot() for part in w)
+        return w.with_int16_dot() if isinstance(w, PackedWeight) else w
 
     h, d = config.hidden_size, config.head_dim
     q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
@@ -237,8 +243,8 @@ def load_weights(
             gate_up = [fuse([g, u]) for g, u in zip(gates, ups)]
         moe = MoeWeights(
             router=matrix([p + "ffn_gate_inp.weight"], [(n, h)]),
-            expert_gate_up=gate_up,
-            expert_down=expert_matrices(p + "ffn_down_exps.weight", (n, h, ff)),
+            expert_gate_up=[for_matmul(w) for w in gate_up],
+            expert_down=[for_matmul(w) for w in expert_matrices(p + "ffn_down_exps.weight", (n, h, ff))],
         )
         if c.shared_expert_intermediate_size:
             sff = c.shared_expert_intermediate_size

@@ -73,13 +73,16 @@ def has_int16_dot() -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes]."""
+    """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes],
+    or, for the integer matmul, the same blocks with rows interleaved four by four."""
 
     data: torch.Tensor
     tensor_type: int
     shape: tuple[int, int]
     # Multiply with activations quantized to int16 per 32-value block (see qlinear.cpp,
-    # "integer dot products") instead of the exact float32 path. Only INT16_DOT_TYPES.
+    # "integer dot products") instead of the exact float32 path. Only INT16_DOT_TYPES; `data`
+    # is then uint8 [ceil(rows / 4), 4 · row_bytes] (qlinear.cpp, "the integer matmul's
+    # weight layout"; with_int16_dot repacks).
     int16_dot: bool = False
 
     def __post_init__(self) -> None:
@@ -89,10 +92,12 @@ class PackedWeight:
         rows, cols = self.shape
         if cols % block_elems:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
-        if tuple(self.data.shape) != (rows, cols // block_elems * block_bytes) or self.data.dtype != torch.uint8:
-            raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
         if self.int16_dot and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
+        row_bytes = cols // block_elems * block_bytes
+        expected = ((rows + 3) // 4, 4 * row_bytes) if self.int16_dot else (rows, row_bytes)
+        if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
+            raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
 
     @classmethod
     def from_gguf(cls, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> "PackedWeight":
@@ -113,17 +118,21 @@ class PackedWeight:
 
     @classmethod
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
-        """Rows of several weights stacked into one matmul when they share a type; else kept apart."""
+        """Rows of several weights stacked into one matmul when they share a type; else kept apart.
+        (Stack before with_int16_dot: interleaved weights do not stack.)"""
+        if any(p.int16_dot for p in parts):
+            raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
             return tuple(parts)
         rows = sum(p.shape[0] for p in parts)
-        return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]), parts[0].int16_dot)
+        return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]))
 
     def with_int16_dot(self) -> "PackedWeight":
-        """This weight multiplied by the integer matmul where its type allows, else unchanged."""
-        if self.tensor_type not in INT16_DOT_TYPES:
+        """This weight repacked for the integer matmul where its type allows, else unchanged."""
+        if self.tensor_type not in INT16_DOT_TYPES or self.int16_dot:
             return self
-        return PackedWeight(self.data, self.tensor_type, self.shape, int16_dot=True)
+        data = _kernels().repack_x4(self.data, self.tensor_type, self.shape[1])
+        return PackedWeight(data, self.tensor_type, self.shape, int16_dot=True)
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +144,12 @@ class PackedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [rows, cols] (tests and the dense GPU path)."""
-        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], torch.arange(self.shape[0]))
+        return self.rows(torch.arange(self.shape[0]))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [len(ids), cols] (an embedding lookup)."""
+        interleaved_rows = self.shape[0] if self.int16_dot else 0
+        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, interleaved_rows)
 
 
 # A weight as the model holds it: packed, dense, or packed parts whose outputs are concatenated.
@@ -149,7 +163,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if isinstance(w, tuple):
         y = torch.cat([linear(x, part) for part in w], dim=-1)
     elif w.int16_dot:
-        y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1])
+        y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
     else:
         y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
     return y if bias is None else y + bias
@@ -159,7 +173,7 @@ def embedding(token_ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.T
     """Rows `token_ids` of the embedding table → [len(token_ids), hidden] in dtype."""
     if isinstance(w, torch.Tensor):
         return w[token_ids].to(dtype)
-    return _kernels().dequant_rows(w.data, w.tensor_type, w.shape[1], token_ids).to(dtype)
+    return w.rows(token_ids).to(dtype)
 
 
 def weight_bytes(w: Weight | None) -> int:

@@ -111,6 +111,23 @@ def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
         torch.set_num_threads(threads)
 
 
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+def test_the_integer_matmuls_interleaved_layout_holds_the_same_values(qtype):
+    """with_int16_dot repacks rows four by four (37 rows: a padded last group) without
+    changing a value or growing the memory beyond the padding: dequantizing and embedding
+    lookups read the interleaved bytes back exactly."""
+    w, _ = packed(qtype, rows=37)
+    w16 = w.with_int16_dot()
+    assert w16.data.shape == (10, 4 * w.data.shape[1]) and w16.with_int16_dot() is w16
+    assert w16.nbytes == w.nbytes + 3 * w.data.shape[1]
+    assert torch.equal(w16.dequantize(), w.dequantize())
+    ids = torch.tensor([36, 0, 5, 5, 33])
+    assert torch.equal(embedding(ids, w16, torch.float32), embedding(ids, w, torch.float32))
+    with pytest.raises(ValueError, match="before repacking"):
+        PackedWeight.concat([w16, w16])
+
+
 def test_the_integer_matmul_leaves_other_types_exact():
     for qtype in (Q.Q4_K, Q.F16):
         w, _ = packed(qtype)

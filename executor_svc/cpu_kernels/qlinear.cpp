@@ -446,6 +446,59 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 
+// ------------------------------------------------------------------ the integer matmul's weight layout
+//
+// Weights of the integer matmul are repacked once at load, four rows interleaved by
+// block (as llama.cpp's q4_0x4 repacks): group g holds rows 4g .. 4g + 3, and block b of
+// the group, at g · 4 · row_bytes + b · 4 · block_bytes, is the four rows' fp16 scales d,
+// then (Q4_1) their fp16 mins m, then each row's codes (16 bytes of nibbles, or Q8_0's 32
+// signed bytes). The same bytes as the rows (rows past N in the last group are zero), but
+// one sequential stream for the kernel, whose four rows' scales are one conversion.
+struct X4Layout {
+  int64_t block_bytes, header_bytes, code_bytes, code_offset;  // code_offset: where codes start in a GGUF block
+};
+
+X4Layout x4_layout(int64_t type) {
+  switch (type) {
+    case Q4_0: return {18, 8, 16, 2};
+    case Q4_1: return {20, 16, 16, 4};
+    case Q8_0: return {34, 8, 32, 2};
+    default: TORCH_CHECK(false, "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
+  }
+  return {0, 0, 0, 0};
+}
+
+// Row j of a group's block ↔ its GGUF block: `to_x4` copies blk into the group, else back.
+void x4_block_copy(const X4Layout& l, uint8_t* group_block, int j, uint8_t* blk, bool to_x4) {
+  auto copy = [&](uint8_t* x4, uint8_t* gguf, int64_t n) { to_x4 ? std::memcpy(x4, gguf, n) : std::memcpy(gguf, x4, n); };
+  copy(group_block + 2 * j, blk, 2);                                     // d
+  if (l.code_offset == 4) copy(group_block + 8 + 2 * j, blk + 2, 2);      // Q4_1's m
+  copy(group_block + l.header_bytes + j * l.code_bytes, blk + l.code_offset, l.code_bytes);
+}
+
+// W [N, row_bytes] in GGUF rows → [ceil(N / 4), 4 · row_bytes] interleaved.
+at::Tensor repack_x4(const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  const X4Layout l = x4_layout(type);
+  const int64_t N = w.size(0), row_bytes = w.size(1), nb = K / 32, groups = (N + 3) / 4;
+  at::Tensor out = at::zeros({groups, 4 * row_bytes}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t b = 0; b < nb; b++)
+      x4_block_copy(l, op + (n / 4) * 4 * row_bytes + b * 4 * l.block_bytes, n % 4,
+                    const_cast<uint8_t*>(wp + n * row_bytes + b * l.block_bytes), true);
+  return out;
+}
+
+// Row n of an interleaved weight back in GGUF layout (row_bytes bytes into `row`).
+void x4_row(const uint8_t* wp, const X4Layout& l, int64_t row_bytes, int64_t nb, int64_t n, uint8_t* row) {
+  for (int64_t b = 0; b < nb; b++)
+    x4_block_copy(l, const_cast<uint8_t*>(wp + (n / 4) * 4 * row_bytes + b * 4 * l.block_bytes), n % 4,
+                  row + b * l.block_bytes, false);
+}
+
+
 // ------------------------------------------------------------------ integer dot products
 //
 // The fast path of `--matmul auto` on the CPU: each activation row is quantized per
@@ -553,102 +606,73 @@ SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
   }
 }
 
-// Four weight rows × NR activation rows. A row's arithmetic, whatever the tile: per block,
-// two exact integer sums — A over elements 0..7 and 16..23, B over 8..15 and 24..31 (the
-// lanes 0..3 and 4..7 of dot_s16, summed by two hadds) — each accumulated in float32 as
-// acc += (float(sum) · d_w) · dx; then y = (acc_A + acc_B) + min term. One 8-lane vector
-// carries the (A, B) pairs of four weight rows (lanes j and j + 4), so the float work is
-// shared four ways. Rows past `num_valid` repeat row 0 and are not stored.
+// One interleaved group (four weight rows) × NR activation rows. A row's arithmetic,
+// whatever the tile: per block, two exact integer sums — A over elements 0..7 and
+// 16..23, B over 8..15 and 24..31 (the lanes 0..3 and 4..7 of dot_s16, summed by two
+// hadds) — each accumulated in float32 as acc += (float(sum) · d_w) · dx, and the min
+// term as acc_m += m_w · s_x (one fused multiply-add); then y = (acc_A + acc_B) + acc_m.
+// One 8-lane vector carries the (A, B) pairs of the four rows (lanes j and j + 4), one
+// 4-lane vector their min terms, so the float work is shared four ways.
 template <int TYPE, int NR>
-void dot_int_tile(const uint8_t* const* wrows, const float* dw_t, const float* const* mw, int64_t num_valid,
-                  const QuantizedRows& xq, int64_t r0, float* out, int64_t out_stride) {
-  constexpr int64_t block_bytes = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
-  constexpr int64_t code_offset = TYPE == Q4_1 ? 4 : 2;
-  const int64_t nb = xq.nb, K = xq.K;
+void dot_int_tile(const uint8_t* group, int64_t num_valid, const QuantizedRows& xq, int64_t r0, float* out,
+                  int64_t out_stride) {
+  constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
+  constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
+  constexpr bool has_min = TYPE != Q8_0;
+  const int64_t nb = xq.nb;
   __m256 acc[NR];
-  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-  alignas(32) __m256i codes[4][2];
+  __m128 acc_m[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
+  __m256i codes[4][2];
   for (int64_t b = 0; b < nb; b++) {
-    for (int j = 0; j < 4; j++) block_codes<TYPE>(wrows[j] + block_bytes * b + code_offset, codes[j][0], codes[j][1]);
-    const __m256 d = _mm256_broadcast_ps((const __m128*)(dw_t + 4 * b));  // d_w of rows 0..3, twice
+    const uint8_t* blk = group + group_block_bytes * b;
+    __m256 d;  // d_w of rows 0..3, twice
+    __m128 m;  // the min term's m_w of rows 0..3 (Q4_1: m; Q4_0: −8 · d)
+    if constexpr (TYPE == Q4_1) {
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));  // [d0 d1 d2 d3 m0 m1 m2 m3]
+      d = _mm256_permute2f128_ps(dm, dm, 0x00);
+      m = _mm256_extractf128_ps(dm, 1);
+    } else {
+      const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
+      d = _mm256_set_m128(d4, d4);
+      m = _mm_mul_ps(d4, _mm_set1_ps(-8.f));
+    }
+    for (int j = 0; j < 4; j++) block_codes<TYPE>(blk + header_bytes + j * code_bytes, codes[j][0], codes[j][1]);
     for (int r = 0; r < NR; r++) {
-      const int16_t* x = xq.q.data() + (r0 + r) * K + 32 * b;
+      const int64_t xb = (r0 + r) * nb + b;
+      const int16_t* x = xq.q.data() + xb * 32;
       const __m256i x_lo = _mm256_loadu_si256((const __m256i*)x), x_hi = _mm256_loadu_si256((const __m256i*)(x + 16));
       const __m256i p01 = _mm256_hadd_epi32(dot_s16(codes[0][0], codes[0][1], x_lo, x_hi),
                                             dot_s16(codes[1][0], codes[1][1], x_lo, x_hi));
       const __m256i p23 = _mm256_hadd_epi32(dot_s16(codes[2][0], codes[2][1], x_lo, x_hi),
                                             dot_s16(codes[3][0], codes[3][1], x_lo, x_hi));
       const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(p01, p23));  // [A0 A1 A2 A3 B0 B1 B2 B3]
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, d), _mm256_set1_ps(xq.d[(r0 + r) * nb + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, d), _mm256_broadcast_ss(&xq.d[xb]), acc[r]);
+      if constexpr (has_min) acc_m[r] = _mm_fmadd_ps(m, _mm_broadcast_ss(&xq.s[xb]), acc_m[r]);
     }
   }
   for (int r = 0; r < NR; r++) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    for (int j = 0; j < num_valid; j++) {
-      float y = lanes[j] + lanes[j + 4];
-      if constexpr (TYPE != Q8_0) {
-        const float* xs = xq.s.data() + (r0 + r) * nb;
-        float min_term = 0.f;
-        for (int64_t b = 0; b < nb; b++) min_term += mw[j][b] * xs[b];
-        y += min_term;
-      }
-      out[r * out_stride + j] = y;
-    }
-  }
-}
-
-// Block scales of one weight row as float32: d, and the min term's m (Q4_1: m; Q4_0: −8 · d).
-// d goes to d[4 * b] (the tile keeps four rows' d interleaved by block).
-void row_scales(int64_t type, const uint8_t* row, int64_t nb, float* d, float* m) {
-  for (int64_t b = 0; b < nb; b++) {
-    switch (type) {
-      case Q4_0: {
-        const uint8_t* blk = row + 18 * b;
-        d[4 * b] = fp16_to_fp32(load_u16(blk));
-        m[b] = -8.f * d[4 * b];
-        break;
-      }
-      case Q4_1: {
-        const uint8_t* blk = row + 20 * b;
-        d[4 * b] = fp16_to_fp32(load_u16(blk));
-        m[b] = fp16_to_fp32(load_u16(blk + 2));
-        break;
-      }
-      default:
-        d[4 * b] = fp16_to_fp32(load_u16(row + 34 * b));
-        m[b] = 0.f;
-    }
+    const __m128 y = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), acc_m[r]);
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, y);
+    for (int j = 0; j < num_valid; j++) out[r * out_stride + j] = lanes[j];
   }
 }
 
 constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;
 
-// Weight rows [n, n + num_valid) (at most 4) against every activation row.
+// Groups [g0, g1) (weight rows 4 · g0 .. min(N, 4 · g1)) against every activation row.
 template <int TYPE>
-void rows_int(const uint8_t* wp, int64_t row_bytes, int64_t n, int64_t num_valid, const QuantizedRows& xq, float* y,
-              int64_t N, std::vector<float>& scratch) {
-  const int64_t nb = xq.nb;
-  scratch.assign(8 * nb, 0.f);  // d of the four rows interleaved by block, then m of each row
-  const uint8_t* wrows[4];
-  const float* mw[4];
-  for (int j = 0; j < 4; j++) {
-    wrows[j] = wp + (n + (j < num_valid ? j : 0)) * row_bytes;
-    float* m = scratch.data() + 4 * nb + j * nb;
-    row_scales(TYPE, wrows[j], nb, scratch.data() + j, m);
-    mw[j] = m;
+void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N, const QuantizedRows& xq,
+                float* y) {
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t* group = wp + g * group_bytes;
+    const int64_t n = 4 * g, num_valid = std::min<int64_t>(4, N - n);
+    int64_t r = 0;
+    for (; r + INT_TILE_NR <= xq.M; r += INT_TILE_NR)
+      dot_int_tile<TYPE, INT_TILE_NR>(group, num_valid, xq, r, y + r * N + n, N);
+    for (; r < xq.M; r++) dot_int_tile<TYPE, 1>(group, num_valid, xq, r, y + r * N + n, N);
   }
-  int64_t r = 0;
-  for (; r + INT_TILE_NR <= xq.M; r += INT_TILE_NR)
-    dot_int_tile<TYPE, INT_TILE_NR>(wrows, scratch.data(), mw, num_valid, xq, r, y + r * N + n, N);
-  for (; r < xq.M; r++) dot_int_tile<TYPE, 1>(wrows, scratch.data(), mw, num_valid, xq, r, y + r * N + n, N);
-}
-
-// Weight rows [n0, n1) against every activation row.
-template <int TYPE>
-void task_int(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& xq, float* y,
-              int64_t N, std::vector<float>& scratch) {
-  for (int64_t n = n0; n < n1; n += 4) rows_int<TYPE>(wp, row_bytes, n, std::min<int64_t>(4, n1 - n), xq, y, N, scratch);
 }
 #else
 constexpr bool HAS_INT16_DOT = false;
@@ -697,15 +721,18 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
 }
 
 // y[M, N] = x[M, K] · W[N, K]ᵀ with x quantized to int16 per 32-value block (see "integer
-// dot products"); W is Q4_0, Q4_1 or Q8_0. y has x's dtype.
-at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
-  check_weight(w, type, K);
+// dot products"); W is Q4_0, Q4_1 or Q8_0, interleaved by repack_x4. y has x's dtype.
+at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K, int64_t N) {
   TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
-  TORCH_CHECK(has_int16_dot_type(type), "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
+  const X4Layout l = x4_layout(type);
+  TORCH_CHECK(K % 32 == 0, "K=", K, " is not a multiple of 32");
+  const int64_t groups = (N + 3) / 4, group_bytes = 4 * (K / 32) * l.block_bytes;
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == groups && w.size(1) == group_bytes,
+              "weight must be a contiguous uint8 [", groups, ", ", group_bytes, "] tensor (repack_x4 of [", N, ", ", K, "])");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.to(x_in.scalar_type());
 #if defined(__AVX2__) && defined(__FMA__)
@@ -713,16 +740,14 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t num_tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  constexpr int64_t groups_per_task = ROWS_PER_TASK / 4;
+  const int64_t num_tasks = (groups + groups_per_task - 1) / groups_per_task;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
-      switch (type) {
-        case Q4_0: task_int<Q4_0>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
-        case Q4_1: task_int<Q4_1>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
-        default: task_int<Q8_0>(wp, row_bytes, n0, n1, xq, yp, N, scratch); break;
-      }
+    const int64_t g0 = begin * groups_per_task, g1 = std::min(groups, end * groups_per_task);
+    switch (type) {
+      case Q4_0: groups_int<Q4_0>(wp, group_bytes, g0, g1, N, xq, yp); break;
+      case Q4_1: groups_int<Q4_1>(wp, group_bytes, g0, g1, N, xq, yp); break;
+      default: groups_int<Q8_0>(wp, group_bytes, g0, g1, N, xq, yp); break;
     }
   });
 #endif
@@ -731,18 +756,35 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
 
 bool has_int16_dot() { return HAS_INT16_DOT; }
 
-// Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup).
-at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in) {
-  check_weight(w, type, K);
+// Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup). `N` > 0: W is
+// interleaved by repack_x4 and holds N rows.
+at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t interleaved_rows) {
+  const bool interleaved = interleaved_rows > 0;
+  const TypeInfo info = type_info(type);
+  const int64_t row_bytes = K / info.block_elems * info.block_bytes;
+  const int64_t N = interleaved ? interleaved_rows : w.size(0);
+  if (interleaved) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == (N + 3) / 4 && w.size(1) == 4 * row_bytes, "not an interleaved [", N, ", ", K, "] weight");
+  } else {
+    check_weight(w, type, K);
+  }
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  const int64_t n = ids.numel(), N = w.size(0), row_bytes = w.size(1);
+  const int64_t n = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; i++) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "row id ", idp[i], " outside [0, ", N, ")");
   at::Tensor out = at::empty({n, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) dequant_row(type, wp + idp[i] * row_bytes, K, op + i * K);
+    std::vector<uint8_t> row(interleaved ? row_bytes : 0);
+    for (int64_t i = begin; i < end; i++) {
+      if (!interleaved) {
+        dequant_row(type, wp + idp[i] * row_bytes, K, op + i * K);
+        continue;
+      }
+      x4_row(wp, x4_layout(type), row_bytes, K / 32, idp[i], row.data());
+      dequant_row(type, row.data(), K, op + i * K);
+    }
   });
   return out;
 }
@@ -752,8 +794,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("qlinear_int16", &qlinear_int16,
         "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
-        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"));
+  m.def("repack_x4", &repack_x4, "a Q4_0/Q4_1/Q8_0 weight's rows interleaved four by four for the integer matmul",
+        py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
-        py::arg("k"), py::arg("ids"));
+        py::arg("k"), py::arg("ids"), py::arg("interleaved_rows") = 0);
 }

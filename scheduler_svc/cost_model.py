@@ -142,7 +142,9 @@ class CostModelConfig:
     # Each start-up sample weighs this forever (the newest online step weighs 1): enough to anchor step sizes the
     # workload never visits, little enough that a full window of real steps outvotes a stale calibration.
     calibration_weight: float = 0.25
-    refit_every: int = 16  # online samples between refits
+    refit_every: int = 16  # online samples between refits while predictions are off by more than refit_error
+    refit_error: float = 0.05  # median relative error of the last level_window steps that calls for a refit
+    max_refit_every: int = 256  # online samples between refits however good the predictions are
     level_window: int = 16  # recent steps whose median actual/fitted ratio scales every prediction
     min_level_samples: int = 3  # ... once there are this many
     max_num_tokens: int = 8192  # the largest step any query is answered for (bounds the searches)
@@ -151,13 +153,15 @@ class CostModelConfig:
     prior: StepCost = field(default_factory=lambda: StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=0.0))
 
     def __post_init__(self) -> None:
-        for name in ("max_online_samples", "refit_every", "max_num_tokens", "level_window", "min_level_samples"):
+        for name in ("max_online_samples", "refit_every", "max_refit_every", "max_num_tokens", "level_window", "min_level_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("half_life_samples", "calibration_weight"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive and finite, got {value}")
+        if not (math.isfinite(self.refit_error) and self.refit_error >= 0):
+            raise ValueError(f"refit_error must be non-negative and finite, got {self.refit_error}")
 
 
 class CostModel:
@@ -165,8 +169,10 @@ class CostModel:
 
     `observe` is called once per step: it appends to a bounded window, updates
     the level, and refits after the 1st, 2nd, 4th and 8th online sample, then
-    every `refit_every` samples (a few ms over a full window on one CPU core,
-    amortized well under 1 ms per step). `predict` and the budget queries only
+    every `refit_every` samples while the recent predictions are off by more than
+    `refit_error` (median), else every `max_refit_every`: a refit over a full
+    window takes ~10 ms on one CPU core, a stall of a whole decode step, and the
+    level alone keeps a good fit calibrated. `predict` and the budget queries only
     read the current coefficients. Every `observe` also scores the prediction the current
     coefficients make for the step before it is folded in: `errors` holds
     |predicted − actual| / actual, the model's own report card.
@@ -198,17 +204,26 @@ class CostModel:
     def observe(
         self, num_tokens: int, num_kv_tokens: int, step_s: float, num_logits_rows: int = 1, num_requests: int = 1
     ) -> None:
-        """Add one step's measurement; refits on the early schedule, then every `refit_every` calls."""
+        """Add one step's measurement; refits on the early schedule, then as the class docstring says."""
         sample = StepTimeSample(num_tokens, num_kv_tokens, step_s, num_logits_rows, num_requests)
         predicted = self.predict(num_tokens, num_kv_tokens, num_logits_rows, num_requests)
         self.errors.append(abs(predicted - step_s) / step_s)
         self._online.append(sample)
         self._num_unfitted += 1
         self._num_observed += 1
-        if self._num_unfitted >= self.config.refit_every or self._num_observed in _EARLY_REFITS:
+        if self._num_observed in _EARLY_REFITS or self._is_refit_due():
             self.refit()
         else:
             self._update_level()
+
+    def _is_refit_due(self) -> bool:
+        c = self.config
+        if self._num_unfitted >= c.max_refit_every:
+            return True
+        if self._num_unfitted < c.refit_every:
+            return False
+        recent = list(self.errors)[-c.level_window :]
+        return float(np.median(recent)) > c.refit_error
 
     def _update_level(self) -> None:
         """Scale the fit to the median actual/fitted ratio of the last `level_window` steps."""

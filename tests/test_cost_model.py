@@ -150,7 +150,7 @@ def test_recent_steps_outweigh_old_ones():
 
 
 def test_the_online_window_is_bounded_and_refits_happen_every_n_samples():
-    config = CostModelConfig(refit_every=16, max_online_samples=10)
+    config = CostModelConfig(refit_every=16, max_online_samples=10, refit_error=0.0)
     model = CostModel(config, calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
     refitted_after = []
     for i in range(1, 41):
@@ -163,6 +163,32 @@ def test_the_online_window_is_bounded_and_refits_happen_every_n_samples():
     for _ in range(50):
         model.observe(4, 100, 0.5)
     assert model.num_samples == len(CALIBRATION_TOKENS) * len(CALIBRATION_KV) + 10
+
+
+def test_a_model_that_predicts_well_refits_rarely_and_one_that_drifts_refits_again():
+    """A refit stalls the scheduler for ~10 ms: once the recent predictions are within
+    `refit_error`, only the level follows the steps (and a refit comes every `max_refit_every`);
+    when the steps change shape, the errors rise and refits resume every `refit_every`."""
+    config = CostModelConfig(refit_every=16, refit_error=0.05, max_refit_every=64)
+    model = CostModel(config, calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
+    refitted_after = []
+    for i in range(1, 201):
+        before = model.num_refits
+        model.observe(4, 100, 22 * MS)  # the same step again and again: predicted well after the first refits
+        if model.num_refits != before:
+            refitted_after.append(i)
+    assert refitted_after == [1, 2, 4, 8, 72, 136, 200]
+    assert model.predict(4, 100) == pytest.approx(22 * MS, rel=0.01)
+    refitted_after.clear()
+    for i in range(201, 241):
+        before = model.num_refits
+        # Bigger steps now cost far more per token than the fit says: the errors rise, refits come back.
+        num_tokens = 4 + 16 * (i % 4)
+        model.observe(num_tokens, 100, 20 * MS + num_tokens * 3 * MS)
+        if model.num_refits != before:
+            refitted_after.append(i)
+    assert refitted_after == [216]  # the first check after the change; the refit fits the new steps
+    assert float(np.median(list(model.errors)[-16:])) <= 0.05  # what keeps the next refits away
 
 
 def test_observe_is_cheap_enough_to_call_every_step():

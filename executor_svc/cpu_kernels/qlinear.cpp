@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -414,6 +415,23 @@ constexpr int64_t ROWS_PER_TASK = 16;   // weight rows per parallel task
 constexpr int64_t FUSED_MAX_ROWS = 4;  // up to this many activation rows, dequantize in registers
 constexpr int64_t ROW_PANEL = 64;      // activation rows per pass over a task's weight rows (x panel stays in L2)
 
+// Tasks [0, num_tasks) pulled one at a time by the pool's threads (`run(task)`), not split in
+// equal shares up front: a thread slowed by another process on its core (the scheduler, on a
+// small machine) takes fewer tasks instead of holding the others up at the join. A task's
+// result never depends on the thread that runs it.
+template <class F>
+void parallel_tasks(int64_t num_tasks, const F& run) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  if (workers <= 1 || at::in_parallel_region()) {
+    for (int64_t task = 0; task < num_tasks; task++) run(task);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) run(task);
+  });
+}
+
 bool is_block_quantized(int64_t type) { return type != F32 && type != F16 && type != BF16; }
 
 // All M activation rows (≤ FUSED_MAX_ROWS) against weight row wrow, dequantized in registers,
@@ -695,25 +713,24 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
   float* yp = y.data_ptr<float>();
   const bool fused = HAS_FUSED && is_block_quantized(type) && M <= FUSED_MAX_ROWS;
   const int64_t num_tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wbuf(fused ? 0 : TILE_NW * K);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
-      if (fused) {
-        for (int64_t n = n0; n < n1; n++) rows_fused(type, wp + n * row_bytes, K, xp, M, yp + n, N);
-        continue;
+  parallel_tasks(num_tasks, [&](int64_t task) {
+    const int64_t n0 = task * ROWS_PER_TASK, n1 = std::min(N, n0 + ROWS_PER_TASK);
+    if (fused) {
+      for (int64_t n = n0; n < n1; n++) rows_fused(type, wp + n * row_bytes, K, xp, M, yp + n, N);
+      return;
+    }
+    thread_local std::vector<float> wbuf;
+    wbuf.resize(TILE_NW * K);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_PANEL) {
+      const int64_t rows = std::min(ROW_PANEL, M - m0);
+      int64_t n = n0;
+      for (; n + TILE_NW <= n1; n += TILE_NW) {
+        for (int j = 0; j < TILE_NW; j++) dequant_row(type, wp + (n + j) * row_bytes, K, wbuf.data() + j * K);
+        rows_tiled<TILE_NW>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += ROW_PANEL) {
-        const int64_t rows = std::min(ROW_PANEL, M - m0);
-        int64_t n = n0;
-        for (; n + TILE_NW <= n1; n += TILE_NW) {
-          for (int j = 0; j < TILE_NW; j++) dequant_row(type, wp + (n + j) * row_bytes, K, wbuf.data() + j * K);
-          rows_tiled<TILE_NW>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
-        }
-        for (; n < n1; n++) {
-          dequant_row(type, wp + n * row_bytes, K, wbuf.data());
-          rows_tiled<1>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
-        }
+      for (; n < n1; n++) {
+        dequant_row(type, wp + n * row_bytes, K, wbuf.data());
+        rows_tiled<1>(wbuf.data(), K, xp + m0 * K, rows, yp + m0 * N + n, N);
       }
     }
   });
@@ -742,8 +759,8 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
   float* yp = y.data_ptr<float>();
   constexpr int64_t groups_per_task = ROWS_PER_TASK / 4;
   const int64_t num_tasks = (groups + groups_per_task - 1) / groups_per_task;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t g0 = begin * groups_per_task, g1 = std::min(groups, end * groups_per_task);
+  parallel_tasks(num_tasks, [&](int64_t task) {
+    const int64_t g0 = task * groups_per_task, g1 = std::min(groups, g0 + groups_per_task);
     switch (type) {
       case Q4_0: groups_int<Q4_0>(wp, group_bytes, g0, g1, N, xq, yp); break;
       case Q4_1: groups_int<Q4_1>(wp, group_bytes, g0, g1, N, xq, yp); break;

@@ -97,6 +97,10 @@ def build_delta_net_plan(
 ) -> DeltaNetPlan:
     """The plan of a step; `conv_kernel` builds the torch conv's gather rows, `min_chunked_tokens`
     sends prefills (one logits row at most) at least that long to the chunked delta rule."""
+    if not len(query_starts) == len(query_lens) == len(logits_counts) == len(state_slots):
+        raise ValueError("query_starts, query_lens, logits_counts and state_slots must have one entry per request")
+    if len(set(state_slots)) != len(state_slots) or min(state_slots, default=0) < 0:
+        raise ValueError(f"each request needs its own recurrent-state slot, got {state_slots}")
     window_lens = [n if n > 1 else 0 for n in logits_counts]
     chunked = tuple(
         min_chunked_tokens is not None and n >= min_chunked_tokens and w == 0 for n, w in zip(query_lens, window_lens)

@@ -189,6 +189,8 @@ def test_bad_arguments_are_refused_with_the_argument_named():
         ops.gated_delta_rule(mixed, alpha[:, :3], beta, a, dt_bias, states, plan)
     with pytest.raises(ValueError, match="plan schedules 2 tokens"):
         ops.gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan_of([2], [1], [0]))
+    with pytest.raises(ValueError, match="its own recurrent-state slot"):
+        plan_of([1, 2], [1, 1], [4, 4])  # two requests on one slot would race on it
     with pytest.raises(ValueError, match="states has dtype"):
         ops.gated_delta_rule(mixed, alpha, beta, a, dt_bias, states.double(), plan)
     x, conv_states, weight = conv_inputs(3, 16, 4, torch.float32)

@@ -25,6 +25,7 @@ import torch
 
 from executor_svc.cpu_kernels import load
 from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.torch_ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,8 @@ class CpuOps:
         return self._k.qkv_rope_write(
             qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
         )
+
+    # Gated DeltaNet (hybrid models): no C++ kernel yet; the torch reference, which is batch-invariant.
+    prepare_delta_net = TorchOps.prepare_delta_net
+    causal_conv1d = TorchOps.causal_conv1d
+    gated_delta_rule = TorchOps.gated_delta_rule

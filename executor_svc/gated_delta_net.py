@@ -11,19 +11,25 @@ For each token, with q, k L2-normalised (q also scaled by key_dim^-1/2), decay
     S ← S + k ⊗ β·(v − Sᵀk)      # delta rule: write the part of v that S does not yet predict
     o = Sᵀq
 
-`recurrent_gated_delta_rule` runs exactly that, token by token, for every request of
-the batch at once. It is the reference and the batch-invariant path: a request's
-state after token t is the same bits whatever the batch, the prefill chunking or the
-verify window around it, because every step is the same elementwise arithmetic on
-that request's rows. For a request verifying drafts it also hands back the state
-before the verify window and the window's update inputs, from which the state after
-any kept draft is replayed bit for bit (one state per request instead of K + 1).
+These functions are the reference the Triton kernels (`kernels/causal_conv1d.py`,
+`kernels/gated_delta_rule.py`) are tested against, and the CPU path. Both take the
+same `DeltaNetPlan` and the same inputs: the conv's raw output (q, k, v side by side),
+the raw gate projections, and a layer's whole state pool, whose rows at the plan's
+slots they update in place.
+
+`gated_delta_rule` runs the recurrence token by token for each request on its own
+[H, dk, dv] state, the same op sequence per token, so a request's state after token t
+is the same bits whatever the batch, the prefill chunking or the verify window around
+it. For a request verifying drafts it also hands back its state before the verify
+window; `DeltaRuleWindow` keeps that with the window's raw inputs and restores the
+state after any kept draft by running the same ops over the kept positions again
+(one state per request instead of K + 1).
 
 `chunked_gated_delta_rule` is the same function evaluated a chunk of C tokens at a
 time (the WY/UT form of the DeltaNet papers: within a chunk, the C sequential
 rank-1 updates become one triangular solve and a few matmuls). It is much faster for
 long prefills, and equal to the recurrent form up to float rounding, which depends on
-where chunks start; so it serves prefills only when batch invariance is not asked for.
+where chunks start; so a plan sends prefills to it only when batch invariance is not asked for.
 
 Value head h reads key head h mod num_key_heads: the "tiled" order llama.cpp's
 converter stores the value heads in.
@@ -32,6 +38,7 @@ converter stores the value heads in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +48,85 @@ from executor_svc.invariant_elementwise import invariant_map
 
 @dataclass(frozen=True)
 class ConvPlan:
-    """Gather indices of the causal conv for one step, built once and used by every DeltaNet layer."""
+    """Gather indices of the torch causal conv for one step."""
 
     window_rows: torch.Tensor  # [num_tokens, kernel]: rows of cat(conv states, inputs) each token's window reads
     state_rows: torch.Tensor  # [num_requests, kernel - 1]: rows that become each request's next conv state
-    # [num_requests, num_logits, kernel - 1]: the conv state after each verify position (None: no verify)
+    # [num_windows, max_window, kernel - 1]: the conv state after each verify position (None: no verify)
     window_state_rows: torch.Tensor | None
 
 
-def build_conv_plan(query_starts: list[int], query_lens: list[int], logits_counts: list[int], kernel: int, device) -> ConvPlan:
+@dataclass(frozen=True)
+class DeltaNetPlan:
+    """One step's requests as the DeltaNet ops read them, built once per step and used by every DeltaNet layer.
+
+    A request verifying drafts (more than one logits row) has a verify window: its last
+    `window_lens[r]` positions, whose states the step keeps so a partial acceptance can be rolled back.
+    """
+
+    query_starts: list[int]
+    query_lens: list[int]
+    window_lens: list[int]  # [R]: verify positions (0: the request does not verify)
+    chunked: tuple[bool, ...]  # [R]: the request's rows take the chunked delta rule
+    state_slots: list[int]  # [R]: each request's row in the layers' state pools
+    slots: torch.Tensor  # [R] int64: the same, on the device
+    # [5, R] int32 on the device, for the kernels: query starts, query lens, the row where the
+    # verify window starts (-1: none), the request's index among the windows (-1: none), slots
+    kernel_table: torch.Tensor
+    token_requests: torch.Tensor  # [num_tokens] int32: the request of each row
+    conv: ConvPlan | None  # the torch conv's gather rows (None: a plan for the kernels or a replay)
+
+    @property
+    def window_requests(self) -> list[int]:
+        """Requests that verify drafts, in the order their windows are stacked."""
+        return [r for r, n in enumerate(self.window_lens) if n]
+
+    @property
+    def max_window(self) -> int:
+        return max(self.window_lens, default=0)
+
+
+def build_delta_net_plan(
+    query_starts: list[int],
+    query_lens: list[int],
+    logits_counts: list[int],
+    state_slots: list[int],
+    device: torch.device,
+    conv_kernel: int | None = None,
+    min_chunked_tokens: int | None = None,
+) -> DeltaNetPlan:
+    """The plan of a step; `conv_kernel` builds the torch conv's gather rows, `min_chunked_tokens`
+    sends prefills (one logits row at most) at least that long to the chunked delta rule."""
+    if not len(query_starts) == len(query_lens) == len(logits_counts) == len(state_slots):
+        raise ValueError("query_starts, query_lens, logits_counts and state_slots must have one entry per request")
+    if len(set(state_slots)) != len(state_slots) or min(state_slots, default=0) < 0:
+        raise ValueError(f"each request needs its own recurrent-state slot, got {state_slots}")
+    window_lens = [n if n > 1 else 0 for n in logits_counts]
+    chunked = tuple(
+        min_chunked_tokens is not None and n >= min_chunked_tokens and w == 0 for n, w in zip(query_lens, window_lens)
+    )
+    window_starts = [start + n - w if w else -1 for start, n, w in zip(query_starts, query_lens, window_lens)]
+    window_index, num_windows = [], 0
+    for w in window_lens:
+        window_index.append(num_windows if w else -1)
+        num_windows += bool(w)
+    table = torch.tensor([query_starts, query_lens, window_starts, window_index, state_slots], dtype=torch.int32)
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    token_requests = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), lens)
+    return DeltaNetPlan(
+        query_starts=list(query_starts),
+        query_lens=list(query_lens),
+        window_lens=window_lens,
+        chunked=chunked,
+        state_slots=list(state_slots),
+        slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
+        kernel_table=table.reshape(5, -1).to(device),
+        token_requests=token_requests.to(device),
+        conv=None if conv_kernel is None else _conv_rows(query_starts, query_lens, window_lens, conv_kernel, device),
+    )
+
+
+def _conv_rows(query_starts: list[int], query_lens: list[int], window_lens: list[int], kernel: int, device) -> ConvPlan:
     """Token i of request r (at offset o of its query) convolves `kernel` rows ending at itself:
     the request's previous conv state (row r·(k−1) + j of the states) for offsets before its
     first new token, its own new inputs (row R·(k−1) + query_start + o') after."""
@@ -59,43 +136,45 @@ def build_conv_plan(query_starts: list[int], query_lens: list[int], logits_count
     def row(r: int, offset: int) -> int:  # offset in the request's window; offset < width is the old state
         return r * width + offset if offset < width else base + query_starts[r] + offset - width
 
-    window_rows, state_rows = [], []
-    max_logits = max(logits_counts, default=0)
-    window_states = []
+    window_rows, state_rows, window_states = [], [], []
+    max_window = max(window_lens, default=0)
     for r, n in enumerate(query_lens):
         for o in range(n):
             window_rows.append([row(r, o + j) for j in range(kernel)])
         state_rows.append([row(r, n + j) for j in range(width)])
-        # After position p of the query, the state is the window's `width` rows ending at p.
-        ends = [n - logits_counts[r] + i for i in range(logits_counts[r])] + [n - 1] * (max_logits - logits_counts[r])
-        window_states.append([[row(r, e + 1 + j) for j in range(width)] for e in ends])
+        if window_lens[r]:  # after position e of the query, the state is the `width` rows ending at e
+            ends = [n - window_lens[r] + i for i in range(window_lens[r])] + [n - 1] * (max_window - window_lens[r])
+            window_states.append([[row(r, e + 1 + j) for j in range(width)] for e in ends])
     as_tensor = lambda rows, shape: torch.tensor(rows, dtype=torch.int64, device=device).reshape(shape)  # noqa: E731
     return ConvPlan(
         window_rows=as_tensor(window_rows, (-1, kernel)),
         state_rows=as_tensor(state_rows, (num_requests, width)),
-        window_state_rows=as_tensor(window_states, (num_requests, max_logits, width)) if max_logits > 1 else None,
+        window_state_rows=as_tensor(window_states, (-1, max_window, width)) if window_states else None,
     )
 
 
 def causal_conv1d(
     x: torch.Tensor,  # [num_tokens, channels]: the new inputs of every request, end to end
-    conv_states: torch.Tensor,  # [num_requests, kernel - 1, channels]: each request's previous inputs
+    conv_states: torch.Tensor,  # [num_slots, kernel - 1, channels]: a layer's pool; the plan's slots are updated IN PLACE
     weight: torch.Tensor,  # [channels, kernel]
-    plan: ConvPlan,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Depthwise causal conv then SiLU → (out [num_tokens, channels], next conv states
-    [num_requests, kernel - 1, channels], conv states after each verify position or None).
+    plan: DeltaNetPlan,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal conv then SiLU → (out [num_tokens, channels] in x's dtype, the conv state
+    after each verify position [num_windows, max_window, kernel − 1, channels] or None).
 
     The taps are summed in a fixed order, one elementwise multiply-add each, so a
     token's output never depends on the batch or the chunking around it.
     """
-    rows = torch.cat([conv_states.reshape(-1, conv_states.shape[-1]), x.to(conv_states.dtype)])
-    windows = rows[plan.window_rows]  # [num_tokens, kernel, channels]
+    if plan.conv is None:
+        raise ValueError("the torch causal conv needs a plan built with conv_kernel")
+    rows = torch.cat([conv_states[plan.slots].reshape(-1, conv_states.shape[-1]), x.to(conv_states.dtype)])
+    windows = rows[plan.conv.window_rows]  # [num_tokens, kernel, channels]
     out = windows[:, 0] * weight[:, 0]
     for j in range(1, weight.shape[1]):
         out = out + windows[:, j] * weight[:, j]
-    window_states = rows[plan.window_state_rows] if plan.window_state_rows is not None else None
-    return invariant_map(F.silu, out).to(x.dtype), rows[plan.state_rows], window_states
+    window_states = rows[plan.conv.window_state_rows] if plan.conv.window_state_rows is not None else None
+    conv_states[plan.slots] = rows[plan.conv.state_rows]
+    return invariant_map(F.silu, out).to(x.dtype), window_states
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -124,74 +203,79 @@ def gates(alpha: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dt_bias: tor
     return g, invariant_map(torch.sigmoid, beta.float())
 
 
-@dataclass(frozen=True)
-class DeltaRuleInputs:
-    """What the state update of some tokens reads, per token: decay [n, H, 1, 1], k [n, H, dk, 1],
-    v [n, H, dv], beta [n, H, 1] (float32), shaped for `delta_rule_step`."""
-
-    decay: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    beta: torch.Tensor
-
-    def __getitem__(self, rows) -> "DeltaRuleInputs":
-        return DeltaRuleInputs(self.decay[rows], self.k[rows], self.v[rows], self.beta[rows])
-
-    def copy(self) -> "DeltaRuleInputs":
-        return DeltaRuleInputs(self.decay.clone(), self.k.clone(), self.v.clone(), self.beta.clone())
+def num_key_heads_of(mixed: torch.Tensor, states: torch.Tensor) -> int:
+    """Key heads, from the conv output's width (2 · key_heads · dk + value_heads · dv) and the state's shape."""
+    heads, dk, dv = states.shape[1:]
+    num_key_heads, rest = divmod(mixed.shape[1] - heads * dv, 2 * dk)
+    if rest or num_key_heads < 1 or heads % num_key_heads:
+        raise ValueError(f"mixed of width {mixed.shape[1]} does not hold q, k, v for states of shape {tuple(states.shape)}")
+    return num_key_heads
 
 
-def delta_rule_step(s: torch.Tensor, inputs: DeltaRuleInputs, t: int) -> torch.Tensor:
-    """One token's update of one request's state s [H, dk, dv]: S ← γS, then S ← S + k ⊗ β(v − Sᵀk)."""
-    s = s * inputs.decay[t]
-    predicted = (s * inputs.k[t]).sum(dim=-2)  # [H, dv]: what S already returns for k
-    return s + inputs.k[t] * ((inputs.v[t] - predicted) * inputs.beta[t])[:, None, :]
-
-
-def replay_delta_rule(state: torch.Tensor, inputs: DeltaRuleInputs, num_tokens: int) -> torch.Tensor:
-    """The state after the first `num_tokens` tokens of `inputs`, from `state` (the very bits the
-    forward pass had there: the same steps on the same shapes)."""
-    for t in range(num_tokens):
-        state = delta_rule_step(state, inputs, t)
-    return state
-
-
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,  # [T, H, dk] float32, normalised and scaled
-    k: torch.Tensor,  # [T, H, dk] float32, normalised
-    v: torch.Tensor,  # [T, H, dv] float32
-    g: torch.Tensor,  # [T, H] log-decay (≤ 0)
-    beta: torch.Tensor,  # [T, H]
-    states: torch.Tensor,  # [R, H, dk, dv] float32: each request's state before its first token; updated IN PLACE
-    query_starts: list[int],
-    query_lens: list[int],
-    logits_counts: list[int] | None = None,
-) -> tuple[torch.Tensor, dict[int, torch.Tensor], DeltaRuleInputs]:
-    """The delta rule token by token → (o [T, H, dv] float32; for each request r verifying drafts
-    (logits_counts[r] > 1) a copy of its state before the verify window [H, dk, dv]; the
-    per-token update inputs).
-
-    Each request runs on its own [H, dk, dv] state with the same op sequence per token,
-    so its bits depend on nothing but its own tokens (not the batch, not the chunking).
-    The state after any position of a verify window is `replay_delta_rule` of the window
-    start over the window's inputs: speculation keeps one state per request, not K + 1.
-    """
-    num_requests = len(query_lens)
+def gated_delta_rule(
+    mixed: torch.Tensor,  # [T, 2 · key_dim + value_dim]: the conv's output, q | k | v
+    alpha: torch.Tensor,  # [T, H]: the decay projection
+    beta: torch.Tensor,  # [T, H]: the write-strength projection
+    a: torch.Tensor,  # [H]: -exp(A_log)
+    dt_bias: torch.Tensor,  # [H]
+    states: torch.Tensor,  # [num_slots, H, dk, dv] float32: a layer's pool; the plan's slots are updated IN PLACE
+    plan: DeltaNetPlan,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over every request → (o [T, H, dv] float32, the state of each verifying
+    request before its window [num_windows, H, dk, dv] or None)."""
+    heads, dk, dv = states.shape[1:]
+    q, k, v = prepare_qkv(mixed, num_key_heads_of(mixed, states), heads, dk, dv)
+    g, b = gates(alpha, beta, a, dt_bias)
+    decay = invariant_map(torch.exp, g)
+    request_states = states[plan.slots]  # [R, H, dk, dv], a copy
     out = torch.empty_like(v)
-    counts = logits_counts or [0] * num_requests
-    window_starts: dict[int, torch.Tensor] = {}
-    inputs = DeltaRuleInputs(invariant_map(torch.exp, g)[..., None, None], k[..., None], v, beta[..., None])
-    q_col = q[..., None]  # [T, H, dk, 1]
-    for r, (start, n) in enumerate(zip(query_starts, query_lens)):
-        s = states[r]
-        window_start = start + n - counts[r] if counts[r] > 1 else -1
-        for t in range(start, start + n):
-            if t == window_start:
-                window_starts[r] = s.clone()
-            s = delta_rule_step(s, inputs, t)
-            out[t] = (s * q_col[t]).sum(dim=-2)
-        states[r] = s
-    return out, window_starts, inputs
+    windows = plan.window_requests
+    window_starts = states.new_empty(len(windows), heads, dk, dv) if windows else None
+    for r, (start, n) in enumerate(zip(plan.query_starts, plan.query_lens)):
+        rows = slice(start, start + n)
+        if plan.chunked[r]:
+            out[rows], request_states[r] = chunked_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], b[rows], request_states[r])
+            continue
+        s = request_states[r]
+        window_offset = n - plan.window_lens[r] if plan.window_lens[r] else -1
+        for o in range(n):
+            if o == window_offset:
+                window_starts[windows.index(r)] = s
+            t = start + o
+            s = s * decay[t][:, None, None]
+            predicted = (s * k[t][:, :, None]).sum(dim=-2)  # [H, dv]: what S already returns for k
+            s = s + k[t][:, :, None] * ((v[t] - predicted) * b[t][:, None])[:, None, :]
+            out[t] = (s * q[t][:, :, None]).sum(dim=-2)
+        request_states[r] = s
+    states[plan.slots] = request_states
+    return out, window_starts
+
+
+@dataclass(frozen=True)
+class DeltaRuleWindow:
+    """One DeltaNet layer's verify window of one request: the state before it and the raw inputs of
+    its positions, from which `state_after` rebuilds the state after any of them with the very ops
+    (and so the very bits) the forward pass ran."""
+
+    start: torch.Tensor  # [H, dk, dv] float32
+    mixed: torch.Tensor  # [window, conv_dim]
+    alpha: torch.Tensor  # [window, H]
+    beta: torch.Tensor  # [window, H]
+    a: torch.Tensor  # [H]: the layer's weights (shared, not copied)
+    dt_bias: torch.Tensor
+    ops: Any  # TorchOps, CpuOps or TritonOps: whichever ran the forward pass
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.start, self.mixed, self.alpha, self.beta))
+
+    def state_after(self, num_tokens: int) -> torch.Tensor:
+        """The state after the window's first `num_tokens` positions [H, dk, dv]."""
+        states = self.start[None].clone()
+        plan = build_delta_net_plan([0], [num_tokens], [1], [0], states.device)
+        rows = slice(0, num_tokens)
+        self.ops.gated_delta_rule(self.mixed[rows], self.alpha[rows], self.beta[rows], self.a, self.dt_bias, states, plan)
+        return states[0]
 
 
 def chunked_gated_delta_rule(

@@ -8,6 +8,9 @@ the MoE with a shared expert) → residual.
 - DeltaNet: one matmul gives qkv, the output gate z, β and α; qkv goes through the
   short causal conv (SiLU), q and k are L2-normalised, the gated delta rule updates
   the request's state, and each head's output is RMS-normalised and gated by SiLU(z).
+  The conv and the delta rule go through the ops (`prepare_delta_net`, `causal_conv1d`,
+  `gated_delta_rule`): the torch reference on the CPU, the Triton kernels with
+  `--kernels triton`; both update the state pool's rows in place.
 - Gated attention: q's projection carries a per-head output gate (each head's q rows
   then its gate rows), q and k get a per-head RMSNorm, RoPE turns only the first
   `rope.dimension_count` dims of each head, and the attention output is multiplied by
@@ -23,16 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor_svc.gated_delta_net import (
-    ConvPlan,
-    DeltaRuleInputs,
-    build_conv_plan,
-    causal_conv1d,
-    chunked_gated_delta_rule,
-    gates,
-    prepare_qkv,
-    recurrent_gated_delta_rule,
-)
+from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow
 from executor_svc.invariant_elementwise import invariant_map
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import rope_tables
@@ -76,14 +70,15 @@ class HybridTransformer:
         if len(batch.state_slots) != batch.num_requests or min(batch.state_slots, default=0) < 0:
             raise ValueError("a hybrid model's batch needs a recurrent-state slot for every request")
         metadata = ops.prepare(batch, kv_cache.block_size)
-        conv_plan = build_conv_plan(batch.query_starts, batch.query_lens, list(batch.logits_counts), c.conv_kernel, self.device)
-        slots = torch.tensor(batch.state_slots, dtype=torch.int64, device=self.device)
+        # Off: long prefills take the chunked delta rule (where the ops have it).
+        min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
+        delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
         state_pool.begin_step()
         residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden]
         x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
         for layer_index, layer in enumerate(w.layers):
             if layer.delta_net is not None:
-                mixed = self._delta_net(layer_index, layer.delta_net, x, batch, conv_plan, slots, state_pool)
+                mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool)
             else:
                 mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
             x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
@@ -115,69 +110,25 @@ class HybridTransformer:
         attn = ops.attention(q.contiguous(), k_cache, v_cache, metadata, self.scale)  # [T, heads, head_dim]
         return linear(attn.reshape(t, heads * d) * invariant_map(torch.sigmoid, gate), layer.o_proj)
 
-    def _delta_net(
-        self, layer_index: int, dn: DeltaNetWeights, x, batch: RaggedBatch, conv_plan: ConvPlan, slots, pool: RecurrentStatePool
-    ):
-        c = self.config
-        n, heads, dv = batch.num_tokens, c.num_linear_value_heads, c.linear_value_head_dim
+    def _delta_net(self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool):
+        c, ops = self.config, self.ops
+        n, heads, dv = plan.token_requests.shape[0], c.num_linear_value_heads, c.linear_value_head_dim
         proj = linear(x[:n], dn.in_proj)  # [n, conv_dim + value_dim + 2 * heads]: padding rows skipped
         mixed, z, beta, alpha = proj.split([c.conv_dim, c.linear_value_dim, heads, heads], dim=-1)
         conv_states, recurrent_states = pool.layer(layer_index)
-        mixed, next_conv, conv_window = causal_conv1d(mixed, conv_states[slots], dn.conv, conv_plan)
-        conv_states[slots] = next_conv
-        q, k, v = prepare_qkv(mixed, c.num_linear_key_heads, heads, c.linear_key_head_dim, dv)
-        g, b = gates(alpha, beta, dn.a, dn.dt_bias)
-        states = recurrent_states[slots]  # [R, heads, dk, dv], a copy
-        o, window_starts, inputs = self._delta_rule(q, k, v, g, b, states, batch)
-        recurrent_states[slots] = states
-        for r, count in enumerate(batch.logits_counts):
-            if count > 1:  # a verify window: keep what restores the state after any kept draft
-                # Copies, not views: a view would keep the whole step's tensors alive until the next step.
-                end = batch.query_starts[r] + batch.query_lens[r]
-                window_inputs = inputs[end - count : end].copy()
-                pool.keep_window(layer_index, batch.state_slots[r], conv_window[r, :count].clone(), window_starts[r], window_inputs)
-        normed = self.ops.rms_norm(o.to(x.dtype), dn.norm, c.rms_norm_eps)  # [n, heads, dv]
+        mixed, conv_windows = ops.causal_conv1d(mixed, conv_states, dn.conv, plan)
+        o, window_starts = ops.gated_delta_rule(mixed, alpha, beta, dn.a, dn.dt_bias, recurrent_states, plan)
+        for i, r in enumerate(plan.window_requests):  # keep what restores the state after any kept draft
+            # Copies, not views: a view would keep the whole step's tensors alive until the next step.
+            count, end = plan.window_lens[r], plan.query_starts[r] + plan.query_lens[r]
+            rows = slice(end - count, end)
+            window = DeltaRuleWindow(
+                window_starts[i], mixed[rows].clone(), alpha[rows].clone(), beta[rows].clone(), dn.a, dn.dt_bias, ops
+            )
+            pool.keep_window(layer_index, plan.state_slots[r], conv_windows[i, :count].clone(), window)
+        normed = ops.rms_norm(o.to(x.dtype), dn.norm, c.rms_norm_eps)  # [n, heads, dv]
         gated = (normed.float() * invariant_map(F.silu, z.reshape(n, heads, dv).float())).to(x.dtype)
         out = linear(gated.reshape(n, heads * dv), dn.out_proj)
         if out.shape[0] < x.shape[0]:  # padding rows of a batch-invariant step
             out = torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[1])])
         return out
-
-    def _delta_rule(self, q, k, v, g, b, states, batch: RaggedBatch):
-        """The gated delta rule over every request: token by token (the invariant path), except
-        long prefills when batch invariance is off, which go a chunk at a time."""
-        long_prefills = [] if self.batch_invariant else [
-            r for r, (n, count) in enumerate(zip(batch.query_lens, batch.logits_counts))
-            if n >= MIN_CHUNKED_PREFILL_TOKENS and count <= 1
-        ]
-        if not long_prefills:
-            return recurrent_gated_delta_rule(q, k, v, g, b, states, batch.query_starts, batch.query_lens, list(batch.logits_counts))
-        # Chunked prefills never verify (one logits row): only the rest can need window inputs.
-        window_starts: dict[int, torch.Tensor] = {}
-        inputs = None
-        out = torch.empty_like(v)
-        rest = [r for r in range(batch.num_requests) if r not in long_prefills]
-        for r in long_prefills:
-            rows = slice(batch.query_starts[r], batch.query_starts[r] + batch.query_lens[r])
-            out[rows], states[r] = chunked_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], b[rows], states[r])
-        if rest:
-            index = torch.tensor(rest, dtype=torch.int64, device=q.device)
-            rows = torch.cat([torch.arange(batch.query_starts[r], batch.query_starts[r] + batch.query_lens[r]) for r in rest])
-            sub_states = states[index]
-            starts = [0]
-            for r in rest[:-1]:
-                starts.append(starts[-1] + batch.query_lens[r])
-            sub_out, sub_window_starts, sub_inputs = recurrent_gated_delta_rule(
-                q[rows], k[rows], v[rows], g[rows], b[rows], sub_states, starts,
-                [batch.query_lens[r] for r in rest], [batch.logits_counts[r] for r in rest],
-            )
-            out[rows], states[index] = sub_out, sub_states
-            if sub_window_starts:
-                window_starts = {rest[i]: start for i, start in sub_window_starts.items()}
-                # Inputs indexed by the batch's rows, like the all-recurrent path's.
-                inputs = DeltaRuleInputs(*(torch.zeros(v.shape[0], *t.shape[1:], dtype=t.dtype) for t in (
-                    sub_inputs.decay, sub_inputs.k, sub_inputs.v, sub_inputs.beta)))
-                for t_full, t_sub in zip((inputs.decay, inputs.k, inputs.v, inputs.beta),
-                                         (sub_inputs.decay, sub_inputs.k, sub_inputs.v, sub_inputs.beta)):
-                    t_full[rows] = t_sub
-        return out, window_starts, inputs

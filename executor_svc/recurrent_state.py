@@ -15,10 +15,11 @@ request; free slots are never read.
 **Verify windows.** A step that verifies drafts computes K + 1 positions of a request
 and would leave the state after the last one. The forward pass therefore also keeps,
 per DeltaNet layer, the conv states after each position (small: kernel − 1 rows each),
-the recurrent state before the window and the window's per-token update inputs
-(`keep_window`); once the verifier has kept j drafts, `restore_window(slot, j)` replays
-the j + 1 updates from the window start — the same steps on the same shapes as the
-forward pass, so exactly the state plain decoding has after the same tokens. That keeps
+and a `DeltaRuleWindow`: the recurrent state before the window and the window's raw
+inputs (`keep_window`); once the verifier has kept j drafts, `restore_window(slot, j)`
+replays the j + 1 updates from the window start with the ops that ran the forward pass
+(the same per-token arithmetic), so exactly the state plain decoding has after the
+same tokens. That keeps
 one recurrent state per verifying request instead of K + 1 (for Qwen3.5-9B, 51 MB
 against 51 MB × (K + 1)). The window lives only until the next step.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.errors import OutOfStateSlotsError
-from executor_svc.gated_delta_net import DeltaRuleInputs, replay_delta_rule
+from executor_svc.gated_delta_net import DeltaRuleWindow
 from executor_svc.model_config import ModelConfig
 
 
@@ -47,8 +48,7 @@ class _Window:
     """One request's verify window, per DeltaNet layer."""
 
     conv: list[torch.Tensor]  # per layer [num_positions, kernel - 1, conv_dim]: conv state after each position
-    start: list[torch.Tensor]  # per layer [heads, dk, dv]: recurrent state before the window
-    inputs: list[DeltaRuleInputs]  # per layer, the window's num_positions tokens
+    delta_rule: list[DeltaRuleWindow]  # per layer: the recurrent state before the window, and its inputs
 
 
 class RecurrentStatePool:
@@ -104,18 +104,14 @@ class RecurrentStatePool:
         """Forget the previous step's verify windows."""
         self._windows.clear()
 
-    def keep_window(
-        self, layer_index: int, slot: int, conv: torch.Tensor, start: torch.Tensor, inputs: DeltaRuleInputs
-    ) -> None:
+    def keep_window(self, layer_index: int, slot: int, conv: torch.Tensor, delta_rule: DeltaRuleWindow) -> None:
         """Keep one layer's verify window of the request in `slot`: conv states after each position
-        [positions, kernel − 1, conv_dim], the recurrent state before it [heads, dk, dv], and the
-        positions' update inputs."""
-        window = self._windows.setdefault(slot, _Window([], [], []))
+        [positions, kernel − 1, conv_dim], and what replays its recurrent state."""
+        window = self._windows.setdefault(slot, _Window([], []))
         if len(window.conv) != self._layer_index[layer_index]:
             raise ValueError(f"verify window of slot {slot}: layer {layer_index} kept out of order")
         window.conv.append(conv)
-        window.start.append(start)
-        window.inputs.append(inputs)
+        window.delta_rule.append(delta_rule)
 
     def window_size(self, slot: int) -> int:
         """Positions whose states were kept for `slot` this step (0: none)."""
@@ -129,11 +125,10 @@ class RecurrentStatePool:
             raise ValueError(f"slot {slot} has no kept state for verify position {position}")
         for i, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent)):
             conv[slot].copy_(window.conv[i][position])
-            recurrent[slot].copy_(replay_delta_rule(window.start[i], window.inputs[i], position + 1))
+            recurrent[slot].copy_(window.delta_rule[i].state_after(position + 1))
 
     @property
     def window_bytes(self) -> int:
         """Bytes the kept verify-window states take now (what speculation costs on top of the slots)."""
-        tensors = [t for w in self._windows.values() for t in (*w.conv, *w.start)]
-        tensors += [t for w in self._windows.values() for i in w.inputs for t in (i.decay, i.k, i.v, i.beta)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        conv = sum(t.numel() * t.element_size() for w in self._windows.values() for t in w.conv)
+        return conv + sum(d.num_bytes for w in self._windows.values() for d in w.delta_rule)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor_svc import attention
+from executor_svc import attention, gated_delta_net
+from executor_svc.gated_delta_net import DeltaNetPlan
 from executor_svc.ragged_batch import RaggedBatch
 
 
@@ -92,6 +93,37 @@ class TorchOps:
         return qkv_rope_write(
             self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
         )
+
+    # ----------------------------------------------------------- Gated DeltaNet (hybrid models)
+
+    def prepare_delta_net(self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None) -> DeltaNetPlan:
+        """Per-step DeltaNet metadata, built once and passed to every DeltaNet layer; prefills of at
+        least `min_chunked_tokens` take the chunked delta rule (None: none, the batch-invariant way)."""
+        return gated_delta_net.build_delta_net_plan(
+            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots),
+            batch.token_ids.device, conv_kernel, min_chunked_tokens,
+        )
+
+    def causal_conv1d(
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, plan: DeltaNetPlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, C] → (SiLU(causal conv) [T, C], conv states after each verify position
+        [num_windows, max_window, kernel − 1, C] or None); conv_states [slots, kernel − 1, C] updated in place."""
+        return gated_delta_net.causal_conv1d(x, conv_states, weight, plan)
+
+    def gated_delta_rule(
+        self,
+        mixed: torch.Tensor,
+        alpha: torch.Tensor,
+        beta: torch.Tensor,
+        a: torch.Tensor,
+        dt_bias: torch.Tensor,
+        states: torch.Tensor,
+        plan: DeltaNetPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conv's output [T, q | k | v] and the raw gates [T, H] → (o [T, H, dv] float32, the states
+        before the verify windows [num_windows, H, dk, dv] or None); states [slots, H, dk, dv] updated in place."""
+        return gated_delta_net.gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan)
 
 
 def qkv_rope_write(

@@ -92,3 +92,36 @@ def num_held_requests(engine: Engine) -> int:
             return len(engine.request_ids)
         except RuntimeError:
             continue
+
+
+class ScriptedDrafter:
+    """Proposes each request's known greedy continuation, spoiled as the mode says:
+    `full` keeps it (every draft accepted), `partial` spoils one token in the middle of
+    each draft, `none` spoils the first. Exercises exact accept counts without relying
+    on a model that happens to repeat itself."""
+
+    def __init__(self, continuations: dict[str, list[int]], mode: str, vocab_size: int) -> None:
+        self.continuations, self.mode, self.vocab_size = continuations, mode, vocab_size
+        self.tokens: dict[str, list[int]] = {}
+        self.prompt_lens: dict[str, int] = {}
+
+    def add_request(self, request_id, token_ids):
+        self.tokens[request_id] = list(token_ids)
+        self.prompt_lens[request_id] = len(token_ids)
+
+    def append(self, request_id, token_ids):
+        self.tokens[request_id].extend(token_ids)
+
+    def release(self, request_id):
+        del self.tokens[request_id]
+
+    def num_draftable(self, request_id):
+        return 4
+
+    def propose(self, request_id, max_tokens):
+        done = len(self.tokens[request_id]) - self.prompt_lens[request_id]
+        draft = list(self.continuations[request_id][done : done + max_tokens])
+        spoil = {"full": None, "partial": len(draft) // 2, "none": 0}[self.mode]
+        if draft and spoil is not None and (spoil > 0 or self.mode == "none"):
+            draft[spoil] = (draft[spoil] + 1) % self.vocab_size
+        return draft

@@ -10,12 +10,12 @@ import grpc
 import pytest
 import torch
 
-from executor_svc import hybrid_model
+from executor_svc import gated_delta_net
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
-from tests.engine_driver import drive
+from tests.engine_driver import ScriptedDrafter, drive
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 
 PROMPT = [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40, 41, 42]
@@ -51,39 +51,6 @@ def engine(models):
 def baseline(engine):
     """One request at a time, whole prompts, no speculation."""
     return {r.request_id: drive(engine, [r]).tokens[r.request_id] for r in greedy_requests(8)}
-
-
-class ScriptedDrafter:
-    """Proposes each request's known greedy continuation, spoiled as the mode says:
-    `full` keeps it (every draft accepted), `partial` spoils one token in the middle of
-    each draft, `none` spoils the first. Exercises exact accept counts without relying
-    on a model that happens to repeat itself."""
-
-    def __init__(self, continuations: dict[str, list[int]], mode: str, vocab_size: int) -> None:
-        self.continuations, self.mode, self.vocab_size = continuations, mode, vocab_size
-        self.tokens: dict[str, list[int]] = {}
-        self.prompt_lens: dict[str, int] = {}
-
-    def add_request(self, request_id, token_ids):
-        self.tokens[request_id] = list(token_ids)
-        self.prompt_lens[request_id] = len(token_ids)
-
-    def append(self, request_id, token_ids):
-        self.tokens[request_id].extend(token_ids)
-
-    def release(self, request_id):
-        del self.tokens[request_id]
-
-    def num_draftable(self, request_id):
-        return 4
-
-    def propose(self, request_id, max_tokens):
-        done = len(self.tokens[request_id]) - self.prompt_lens[request_id]
-        draft = list(self.continuations[request_id][done : done + max_tokens])
-        spoil = {"full": None, "partial": len(draft) // 2, "none": 0}[self.mode]
-        if draft and spoil is not None and (spoil > 0 or self.mode == "none"):
-            draft[spoil] = (draft[spoil] + 1) % self.vocab_size
-        return draft
 
 
 # ------------------------------------------------------------------ correctness
@@ -223,8 +190,8 @@ def test_long_prefills_take_the_chunked_delta_rule_when_batch_invariance_is_off(
     expected = drive(engine, reqs).tokens
     fast.drafter = ScriptedDrafter(expected, "partial", fast.model_config.vocab_size)
     calls = []
-    chunked = hybrid_model.chunked_gated_delta_rule
-    monkeypatch.setattr(hybrid_model, "chunked_gated_delta_rule", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    chunked = gated_delta_net.chunked_gated_delta_rule
+    monkeypatch.setattr(gated_delta_net, "chunked_gated_delta_rule", lambda *a, **k: calls.append(1) or chunked(*a, **k))
     arrivals = {"long": 3}  # arrives while the others decode with drafts
     run = drive(fast, reqs, arrival_steps=arrivals, draft_budget=3)
     assert len(calls) == 3  # the long prompt's one step, in each of the 3 DeltaNet layers

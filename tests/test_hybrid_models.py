@@ -10,13 +10,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from executor_svc.gated_delta_net import (
-    build_conv_plan,
-    causal_conv1d,
-    chunked_gated_delta_rule,
-    recurrent_gated_delta_rule,
-    replay_delta_rule,
-)
+from executor_svc.gated_delta_net import DeltaRuleWindow, build_delta_net_plan, causal_conv1d, gated_delta_rule
 from executor_svc.gguf_file import open_gguf
 from executor_svc.hybrid_model import HybridTransformer
 from executor_svc.kv_cache import KVCache
@@ -25,6 +19,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import load_weights
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.recurrent_state import RecurrentStatePool
+from executor_svc.torch_ops import TorchOps
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 
 CPU = torch.device("cpu")
@@ -137,77 +132,93 @@ def test_greedy_decode_matches_transformers(tiny):
 # ---------------------------------------------------------------- DeltaNet pieces
 
 
-def random_inputs(n, heads=4, dk=8, dv=8, seed=0):
+def random_inputs(n, key_heads=2, heads=4, dk=8, dv=8, seed=0):
+    """Raw DeltaNet inputs of n tokens: the conv output (q | k | v), the gate projections, a and dt_bias."""
     gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(n, heads, dk, generator=gen), dim=-1) * dk**-0.5
-    k = F.normalize(torch.randn(n, heads, dk, generator=gen), dim=-1)
-    v = torch.randn(n, heads, dv, generator=gen)
-    g = -torch.rand(n, heads, generator=gen) * 2
-    beta = torch.rand(n, heads, generator=gen)
-    return q, k, v, g, beta
+    mixed = torch.randn(n, 2 * key_heads * dk + heads * dv, generator=gen)
+    alpha, beta = torch.randn(n, heads, generator=gen), 2 * torch.randn(n, heads, generator=gen)
+    a, dt_bias = -torch.rand(heads, generator=gen) * 2, torch.randn(heads, generator=gen)
+    return mixed, alpha, beta, a, dt_bias
 
 
-def naive_delta_rule(q, k, v, g, beta, state):
-    out = []
-    for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        state = state + torch.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t])))
-        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
-    return torch.stack(out), state
+def naive_delta_rule(mixed, alpha, beta, a, dt_bias, state, key_heads=2):
+    """The recurrence written out from the DeltaNet paper, one token and one head at a time."""
+    heads, dk, dv = state.shape
+    q, k, v = mixed.split([key_heads * dk, key_heads * dk, heads * dv], dim=-1)
+    q, k, v = q.view(-1, key_heads, dk), k.view(-1, key_heads, dk), v.view(-1, heads, dv)
+    state, out = state.clone(), torch.empty(mixed.shape[0], heads, dv)
+    for t in range(mixed.shape[0]):
+        for h in range(heads):
+            qt, kt = F.normalize(q[t, h % key_heads], dim=-1, eps=1e-12) * dk**-0.5, F.normalize(k[t, h % key_heads], dim=-1)
+            decay = torch.exp(a[h] * F.softplus(alpha[t, h] + dt_bias[h]))
+            state[h] = state[h] * decay
+            state[h] = state[h] + torch.outer(kt, torch.sigmoid(beta[t, h]) * (v[t, h] - kt @ state[h]))
+            out[t, h] = qt @ state[h]
+    return out, state
+
+
+def plan_of(lens, logits_counts=None, slots=None, conv_kernel=None, min_chunked_tokens=None):
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    counts = logits_counts or [1] * len(lens)
+    return build_delta_net_plan(starts, lens, counts, slots or list(range(len(lens))), CPU, conv_kernel, min_chunked_tokens)
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 100])
 def test_chunked_delta_rule_equals_recurrent(n):
-    q, k, v, g, beta = random_inputs(n)
+    inputs = random_inputs(n)
     state0 = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(1))
-    expected, expected_state = naive_delta_rule(q, k, v, g, beta, state0)
-    states = state0[None].clone()
-    out, _, _ = recurrent_gated_delta_rule(q, k, v, g, beta, states, [0], [n])
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(states[0], expected_state, rtol=1e-5, atol=1e-5)
-    chunked, chunked_state = chunked_gated_delta_rule(q, k, v, g, beta, state0.clone(), chunk_size=16)
-    torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(chunked_state, expected_state, rtol=1e-4, atol=1e-4)
+    expected, expected_state = naive_delta_rule(*inputs, state0)
+    for min_chunked_tokens, tolerance in ((None, 1e-5), (1, 1e-4)):  # recurrent, then chunked
+        states = state0[None].clone()
+        out, window_starts = gated_delta_rule(*inputs, states, plan_of([n], min_chunked_tokens=min_chunked_tokens))
+        assert window_starts is None
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(states[0], expected_state, rtol=tolerance, atol=tolerance)
 
 
 def test_recurrent_delta_rule_is_batch_invariant_and_replays_verify_windows():
-    lens = [3, 1, 6, 2]
-    q, k, v, g, beta = random_inputs(sum(lens))
+    lens, counts, slots = [3, 1, 6, 2], [1, 1, 4, 2], [3, 0, 4, 1]  # requests in pool slots out of order
+    mixed, alpha, beta, a, dt_bias = random_inputs(sum(lens))
     starts = [0, 3, 4, 10]
-    states0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(2))
-    states = states0.clone()
-    out, window_starts, inputs = recurrent_gated_delta_rule(q, k, v, g, beta, states, starts, lens, [1, 1, 4, 2])
-    assert set(window_starts) == {2, 3}  # only the requests verifying drafts
+    pool0 = torch.randn(5, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    pool = pool0.clone()
+    out, window_starts = gated_delta_rule(mixed, alpha, beta, a, dt_bias, pool, plan_of(lens, counts, slots))
+    assert window_starts.shape == (2, 4, 8, 8)  # only the requests verifying drafts: 2 and 3
+    assert torch.equal(pool[2], pool0[2])  # a slot outside the plan is untouched
     for r in range(4):
         rows = slice(starts[r], starts[r] + lens[r])
-        alone = states0[r : r + 1].clone()
-        alone_out, _, _ = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], alone, [0], [lens[r]])
-        assert torch.equal(alone_out, out[rows]) and torch.equal(alone, states[r : r + 1])
+        alone = pool0[slots[r]][None].clone()
+        alone_out, _ = gated_delta_rule(mixed[rows], alpha[rows], beta[rows], a, dt_bias, alone, plan_of([lens[r]]))
+        assert torch.equal(alone_out, out[rows]) and torch.equal(alone[0], pool[slots[r]])
     # Request 2 verifies its last 4 positions (rows 6..9): replaying j + 1 of them from the window
     # start gives the very state a plain run over the first 3 + j tokens has.
-    window = inputs[6:10]
+    rows = slice(6, 10)
+    window = DeltaRuleWindow(window_starts[0], mixed[rows], alpha[rows], beta[rows], a, dt_bias, TorchOps())
     for j in range(4):
-        plain = states0[2:3].clone()
+        plain = pool0[4][None].clone()
         rows = slice(4, 4 + 3 + j)
-        recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], plain, [0], [3 + j])
-        assert torch.equal(replay_delta_rule(window_starts[2], window, j + 1), plain[0]), j
-    assert torch.equal(replay_delta_rule(window_starts[2], window, 4), states[2])
+        gated_delta_rule(mixed[rows], alpha[rows], beta[rows], a, dt_bias, plain, plan_of([3 + j]))
+        assert torch.equal(window.state_after(j + 1), plain[0]), j
+    assert torch.equal(window.state_after(4), pool[4])
 
 
-def test_causal_conv_carries_state_across_chunks():
+def test_causal_conv_carries_state_across_chunks_and_keeps_verify_states():
     channels, kernel = 6, 4
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, channels, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
     expected = F.silu(F.conv1d(x.T[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, :9].T)
-    state = torch.zeros(1, kernel - 1, channels)
+    pool = torch.zeros(3, kernel - 1, channels)
     outs = []
-    for start, n in ((0, 2), (2, 1), (3, 6)):
-        plan = build_conv_plan([0], [n], [1], kernel, CPU)
-        out, state, _ = causal_conv1d(x[start : start + n], state, weight, plan)
+    for start, n, count in ((0, 2, 1), (2, 1, 1), (3, 6, 3)):
+        out, windows = causal_conv1d(x[start : start + n], pool, weight, plan_of([n], [count], [2], conv_kernel=kernel))
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state[0], x[-(kernel - 1) :])
+    torch.testing.assert_close(pool[2], x[-(kernel - 1) :])
+    assert not pool[:2].any()
+    # The last chunk verified 3 positions: the state after each is the kernel − 1 inputs ending there.
+    for i, end in enumerate((7, 8, 9)):
+        torch.testing.assert_close(windows[0, i], x[end - (kernel - 1) : end])
 
 
 # ---------------------------------------------------------------- llama.cpp's converter

@@ -34,4 +34,11 @@ def test_dry_run_passes_every_check_and_writes_json(tmp_path):
     sections = {record["section"] for record in results["records"]}
     assert sections == {"env", "roofline", "correct", "invariant", "greedy", "kernel", "step"}
     assert all(record.get("ok", True) for record in results["records"])
+    names = {(record["section"], record["name"]) for record in results["records"]}
+    delta_net = {
+        ("correct", "causal_conv1d"), ("correct", "conv_states"), ("correct", "gated_delta_rule"),
+        ("correct", "delta_rule_states"), ("invariant", "delta_net_request"), ("kernel", "causal_conv1d_decode"),
+        ("kernel", "delta_rule_decode"), ("kernel", "delta_rule_prefill"),
+    }
+    assert delta_net <= names, delta_net - names
     assert "total" in done.stdout.splitlines()[-1]

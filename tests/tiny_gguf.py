@@ -128,42 +128,50 @@ def random_k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype:
     return blocks.reshape(rows, -1)
 
 
-def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType, rng) -> None:
-    rows, cols = values.shape
-    if qtype == GGMLQuantizationType.F32:
-        writer.add_tensor(name, values.astype(np.float32))
+def add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType, rng=None) -> None:
+    """A tensor in `qtype`; vectors, and rows that are not whole blocks of it, stay float32 (as
+    llama.cpp's converter keeps them). K-quants get random blocks (`rng` needed): the `gguf`
+    package cannot quantize to them."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if qtype == GGMLQuantizationType.F32 or values.ndim == 1 or values.shape[-1] % _block_elements(qtype):
+        writer.add_tensor(name, values)
     elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
-        writer.add_tensor(name, random_k_quant_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+        rows = int(np.prod(values.shape[:-1]))
+        blocks = random_k_quant_blocks(rng, rows, values.shape[-1], qtype)
+        writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=qtype)
+    elif qtype == GGMLQuantizationType.F16:
+        writer.add_tensor(name, quants.quantize(values, qtype))
     else:
-        data = quants.quantize(values.astype(np.float32), qtype)
-        if qtype == GGMLQuantizationType.F16:
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=qtype)
+        writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
 
 
-def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    rng = np.random.default_rng(spec.seed)
-    arch = spec.architecture
-    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+def new_writer(
+    path: Path,
+    arch: str,
+    *,
+    context_length: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    chat_template: str | None = None,
+) -> GGUFWriter:
+    """A writer holding what every tiny model's metadata has: its attention shape, RMSNorm eps, and
+    the tiny BPE tokenizer; the caller adds the architecture's own keys and the tensors."""
     tokens, types, merges = tiny_vocab()
-    vocab = len(tokens)
-    h, q, kv = spec.hidden_size, spec.num_heads * head_dim, spec.num_kv_heads * head_dim
-
     writer = GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-{arch}-{spec.tensor_type.name}")
-    writer.add_context_length(spec.context_length)
-    writer.add_embedding_length(h)
-    writer.add_block_count(spec.num_layers)
-    writer.add_feed_forward_length(spec.intermediate_size)
-    writer.add_head_count(spec.num_heads)
-    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(hidden_size)
+    writer.add_block_count(num_layers)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(vocab)
+    writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -172,7 +180,34 @@ def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(spec.chat_template or CHATML_TEMPLATE)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    return writer
+
+
+def write_file(writer: GGUFWriter, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    rng = np.random.default_rng(spec.seed)
+    arch = spec.architecture
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    vocab = len(tiny_vocab()[0])
+    h, q, kv = spec.hidden_size, spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+
+    writer = new_writer(
+        path, arch, context_length=spec.context_length, hidden_size=h, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=head_dim, rope_theta=spec.rope_theta,
+        chat_template=spec.chat_template or CHATML_TEMPLATE,
+    )
+    writer.add_name(f"tiny-{arch}-{spec.tensor_type.name}")
+    writer.add_feed_forward_length(spec.intermediate_size)
+    writer.add_rope_dimension_count(head_dim)
 
     def matrix(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols) * 4).astype(np.float32)
@@ -183,34 +218,29 @@ def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     qtype = spec.tensor_type
     # The embedding stays in a 32-element-block type even for K-quant models, as llama.cpp often does.
     embed_type = GGMLQuantizationType.Q8_0 if qtype != GGMLQuantizationType.F32 else qtype
-    _add_matrix(writer, "token_embd.weight", matrix(vocab, h, 4.0), embed_type, rng)
+    add_tensor(writer, "token_embd.weight", matrix(vocab, h, 4.0), embed_type, rng)
     for i in range(spec.num_layers):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", norm(h))
-        _add_matrix(writer, p + "attn_q.weight", matrix(q, h), qtype, rng)
-        _add_matrix(writer, p + "attn_k.weight", matrix(kv, h), qtype, rng)
-        _add_matrix(writer, p + "attn_v.weight", matrix(kv, h), qtype, rng)
+        add_tensor(writer, p + "attn_norm.weight", norm(h), qtype)
+        add_tensor(writer, p + "attn_q.weight", matrix(q, h), qtype, rng)
+        add_tensor(writer, p + "attn_k.weight", matrix(kv, h), qtype, rng)
+        add_tensor(writer, p + "attn_v.weight", matrix(kv, h), qtype, rng)
         if arch == "qwen2":
-            writer.add_tensor(p + "attn_q.bias", (0.1 * rng.standard_normal(q)).astype(np.float32))
-            writer.add_tensor(p + "attn_k.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32))
-            writer.add_tensor(p + "attn_v.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32))
+            add_tensor(writer, p + "attn_q.bias", (0.1 * rng.standard_normal(q)).astype(np.float32), qtype)
+            add_tensor(writer, p + "attn_k.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32), qtype)
+            add_tensor(writer, p + "attn_v.bias", (0.1 * rng.standard_normal(kv)).astype(np.float32), qtype)
         if arch == "qwen3":
-            writer.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
-            writer.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
-        _add_matrix(writer, p + "attn_output.weight", matrix(h, q), qtype, rng)
-        writer.add_tensor(p + "ffn_norm.weight", norm(h))
-        _add_matrix(writer, p + "ffn_gate.weight", matrix(spec.intermediate_size, h), qtype, rng)
-        _add_matrix(writer, p + "ffn_up.weight", matrix(spec.intermediate_size, h), qtype, rng)
-        _add_matrix(writer, p + "ffn_down.weight", matrix(h, spec.intermediate_size), qtype, rng)
-    writer.add_tensor("output_norm.weight", norm(h))
+            add_tensor(writer, p + "attn_q_norm.weight", norm(head_dim), qtype)
+            add_tensor(writer, p + "attn_k_norm.weight", norm(head_dim), qtype)
+        add_tensor(writer, p + "attn_output.weight", matrix(h, q), qtype, rng)
+        add_tensor(writer, p + "ffn_norm.weight", norm(h), qtype)
+        add_tensor(writer, p + "ffn_gate.weight", matrix(spec.intermediate_size, h), qtype, rng)
+        add_tensor(writer, p + "ffn_up.weight", matrix(spec.intermediate_size, h), qtype, rng)
+        add_tensor(writer, p + "ffn_down.weight", matrix(h, spec.intermediate_size), qtype, rng)
+    add_tensor(writer, "output_norm.weight", norm(h), qtype)
     if not spec.tie_word_embeddings:
-        _add_matrix(writer, "output.weight", matrix(vocab, h, 4.0), embed_type, rng)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        add_tensor(writer, "output.weight", matrix(vocab, h, 4.0), embed_type, rng)
+    return write_file(writer, path)
 
 
 def k_quant_spec(qtype: GGMLQuantizationType, architecture: str = "llama") -> TinyModelSpec:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGMLQuantizationType
 
-from tests.tiny_gguf import tiny_vocab
+from tests.tiny_gguf import add_tensor, new_writer, tiny_vocab, write_file
 
 ROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
 
@@ -109,35 +109,17 @@ def _tiled_order(num_key_heads: int, num_value_heads: int, head_dim: int) -> np.
     return np.arange(num_value_heads * head_dim).reshape(num_key_heads, per_key, head_dim).transpose(1, 0, 2).reshape(-1)
 
 
-def _add(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> None:
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    if qtype == GGMLQuantizationType.F32 or values.ndim == 1 or values.shape[-1] % 32:
-        writer.add_tensor(name, values)
-    elif qtype == GGMLQuantizationType.F16:
-        writer.add_tensor(name, quants.quantize(values, qtype))
-    else:
-        writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
-
-
 def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
     """The model's weights as llama.cpp's converter lays them out (see the module docstring)."""
     arch = spec.architecture
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    tokens, types, merges = tiny_vocab()
-    writer = GGUFWriter(str(path), arch)
+    writer = new_writer(
+        path, arch, context_length=spec.context_length, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rope_theta=1e6,
+    )
     writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(spec.context_length)
-    writer.add_embedding_length(spec.hidden_size)
-    writer.add_block_count(spec.num_layers)
     if arch != "qwen35moe":
         writer.add_feed_forward_length(spec.intermediate_size)
-    writer.add_head_count(spec.num_heads)
-    writer.add_head_count_kv(spec.num_kv_heads)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(len(tokens))
     if arch in ("qwen35moe", "qwen3moe"):
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.num_experts_per_token)
@@ -155,14 +137,6 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
         writer.add_full_attention_interval(4)
     else:
         writer.add_rope_dimension_count(spec.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
 
     qtype = spec.tensor_type
     plus_one = (lambda w: w + 1.0) if arch != "qwen3moe" else (lambda w: w)
@@ -171,52 +145,48 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
     v_heads = _tiled_order(spec.linear_key_heads, spec.linear_value_heads, 1)
     qkv_rows = np.concatenate([np.arange(2 * key_dim), 2 * key_dim + v_rows])
 
-    _add(writer, "token_embd.weight", sd["model.embed_tokens.weight"], qtype)
+    add_tensor(writer, "token_embd.weight", sd["model.embed_tokens.weight"], qtype)
     for i in range(spec.num_layers):
         hf, p = f"model.layers.{i}.", f"blk.{i}."
         post_norm = "post_attention_norm" if arch != "qwen3moe" else "ffn_norm"
-        _add(writer, p + "attn_norm.weight", plus_one(sd[hf + "input_layernorm.weight"]), qtype)
-        _add(writer, p + post_norm + ".weight", plus_one(sd[hf + "post_attention_layernorm.weight"]), qtype)
+        add_tensor(writer, p + "attn_norm.weight", plus_one(sd[hf + "input_layernorm.weight"]), qtype)
+        add_tensor(writer, p + post_norm + ".weight", plus_one(sd[hf + "post_attention_layernorm.weight"]), qtype)
         if hf + "linear_attn.A_log" in sd:
             la = hf + "linear_attn."
-            _add(writer, p + "attn_qkv.weight", sd[la + "in_proj_qkv.weight"][qkv_rows], qtype)
-            _add(writer, p + "attn_gate.weight", sd[la + "in_proj_z.weight"][v_rows], qtype)
-            _add(writer, p + "ssm_conv1d.weight", sd[la + "conv1d.weight"].squeeze(1)[qkv_rows], GGMLQuantizationType.F32)
-            _add(writer, p + "ssm_dt.bias", sd[la + "dt_bias"][v_heads], qtype)
-            _add(writer, p + "ssm_a", -np.exp(sd[la + "A_log"][v_heads]), qtype)
-            _add(writer, p + "ssm_beta.weight", sd[la + "in_proj_b.weight"][v_heads], qtype)
-            _add(writer, p + "ssm_alpha.weight", sd[la + "in_proj_a.weight"][v_heads], qtype)
-            _add(writer, p + "ssm_norm.weight", sd[la + "norm.weight"], qtype)
-            _add(writer, p + "ssm_out.weight", sd[la + "out_proj.weight"][:, v_rows], qtype)
+            add_tensor(writer, p + "attn_qkv.weight", sd[la + "in_proj_qkv.weight"][qkv_rows], qtype)
+            add_tensor(writer, p + "attn_gate.weight", sd[la + "in_proj_z.weight"][v_rows], qtype)
+            add_tensor(writer, p + "ssm_conv1d.weight", sd[la + "conv1d.weight"].squeeze(1)[qkv_rows], GGMLQuantizationType.F32)
+            add_tensor(writer, p + "ssm_dt.bias", sd[la + "dt_bias"][v_heads], qtype)
+            add_tensor(writer, p + "ssm_a", -np.exp(sd[la + "A_log"][v_heads]), qtype)
+            add_tensor(writer, p + "ssm_beta.weight", sd[la + "in_proj_b.weight"][v_heads], qtype)
+            add_tensor(writer, p + "ssm_alpha.weight", sd[la + "in_proj_a.weight"][v_heads], qtype)
+            add_tensor(writer, p + "ssm_norm.weight", sd[la + "norm.weight"], qtype)
+            add_tensor(writer, p + "ssm_out.weight", sd[la + "out_proj.weight"][:, v_rows], qtype)
         else:
             sa = hf + "self_attn."
             for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
-                _add(writer, p + ours + ".weight", sd[sa + theirs + ".weight"], qtype)
-            _add(writer, p + "attn_q_norm.weight", plus_one(sd[sa + "q_norm.weight"]), qtype)
-            _add(writer, p + "attn_k_norm.weight", plus_one(sd[sa + "k_norm.weight"]), qtype)
+                add_tensor(writer, p + ours + ".weight", sd[sa + theirs + ".weight"], qtype)
+            add_tensor(writer, p + "attn_q_norm.weight", plus_one(sd[sa + "q_norm.weight"]), qtype)
+            add_tensor(writer, p + "attn_k_norm.weight", plus_one(sd[sa + "k_norm.weight"]), qtype)
         mlp = hf + "mlp."
         if mlp + "gate.weight" in sd:
-            _add(writer, p + "ffn_gate_inp.weight", sd[mlp + "gate.weight"], qtype)
+            add_tensor(writer, p + "ffn_gate_inp.weight", sd[mlp + "gate.weight"], qtype)
             gate_up = sd[mlp + "experts.gate_up_proj"]  # [experts, 2 * ff, hidden]
             ff = gate_up.shape[1] // 2
-            _add(writer, p + "ffn_gate_exps.weight", gate_up[:, :ff], qtype)
-            _add(writer, p + "ffn_up_exps.weight", gate_up[:, ff:], qtype)
-            _add(writer, p + "ffn_down_exps.weight", sd[mlp + "experts.down_proj"], qtype)
+            add_tensor(writer, p + "ffn_gate_exps.weight", gate_up[:, :ff], qtype)
+            add_tensor(writer, p + "ffn_up_exps.weight", gate_up[:, ff:], qtype)
+            add_tensor(writer, p + "ffn_down_exps.weight", sd[mlp + "experts.down_proj"], qtype)
             if mlp + "shared_expert_gate.weight" in sd:
-                _add(writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"], qtype)  # [1, hidden], as converted
+                add_tensor(writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"], qtype)  # [1, hidden], as converted
                 for proj in ("gate", "up", "down"):
-                    _add(writer, p + f"ffn_{proj}_shexp.weight", sd[mlp + f"shared_expert.{proj}_proj.weight"], qtype)
+                    add_tensor(writer, p + f"ffn_{proj}_shexp.weight", sd[mlp + f"shared_expert.{proj}_proj.weight"], qtype)
         else:
             for proj in ("gate", "up", "down"):
-                _add(writer, p + f"ffn_{proj}.weight", sd[mlp + f"{proj}_proj.weight"], qtype)
-    _add(writer, "output_norm.weight", plus_one(sd["model.norm.weight"]), qtype)
-    _add(writer, "output.weight", sd["lm_head.weight"], qtype)
+                add_tensor(writer, p + f"ffn_{proj}.weight", sd[mlp + f"{proj}_proj.weight"], qtype)
+    add_tensor(writer, "output_norm.weight", plus_one(sd["model.norm.weight"]), qtype)
+    add_tensor(writer, "output.weight", sd["lm_head.weight"], qtype)
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_file(writer, path)
 
 
 def write_tiny_hybrid_model(path: Path, spec: TinyHybridSpec = TinyHybridSpec()):

@@ -10,15 +10,20 @@ rest; a time budget skips whatever is left when it runs out):
 - env        torch / triton / device.
 - roofline   device-to-device copy bandwidth and bf16 matmul rate: the yardsticks.
 - correct    every kernel against the torch reference (`TorchOps`) on fresh random
-             inputs at both model shapes: ‖out − ref‖ / ‖ref‖ per dtype.
-- invariant  the attention kernel's batch invariance, bit for bit, on the device.
+             inputs at both model shapes: ‖out − ref‖ / ‖ref‖ per dtype; the Gated
+             DeltaNet kernels (causal conv, delta rule, verify-window states) on a ragged
+             batch at Qwen3.5-9B's DeltaNet shape, with the max abs error too.
+- invariant  the attention kernel's batch invariance, bit for bit, on the device; the
+             DeltaNet kernels' too (a request alone, in a batch, in two chunks).
 - greedy     a random-weight model of the small shape decoding a ragged batch for
              ~32 steps in lockstep (both op sets are fed the torch path's greedy
              tokens; every 8th step is a 3-token verify run): argmax mismatches and the
              max logit difference.
 - kernel     each kernel, Triton vs torch, for B = 1 .. 64 decode tokens at context
              512 (bytes moved / time against the copy bandwidth); attention prefill
-             (flops / time against the matmul rate).
+             (flops / time against the matmul rate); the DeltaNet kernels the same way
+             (their bytes are the recurrent/conv states read and written) and the delta
+             rule over prefills (tokens/s; torch runs its chunked form there).
 - step       a whole decode step (`Transformer.forward`), TritonOps vs TorchOps.
 
 Progress goes to stderr with timestamps, ONE compact table to stdout at the end, and
@@ -74,6 +79,9 @@ TINY_MODEL = dict(  # --dry-run
     head_dim=32,
     vocab_size=300,
 )
+# Gated DeltaNet layer shapes: Qwen3.5-9B's (the seeds' model), and a tiny one for --dry-run.
+QWEN35_DELTA_NET = dict(name="qwen35-9b", key_heads=16, heads=32, dk=128, dv=128, kernel=4)
+TINY_DELTA_NET = dict(name="tiny", key_heads=1, heads=2, dk=16, dv=24, kernel=4)
 BLOCK_SIZE = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ‖out − ref‖ / ‖ref‖ bounds for "ok": float32 math throughout, inputs and outputs rounded per dtype.
@@ -84,6 +92,8 @@ SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step
 @dataclass(frozen=True)
 class Sizes:
     models: tuple[dict, ...]
+    delta_net: dict
+    delta_net_prefill_len: int  # tokens per request in the delta rule's prefill timing
     batch_sizes: tuple[int, ...]
     context: int  # tokens already cached per request in the decode timings
     prefill_requests: int
@@ -99,6 +109,8 @@ class Sizes:
     def full(cls) -> "Sizes":
         return cls(
             models=(SMALL_MODEL, BIG_MODEL),
+            delta_net=QWEN35_DELTA_NET,
+            delta_net_prefill_len=512,
             batch_sizes=(1, 2, 4, 8, 16, 32, 64),
             context=512,
             prefill_requests=4,
@@ -115,6 +127,8 @@ class Sizes:
     def dry_run(cls) -> "Sizes":
         return cls(
             models=(TINY_MODEL,),
+            delta_net=TINY_DELTA_NET,
+            delta_net_prefill_len=8,  # the interpreter runs the recurrence token by token
             batch_sizes=(1, 4),
             context=40,
             prefill_requests=2,
@@ -223,6 +237,10 @@ def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
             result = "  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
         elif section == "greedy":
             result = "  |  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
+        elif section == "kernel" and name == "delta_rule_prefill":
+            r = records[-1]
+            times = f"triton {r['triton_us']:.0f}us torch (chunked) {r['torch_us']:.0f}us"
+            result = f"{r['size']}: {times}, {r['tokens_per_s']:.0f} tokens/s"
         elif section == "kernel" and name != "attention_prefill":
             cells = [f"B{r['batch']}: {r['triton_us']:.1f}/{r['torch_us']:.1f}" for r in records]
             last = records[-1]
@@ -725,6 +743,170 @@ def section_step_timings(report: Report, bench: Bench, shape: dict, device, size
         )
 
 
+# ----------------------------------------------------------------------------- Gated DeltaNet
+
+
+class DeltaNetInputs:
+    """Random inputs of one DeltaNet layer for requests of given query lengths: the conv's input and
+    output widths, gate projections, weights, and state pools whose slots the requests hold out of order."""
+
+    def __init__(self, shape: dict, query_lens: list[int], dtype, device, gen) -> None:
+        hk, h, dk, dv, kernel = (shape[k] for k in ("key_heads", "heads", "dk", "dv", "kernel"))
+        t, self.channels = sum(query_lens), 2 * hk * dk + h * dv
+        self.num_slots = 2 * len(query_lens) + 1
+        self.slots = torch.randperm(self.num_slots, generator=torch.Generator().manual_seed(0))[: len(query_lens)].tolist()
+        self.query_lens = query_lens
+        self.x = torch.randn(t, self.channels, generator=gen, device=device).to(dtype)
+        # The conv's output is what the delta rule reads; L2 norms make its scale irrelevant.
+        self.mixed = torch.randn(t, self.channels, generator=gen, device=device).to(dtype)
+        self.alpha = torch.randn(t, h, generator=gen, device=device).to(dtype)
+        self.beta = (4 * torch.randn(t, h, generator=gen, device=device)).to(dtype)
+        self.a = (-2 * torch.rand(h, generator=gen, device=device)).to(dtype)
+        self.dt_bias = torch.randn(h, generator=gen, device=device).to(dtype)
+        self.weight = (0.5 * torch.randn(self.channels, kernel, generator=gen, device=device)).to(dtype)
+        self.conv_states = torch.randn(self.num_slots, kernel - 1, self.channels, generator=gen, device=device).to(dtype)
+        self.states = torch.randn(self.num_slots, h, dk, dv, generator=gen, device=device)
+        self.kernel = kernel
+
+    def plan(self, logits_counts: list[int], torch_conv: bool = False, min_chunked_tokens: int | None = None):
+        from executor_svc.gated_delta_net import build_delta_net_plan
+
+        starts = [sum(self.query_lens[:i]) for i in range(len(self.query_lens))]
+        return build_delta_net_plan(
+            starts, self.query_lens, logits_counts, self.slots, self.x.device,
+            self.kernel if torch_conv else None, min_chunked_tokens,
+        )
+
+
+def _delta_net_batch(sizes: Sizes) -> tuple[list[int], list[int]]:
+    """(query lens, logits counts): a prefill chunk, decodes, verify runs of 5 and 3, a mid-prompt chunk."""
+    c = sizes.context
+    return [c // 4, 1, 5, 1, 3, c // 8 + 3, 1], [1, 1, 5, 1, 3, 0, 1]
+
+
+def section_correct_delta_net(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
+    """The DeltaNet kernels against the torch reference on one ragged batch: outputs, the states
+    written into the pools, and the states kept for the verify windows."""
+    dtype, shape = DTYPES[dtype_name], sizes.delta_net
+    gen = torch.Generator(device=device).manual_seed(17)
+    lens, counts = _delta_net_batch(sizes)
+    inputs = DeltaNetInputs(shape, lens, dtype, device, gen)
+    triton_ops, torch_ops = _ops()
+    size = f"T={sum(lens)} R={len(lens)}"
+
+    def record(name, out, ref, tolerance):
+        rel, max_abs = relative_error(out.float(), ref.float())
+        ok = rel <= tolerance
+        summary = f"{rel:.1e} (max {max_abs:.1e})" + ("" if ok else " FAIL")
+        report.add("correct", name, shape["name"], dtype_name, size, rel_err=rel, max_abs=max_abs, ok=ok, summary=summary)
+
+    ours, ref = inputs.conv_states.clone(), inputs.conv_states.clone()
+    out, windows = triton_ops.causal_conv1d(inputs.x, ours, inputs.weight, inputs.plan(counts))
+    ref_out, ref_windows = torch_ops.causal_conv1d(inputs.x, ref, inputs.weight, inputs.plan(counts, torch_conv=True))
+    record("causal_conv1d", out, ref_out, REL_TOLERANCE[dtype_name])
+    kept = [windows[i, :n] for i, n in enumerate(c for c in counts if c > 1)]
+    ref_kept = [ref_windows[i, :n] for i, n in enumerate(c for c in counts if c > 1)]
+    exact = torch.equal(ours, ref) and all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
+    report.add("correct", "conv_states", shape["name"], dtype_name, size, ok=exact, summary="exact" if exact else "FAIL")
+
+    # The delta rule computes in float32 whatever its inputs' dtype: float32 bounds on both sides.
+    ours, ref = inputs.states.clone(), inputs.states.clone()
+    plan = inputs.plan(counts)
+    args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias)
+    out, window_starts = triton_ops.gated_delta_rule(*args, ours, plan)
+    ref_out, ref_window_starts = torch_ops.gated_delta_rule(*args, ref, plan)
+    record("gated_delta_rule", out, ref_out, 1e-5)
+    record("delta_rule_states", torch.cat([ours.flatten(), window_starts.flatten()]),
+           torch.cat([ref.flatten(), ref_window_starts.flatten()]), 1e-5)
+
+
+def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
+    """One request's conv and delta-rule outputs and states, bit for bit: alone, in the ragged batch,
+    and prefilled in two chunks beside a decode."""
+    dtype, shape = DTYPES[dtype_name], sizes.delta_net
+    gen = torch.Generator(device=device).manual_seed(18)
+    lens, counts = _delta_net_batch(sizes)
+    inputs = DeltaNetInputs(shape, lens, dtype, device, gen)
+    ops, _ = _ops()
+    target = 5  # the mid-prompt chunk
+    start, n = sum(lens[:target]), lens[target]
+    slot = inputs.slots[target]
+
+    def run(parts, query_lens, logits_counts, slots, conv_states, states):
+        """parts: row ranges laid end to end → (conv out, delta out, the target slot's conv state and state)."""
+        from executor_svc.gated_delta_net import build_delta_net_plan
+
+        pick = lambda t: torch.cat([t[p] for p in parts])  # noqa: E731
+        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+        plan = build_delta_net_plan(starts, query_lens, logits_counts, slots, device)
+        conv_out, _ = ops.causal_conv1d(pick(inputs.x), conv_states, inputs.weight, plan)
+        delta_out, _ = ops.gated_delta_rule(
+            pick(inputs.mixed), pick(inputs.alpha), pick(inputs.beta), inputs.a, inputs.dt_bias, states, plan
+        )
+        return conv_out, delta_out, conv_states[slot].clone(), states[slot].clone()
+
+    rows = slice(start, start + n)
+    batch = run([slice(0, sum(lens))], lens, counts, inputs.slots, inputs.conv_states.clone(), inputs.states.clone())
+    batch = (batch[0][rows], batch[1][rows], batch[2], batch[3])
+    alone = run([rows], [n], [0], [slot], inputs.conv_states.clone(), inputs.states.clone())
+    conv_states, states = inputs.conv_states.clone(), inputs.states.clone()
+    half = n // 2
+    first = run([slice(start, start + half)], [half], [0], [slot], conv_states, states)
+    other = inputs.slots[1]  # a decode token of another request beside the second chunk
+    second = run([slice(sum(lens[:1]), sum(lens[:1]) + 1), slice(start + half, start + n)], [1, n - half], [1, 0],
+                 [other, slot], conv_states, states)
+    chunked = (torch.cat([first[0], second[0][1:]]), torch.cat([first[1], second[1][1:]]), second[2], second[3])
+    max_diff = max(float((a.float() - b.float()).abs().max()) for run_ in (alone, chunked) for a, b in zip(run_, batch))
+    ok = max_diff == 0.0
+    summary = "bitwise equal" if ok else f"FAIL max diff {max_diff:.1e}"
+    report.add("invariant", "delta_net_request", shape["name"], dtype_name, "alone/batch/2 chunks", ok=ok,
+               max_diff=max_diff, summary=summary)
+
+
+def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes) -> None:
+    """The DeltaNet kernels in bf16 at B decode tokens (bytes: states read and written, inputs, outputs),
+    and the delta rule over prefills (torch in its chunked form, its fast path for prefills)."""
+    dtype, elt, shape = torch.bfloat16, 2, sizes.delta_net
+    gen = torch.Generator(device=device).manual_seed(19)
+    triton_ops, torch_ops = _ops()
+    copy_gbps = report.yardsticks.get("copy_gbps")
+    h, dk, dv = shape["heads"], shape["dk"], shape["dv"]
+
+    def record(name, b, size, triton_fn, torch_fn, bytes_moved):
+        triton_ms, torch_ms = bench.ms(triton_fn), bench.ms(torch_fn)
+        gbps = bytes_moved / triton_ms / 1e6
+        report.add("kernel", name, shape["name"], "bf16", size, batch=b, triton_us=1e3 * triton_ms, torch_us=1e3 * torch_ms,
+                   bytes=bytes_moved, gbps=gbps, fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
+
+    for b in sizes.batch_sizes:
+        if report.over_budget():
+            break
+        inputs = DeltaNetInputs(shape, [1] * b, dtype, device, gen)
+        plan, torch_plan = inputs.plan([1] * b), inputs.plan([1] * b, torch_conv=True)
+        args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
+        c = inputs.channels
+        timings = [
+            ("causal_conv1d_decode", lambda: triton_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, plan),
+             lambda: torch_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, torch_plan),
+             b * c * elt * (2 * (inputs.kernel - 1) + 2) + c * inputs.kernel * elt),
+            ("delta_rule_decode", lambda: triton_ops.gated_delta_rule(*args, plan),
+             lambda: torch_ops.gated_delta_rule(*args, plan),
+             b * (2 * h * dk * dv * 4 + c * elt + h * dv * 4 + 2 * h * elt)),
+        ]
+        for name, triton_fn, torch_fn, bytes_moved in timings:
+            report.run("kernel", f"{name} B={b}", record, name, b, f"B={b}", triton_fn, torch_fn, bytes_moved)
+    if report.over_budget():
+        return
+    n, m = sizes.prefill_requests, sizes.delta_net_prefill_len
+    inputs = DeltaNetInputs(shape, [m] * n, dtype, device, gen)
+    args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
+    plan, chunked_plan = inputs.plan([1] * n), inputs.plan([1] * n, min_chunked_tokens=1)
+    triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
+    torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
+    report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
+               torch_us=1e3 * torch_ms, tokens_per_s=n * m / triton_ms * 1e3)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -766,16 +948,23 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in DTYPES:
             args_ = (report, shape, dtype_name, device, sizes)
             plan.append(("correct", f"attention {shape['name']} {dtype_name}", section_correct_attention, args_))
+    for dtype_name in DTYPES:
+        args_ = (report, dtype_name, device, sizes)
+        plan.append(("correct", f"delta net {sizes.delta_net['name']} {dtype_name}", section_correct_delta_net, args_))
     for shape in models:
         for dtype_name in ("bf16", "fp32"):
             args_ = (report, shape, dtype_name, device, sizes)
             plan.append(("invariant", f"attention {shape['name']} {dtype_name}", section_invariance, args_))
+    for dtype_name in ("bf16", "fp32"):
+        args_ = (report, dtype_name, device, sizes)
+        plan.append(("invariant", f"delta net {sizes.delta_net['name']} {dtype_name}", section_delta_net_invariance, args_))
     for dtype_name in ("fp32", "bf16"):
         plan.append(("greedy", f"lockstep {dtype_name}", section_greedy, (report, dtype_name, device, sizes)))
     for shape in models:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("kernel", f"decode kernels {shape['name']}", section_kernel_timings, args_))
         plan.append(("kernel", f"prefill attention {shape['name']}", section_prefill_timing, args_))
+    plan.append(("kernel", f"delta net {sizes.delta_net['name']}", section_delta_net_timings, (report, bench, device, sizes)))
     for shape in models:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("step", f"decode step {shape['name']}", section_step_timings, args_))

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from executor_svc.gated_delta_net import DeltaNetPlan, build_delta_net_plan
+from executor_svc.kernels.causal_conv1d import causal_conv1d
+from executor_svc.kernels.gated_delta_rule import gated_delta_rule
 from executor_svc.kernels.kv_store import write_kv
 from executor_svc.kernels.paged_attention import AttentionMetadata, build_attention_metadata, paged_attention
 from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
@@ -84,3 +87,23 @@ class TritonOps:
         return qkv_rope_write(
             self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
         )
+
+    # ----------------------------------------------------------- Gated DeltaNet (hybrid models)
+
+    def prepare_delta_net(self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None) -> DeltaNetPlan:
+        """Per-step DeltaNet metadata. Every request takes the recurrent kernel (there is no chunked
+        Triton kernel yet), so `min_chunked_tokens` changes nothing: the result stays batch-invariant."""
+        return build_delta_net_plan(
+            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots), batch.token_ids.device
+        )
+
+    def causal_conv1d(
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, plan: DeltaNetPlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, C] → (SiLU(causal conv) [T, C], conv states after each verify position or None);
+        conv_states [slots, kernel − 1, C] updated in place."""
+        return causal_conv1d(x, conv_states, weight, plan)
+
+    def gated_delta_rule(self, mixed, alpha, beta, a, dt_bias, states, plan: DeltaNetPlan):
+        """(o [T, H, dv] float32, states before the verify windows or None); states updated in place."""
+        return gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan)

@@ -168,19 +168,34 @@ inline __m512 dot16(const __m512* qv, const float* const* kp, int64_t n) {
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #elif SS_SIMD16
-// Scores of one q row against up to 16 keys: s[j] = q·k_j for j < n (each by dot's
-// fixed sequence), 0 for j ≥ n.
+// dot16 of the AVX-512 build on two 8-lane halves (a: 128-bit lanes 0-1, b: lanes 2-3),
+// with the same additions in the same tree, so both builds score keys bit-identically.
 template <int NV>
-inline void dot16(const V16* qv, const float* const* kp, int64_t n, float* s) {
+inline V16 dot16(const V16* qv, const float* const* kp, int64_t n) {
+  V16 P[16];
   for (int j = 0; j < 16; j++) {
     if (j < n) {
       V16 acc = simd16::mul(qv[0], simd16::load(kp[j]));
       for (int c = 1; c < NV; c++) acc = simd16::fmadd(qv[c], simd16::load(kp[j] + 16 * c), acc);
-      s[j] = simd16::reduce_add(acc);
+      P[j] = acc;
     } else {
-      s[j] = 0.f;
+      P[j] = simd16::zero();
     }
   }
+  auto pair_ps = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); };
+  auto pair_pd = [](__m256 x, __m256 y) {
+    const __m256d a = _mm256_castps_pd(x), b = _mm256_castps_pd(y);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  };
+  V16 t[8], u[4];
+  for (int i = 0; i < 8; i++) t[i] = {pair_ps(P[2 * i].a, P[2 * i + 1].a), pair_ps(P[2 * i].b, P[2 * i + 1].b)};
+  for (int i = 0; i < 4; i++) u[i] = {pair_pd(t[2 * i].a, t[2 * i + 1].a), pair_pd(t[2 * i].b, t[2 * i + 1].b)};
+  const V16 w0 = {_mm256_add_ps(u[0].a, u[0].b), _mm256_add_ps(u[1].a, u[1].b)};
+  const V16 w1 = {_mm256_add_ps(u[2].a, u[2].b), _mm256_add_ps(u[3].a, u[3].b)};
+  auto lanes = [](__m256 lo, __m256 hi) {  // [lo.L0 + lo.L1, hi.L0 + hi.L1] as the 512-bit shuffles pair them
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  };
+  return {lanes(w0.a, w0.b), lanes(w1.a, w1.b)};
 }
 #endif
 
@@ -309,14 +324,16 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
         if constexpr (NV > 0) {
           V16 qv[NV];
           for (int c = 0; c < NV; c++) qv[c] = simd16::load(qi + 16 * c);
-          alignas(64) float d16[16];
+          const V16 vs = simd16::set1(scale);
           for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
             const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
-            if (nj > 0) dot16<NV>(qv, kp + j0, nj, d16);
-            for (int64_t j = 0; j < 16; j++) {
-              s[j0 + j] = j < nj ? d16[j] * scale : NEG_INF;
-              if (j < nj) chunk_max = std::max(chunk_max, s[j0 + j]);
+            if (nj == 0) {
+              simd16::store(s + j0, simd16::set1(NEG_INF));
+              continue;
             }
+            const V16 sc16 = simd16::first_or(simd16::mul(dot16<NV>(qv, kp + j0, nj), vs), nj, NEG_INF);
+            simd16::store(s + j0, sc16);
+            chunk_max = std::max(chunk_max, simd16::reduce_max(sc16));
           }
         } else
 #endif

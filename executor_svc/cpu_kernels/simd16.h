@@ -62,6 +62,10 @@ SS_INLINE V16 keep_first(V16 a, int64_t n) {
   const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
   return {_mm512_maskz_mov_ps(m, a.v)};
 }
+SS_INLINE V16 first_or(V16 a, int64_t n, float fill) {  // lanes < n from a, the rest `fill`
+  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  return {_mm512_mask_blend_ps(m, _mm512_set1_ps(fill), a.v)};
+}
 #else
 constexpr bool kAvx512 = false;
 struct V16 {
@@ -127,6 +131,14 @@ SS_INLINE V16 keep_first(V16 x, int64_t n) {
   const __m256 ma = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx));
   const __m256 mb = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_add_epi32(idx, _mm256_set1_epi32(8))));
   return {_mm256_and_ps(x.a, ma), _mm256_and_ps(x.b, mb)};
+}
+SS_INLINE V16 first_or(V16 x, int64_t n, float fill) {  // lanes < n from x, the rest `fill`
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lim = _mm256_set1_epi32((int)(n < 0 ? 0 : n > 16 ? 16 : n));
+  const __m256 ma = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx));
+  const __m256 mb = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_add_epi32(idx, _mm256_set1_epi32(8))));
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, x.a, ma), _mm256_blendv_ps(f, x.b, mb)};
 }
 #endif
 

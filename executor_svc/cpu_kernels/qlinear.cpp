@@ -624,23 +624,24 @@ SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
   }
 }
 
-// One interleaved group (four weight rows) × NR activation rows. A row's arithmetic,
-// whatever the tile: per block, two exact integer sums — A over elements 0..7 and
-// 16..23, B over 8..15 and 24..31 (the lanes 0..3 and 4..7 of dot_s16, summed by two
+// One interleaved group (four weight rows) × activation rows [r0, r1). A row's arithmetic,
+// whatever the rows beside it: per block, two exact integer sums — A over elements 0..7
+// and 16..23, B over 8..15 and 24..31 (the lanes 0..3 and 4..7 of dot_s16, summed by two
 // hadds) — each accumulated in float32 as acc += (float(sum) · d_w) · dx, and the min
 // term as acc_m += m_w · s_x (one fused multiply-add); then y = (acc_A + acc_B) + acc_m.
 // One 8-lane vector carries the (A, B) pairs of the four rows (lanes j and j + 4), one
-// 4-lane vector their min terms, so the float work is shared four ways.
+// 4-lane vector their min terms, so the float work is shared four ways; a block's codes
+// are widened once for all the rows. The accumulators live in `acc` (registers for a
+// few rows; with more, L1 memory — the same values either way).
+// NR > 0: exactly NR rows (r1 = r0 + NR), known at compile time; 0: any number.
 template <int TYPE, int NR>
-void dot_int_tile(const uint8_t* group, int64_t num_valid, const QuantizedRows& xq, int64_t r0, float* out,
-                  int64_t out_stride) {
+SS_INLINE void dot_int_rows(const uint8_t* group, int64_t num_valid, const QuantizedRows& xq, int64_t r0, int64_t r1,
+                            float* out, int64_t out_stride, __m256* acc, __m128* acc_m) {
   constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
   constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
   constexpr bool has_min = TYPE != Q8_0;
-  const int64_t nb = xq.nb;
-  __m256 acc[NR];
-  __m128 acc_m[NR];
-  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
+  const int64_t nb = xq.nb, rows = NR > 0 ? NR : r1 - r0;
+  for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
   __m256i codes[4][2];
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = group + group_block_bytes * b;
@@ -656,7 +657,7 @@ void dot_int_tile(const uint8_t* group, int64_t num_valid, const QuantizedRows& 
       m = _mm_mul_ps(d4, _mm_set1_ps(-8.f));
     }
     for (int j = 0; j < 4; j++) block_codes<TYPE>(blk + header_bytes + j * code_bytes, codes[j][0], codes[j][1]);
-    for (int r = 0; r < NR; r++) {
+    for (int64_t r = 0; r < rows; r++) {
       const int64_t xb = (r0 + r) * nb + b;
       const int16_t* x = xq.q.data() + xb * 32;
       const __m256i x_lo = _mm256_loadu_si256((const __m256i*)x), x_hi = _mm256_loadu_si256((const __m256i*)(x + 16));
@@ -669,7 +670,7 @@ void dot_int_tile(const uint8_t* group, int64_t num_valid, const QuantizedRows& 
       if constexpr (has_min) acc_m[r] = _mm_fmadd_ps(m, _mm_broadcast_ss(&xq.s[xb]), acc_m[r]);
     }
   }
-  for (int r = 0; r < NR; r++) {
+  for (int64_t r = 0; r < rows; r++) {
     const __m128 y = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), acc_m[r]);
     alignas(16) float lanes[4];
     _mm_store_ps(lanes, y);
@@ -677,7 +678,8 @@ void dot_int_tile(const uint8_t* group, int64_t num_valid, const QuantizedRows& 
   }
 }
 
-constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;
+constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;  // rows whose accumulators stay in registers
+constexpr int64_t INT_PANEL = 32;                      // rows per pass over a group (their x blocks stay in L2)
 
 // Groups [g0, g1) (weight rows 4 · g0 .. min(N, 4 · g1)) against every activation row.
 template <int TYPE>
@@ -686,10 +688,24 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
   for (int64_t g = g0; g < g1; g++) {
     const uint8_t* group = wp + g * group_bytes;
     const int64_t n = 4 * g, num_valid = std::min<int64_t>(4, N - n);
-    int64_t r = 0;
-    for (; r + INT_TILE_NR <= xq.M; r += INT_TILE_NR)
-      dot_int_tile<TYPE, INT_TILE_NR>(group, num_valid, xq, r, y + r * N + n, N);
-    for (; r < xq.M; r++) dot_int_tile<TYPE, 1>(group, num_valid, xq, r, y + r * N + n, N);
+    if (xq.M < INT_TILE_NR || xq.M == 1) {
+      __m256 acc[1];
+      __m128 acc_m[1];
+      for (int64_t r = 0; r < xq.M; r++) dot_int_rows<TYPE, 1>(group, num_valid, xq, r, r + 1, y + r * N + n, N, acc, acc_m);
+      continue;
+    }
+    if (xq.M == INT_TILE_NR) {
+      __m256 acc[INT_TILE_NR];
+      __m128 acc_m[INT_TILE_NR];
+      dot_int_rows<TYPE, INT_TILE_NR>(group, num_valid, xq, 0, INT_TILE_NR, y + n, N, acc, acc_m);
+      continue;
+    }
+    alignas(32) __m256 acc[INT_PANEL];
+    alignas(16) __m128 acc_m[INT_PANEL];
+    for (int64_t r0 = 0; r0 < xq.M; r0 += INT_PANEL) {
+      const int64_t r1 = std::min(xq.M, r0 + INT_PANEL);
+      dot_int_rows<TYPE, 0>(group, num_valid, xq, r0, r1, y + r0 * N + n, N, acc, acc_m);
+    }
   }
 }
 #else

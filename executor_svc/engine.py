@@ -181,10 +181,14 @@ class Engine:
         self.tokenizer = load_tokenizer(gguf)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
-        with load_progress(gguf) as loading:
-            weights = load_weights(loading, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16")
-        self.weight_bytes = weights.num_bytes
         self.ops = resolve_ops(config.kernels, self.device)
+        # With the Triton kernels the weights stay GGUF blocks on the device (resident ≈ the file's size).
+        is_triton = self.ops.name == "triton"
+        with load_progress(gguf) as loading:
+            weights = load_weights(
+                loading, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16", triton=is_triton
+            )
+        self.weight_bytes = weights.num_bytes
         # Hybrid models keep a recurrent state per running request beside the paged KV of their attention layers.
         self.state_pool: RecurrentStatePool | None = None
         kv_bytes = config.kv_cache_bytes

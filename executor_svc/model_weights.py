@@ -1,7 +1,8 @@
 """GGUF tensors → the weights the forward pass uses.
 
-Matmul weights stay in their GGUF type on the CPU (`weight_format.PackedWeight`);
-on a GPU they are dequantized once to the compute dtype. Two GGUF conventions are
+Matmul weights stay in their GGUF type (`weight_format.PackedWeight`): on the CPU
+for the C++ kernels, on the device for the Triton dequant-matmul (`triton`); only
+`--kernels torch` on a GPU dequantizes them once to the compute dtype. Two GGUF conventions are
 undone here, on rows, so the forward pass has one shape for every architecture:
 
 - llama.cpp's converter permutes the Q and K rows of `llama` models so that RoPE
@@ -120,14 +121,18 @@ def load_weights(
     device: torch.device,
     packed: bool | None = None,
     int16_dot: bool = False,
+    triton: bool = False,
 ) -> ModelWeights:
     """The model's weights: matmul weights packed in their GGUF type (`packed`, the CPU
-    default) or dequantized to `dtype` (the GPU path); norms and biases in `dtype`.
-    `int16_dot`: packed Q4_0/Q4_1/Q8_0 weights multiply with int16-quantized activations."""
+    default) or dequantized to `dtype` (`--kernels torch` on a GPU); norms and biases in `dtype`.
+    `int16_dot`: packed Q4_0/Q4_1/Q8_0 weights multiply with int16-quantized activations.
+    `triton`: packed weights go to `device` as plain GGUF rows, for the Triton dequant-matmul."""
     if packed is None:
-        packed = device.type == "cpu"
+        packed = device.type == "cpu" or triton
     if int16_dot and not packed:
         raise ValueError("the integer matmul runs packed weights only")
+    if triton and (int16_dot or not packed):
+        raise ValueError("the Triton dequant-matmul runs packed weights in the plain GGUF layout")
 
     def tensor(name: str, shape: tuple[int, ...]) -> GGUFTensor:
         found = gguf.tensors.get(name)
@@ -175,12 +180,15 @@ def load_weights(
         return torch.cat(parts)
 
     def for_matmul(w: Weight) -> Weight:
-        """A packed weight in the layout its matmul reads (repacked once, after any stacking)."""
-        if not int16_dot:
-            return w
+        """A packed weight in the layout and the place its matmul reads (repacked for the integer
+        matmul, or moved to the device for the Triton kernel: once, after any stacking)."""
         if isinstance(w, tuple):
-            return tuple(part.with_int16_dot() for part in w)
-        return w.with_int16_dot() if isinstance(w, PackedWeight) else w
+            return tuple(for_matmul(part) for part in w)
+        if not isinstance(w, PackedWeight):
+            return w
+        if int16_dot:
+            return w.with_int16_dot()
+        return w.on_triton(device) if triton else w
 
     h, d = config.hidden_size, config.head_dim
     q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d

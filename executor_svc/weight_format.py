@@ -9,8 +9,11 @@ format. A weight is one of:
   (`cpu_kernels/qlinear.cpp`) dequantizes a few rows at a time into float32 with
   gguf-py's exact arithmetic and accumulates in float32 in a fixed order, so a
   row's result never depends on how many rows share the matmul.
-- a dense `torch.Tensor` (the GPU path until its dequant-matmul kernels land):
-  dequantized once at load to the compute dtype.
+- the same `PackedWeight` with `triton=True` (the GPU path): the plain GGUF rows on
+  the device, multiplied by the Triton dequant-matmul (`kernels/qmatmul.py`), which
+  decodes the blocks in registers; resident memory is again the file's.
+- a dense `torch.Tensor` (`--kernels torch` on a GPU): dequantized once at load to the
+  compute dtype.
 
 Rows are independent in every GGUF type, so the loader's row work — llama's Q/K
 un-permutation, fusing Q/K/V and gate/up by concatenating rows — is done on the
@@ -84,6 +87,8 @@ class PackedWeight:
     # is then uint8 [ceil(rows / 4), 4 · row_bytes] (qlinear.cpp, "the integer matmul's
     # weight layout"; with_int16_dot repacks).
     int16_dot: bool = False
+    # Multiplied by the Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
+    triton: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_type not in PACKED_TYPES:
@@ -98,6 +103,8 @@ class PackedWeight:
         expected = ((rows + 3) // 4, 4 * row_bytes) if self.int16_dot else (rows, row_bytes)
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
+        if self.int16_dot and self.triton:
+            raise ModelLoadError("a weight runs either the integer CPU matmul or the Triton kernel, not both")
 
     @classmethod
     def from_gguf(cls, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> "PackedWeight":
@@ -134,6 +141,10 @@ class PackedWeight:
         data = _kernels().repack_x4(self.data, self.tensor_type, self.shape[1])
         return PackedWeight(data, self.tensor_type, self.shape, int16_dot=True)
 
+    def on_triton(self, device: torch.device) -> "PackedWeight":
+        """This weight's GGUF rows on `device`, multiplied by the Triton kernel."""
+        return PackedWeight(self.data.to(device), self.tensor_type, self.shape, triton=True)
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -148,6 +159,10 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), cols] (an embedding lookup)."""
+        if self.triton:  # on the device: gathered, then dequantized in torch
+            from executor_svc.kernels.qmatmul import dequantize
+
+            return dequantize(self.data[ids], self.tensor_type, self.shape[1])
         interleaved_rows = self.shape[0] if self.int16_dot else 0
         return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, interleaved_rows)
 
@@ -162,6 +177,10 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if isinstance(w, tuple):
         y = torch.cat([linear(x, part) for part in w], dim=-1)
+    elif w.triton:
+        from executor_svc.kernels.qmatmul import qmatmul
+
+        y = qmatmul(x, w.data, w.tensor_type, w.shape[1])
     elif w.int16_dot:
         y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
     else:

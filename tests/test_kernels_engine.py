@@ -13,6 +13,8 @@ from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.request_state import NewRequest  # noqa: E402
 from executor_svc.torch_ops import TorchOps  # noqa: E402
 from tests.engine_driver import drive  # noqa: E402
+from executor_svc.weight_format import PackedWeight  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
 from tests.tiny_gguf import TinyModelSpec, qwen3_spec  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -30,6 +32,26 @@ def test_triton_kernels_in_the_engine_give_the_torch_tokens(make_tiny_engine, sp
         assert isinstance(engine.ops, TritonOps if kernels == "triton" else TorchOps)
         runs[kernels] = drive(engine, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens
     assert runs["triton"] == runs["torch"]
+
+
+def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tokens(make_tiny_engine):
+    """Quantized weights stay GGUF blocks for the Triton kernels (as many bytes as the C++ kernels
+    hold), and greedy decoding with them matches the exact C++ path, speculation and chunking included.
+    (One small Q8_0 model: the interpreter is slow; every type is checked against gguf-py in test_kernels_qmatmul.)"""
+    spec = TinyModelSpec("llama", GGMLQuantizationType.Q8_0)
+    requests = [
+        NewRequest("a", list(range(40, 58)), max_new_tokens=5, ignore_eos=True),
+        NewRequest("b", [60, 61, 62], max_new_tokens=5, ignore_eos=True),
+    ]
+    engines = {
+        kernels: make_tiny_engine(spec, kernels=kernels, device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
+        for kernels in ("cpu", "triton")
+    }
+    qkv = engines["triton"].model.weights.layers[0].qkv
+    assert isinstance(qkv, PackedWeight) and qkv.triton and qkv.type_name == spec.tensor_type.name
+    assert engines["triton"].weight_bytes == engines["cpu"].weight_bytes
+    tokens = {k: drive(e, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens for k, e in engines.items()}
+    assert tokens["triton"] == tokens["cpu"]
 
 
 def test_auto_kernels_are_the_cpp_kernels_on_the_cpu_and_torch_on_request(make_tiny_engine):

@@ -29,6 +29,9 @@ class EngineConfig:
     # Hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; their
     # memory comes out of kv_cache_bytes. Ignored for models without recurrent layers.
     num_state_slots: int = 16
+    # Replay plain decode steps from captured CUDA/HIP graphs (Triton kernels on a GPU, models without
+    # recurrent state; see decode_graphs.py). Ignored elsewhere.
+    decode_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

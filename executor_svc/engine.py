@@ -206,6 +206,11 @@ class Engine:
         else:
             self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
         self.kv_cache = KVCache.from_memory_budget(self.model_config, kv_bytes, config.block_size, self.dtype, self.device)
+        self.decode_graphs = None
+        if config.decode_graphs and self.device.type == "cuda" and is_triton and self.state_pool is None:
+            from executor_svc.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -368,7 +373,7 @@ class Engine:
                     t0 = time.perf_counter()
                     batch = RaggedBatch.build(pieces, bs, self.device, self._row_multiple)
                     t1 = time.perf_counter()
-                    logits = self.model.forward(batch, self.kv_cache, self.state_pool)
+                    logits = self._forward(batch)
                     t2 = time.perf_counter()
                     logits.argmax(dim=-1).tolist()
                     t3 = time.perf_counter()
@@ -439,7 +444,7 @@ class Engine:
             slices.append(RequestSlice(state.token_ids[start:end] + draft_ids, start, state.block_ids, num_logits, state.state_slot))
         batch = RaggedBatch.build(slices, self.kv_cache.block_size, self.device, self._row_multiple)
         t1 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv_cache, self.state_pool)  # [rows needing logits, vocab]
+        logits = self._forward(batch)  # [rows needing logits, vocab]
         t2 = time.perf_counter()
         # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
         raw_rows = self._mask_grammar_rows(logits, work, slices)
@@ -494,6 +499,12 @@ class Engine:
         return self._step_output(
             outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2, t_grammar), batch.num_logits
         )
+
+    def _forward(self, batch: RaggedBatch) -> torch.Tensor:
+        """The model's logits for the batch: replayed from a captured graph when it is a plain decode step."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.forward(batch)
+        return self.model.forward(batch, self.kv_cache, self.state_pool)
 
     def rebase(self, plan: StepPlan) -> StepPlan:
         """A plan built ahead (overlapped scheduling), made exact against what the previous step left.

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute every prompt instead of reusing cached KV blocks of equal prefixes",
     )
     p.add_argument(
+        "--no-decode-graphs",
+        action="store_true",
+        default=not defaults.decode_graphs,
+        help="on a GPU, launch every decode step's kernels from Python instead of replaying captured graphs",
+    )
+    p.add_argument(
         "--no-calibration",
         action="store_true",
         help="skip timing forward passes at start-up (the scheduler's cost model then starts from a prior)",
@@ -103,4 +109,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_state_slots=args.num_state_slots,
         use_swarm_index=args.swarm_index,
         enable_prefix_caching=not args.no_prefix_caching,
+        decode_graphs=not args.no_decode_graphs,
     )

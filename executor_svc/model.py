@@ -52,8 +52,13 @@ class Transformer:
     def forward(self, batch: RaggedBatch, kv_cache: KVCache, state_pool=None) -> torch.Tensor:
         """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab].
         (`state_pool` is the hybrid model's; a transformer has none.)"""
+        return self.forward_prepared(batch, self.ops.prepare(batch, kv_cache.block_size), kv_cache)
+
+    @torch.inference_mode()
+    def forward_prepared(self, batch: RaggedBatch, metadata, kv_cache: KVCache) -> torch.Tensor:
+        """`forward` with the attention metadata already built: device work only, no host
+        reads, which is what a captured graph replays (decode_graphs.py)."""
         c, w, ops = self.config, self.weights, self.ops
-        metadata = ops.prepare(batch, kv_cache.block_size)
         residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden], the model's own
         x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
         for layer_index, layer in enumerate(w.layers):

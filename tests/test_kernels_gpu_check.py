@@ -32,7 +32,7 @@ def test_dry_run_passes_every_check_and_writes_json(tmp_path):
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["errors"] == []
     sections = {record["section"] for record in results["records"]}
-    assert sections == {"env", "roofline", "correct", "invariant", "greedy", "kernel", "step"}
+    assert sections == {"env", "roofline", "correct", "invariant", "greedy", "kernel", "step", "qmatmul", "decode"}
     assert all(record.get("ok", True) for record in results["records"])
     names = {(record["section"], record["name"]) for record in results["records"]}
     delta_net = {

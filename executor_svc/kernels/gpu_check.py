@@ -86,7 +86,7 @@ BLOCK_SIZE = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ‖out − ref‖ / ‖ref‖ bounds for "ok": float32 math throughout, inputs and outputs rounded per dtype.
 REL_TOLERANCE = {"fp32": 1e-5, "bf16": 1.6e-2, "fp16": 2e-3}
-SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step")
+SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step", "qmatmul", "decode")
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,8 @@ def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
         elif section == "step":
             cells = [f"B{r['batch']}: {r['triton_ms']:.2f}/{r['torch_ms']:.2f}" for r in records]
             result = "ms triton/torch  " + "  ".join(cells)
+        elif section in ("qmatmul", "decode"):
+            result = "  |  ".join(f"{r['dtype']} {r['size']}: {r['summary']}" for r in records)
         else:
             result = str(records)
         rows.append((section, name, model, result))
@@ -907,7 +909,196 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
                torch_us=1e3 * torch_ms, tokens_per_s=n * m / triton_ms * 1e3)
 
 
+# ----------------------------------------------------------------------------- GGUF dequant-matmul and the decode floor
+
+
+@dataclass(frozen=True)
+class GgufSizes:
+    """Sizes of the dequant-matmul and decode-floor sections (kept apart from `Sizes`)."""
+
+    correct_shapes: tuple[tuple[int, int, int], ...]  # (M, N, K): x rows, weight rows, columns
+    bandwidth_types: tuple[str, ...]
+    bandwidth_rows: tuple[int, ...]  # M of the bandwidth timings
+    bandwidth_shape: tuple[int, int]  # (N, K)
+    model: dict
+    model_type: str  # the decode model's GGUF type
+    batch_sizes: tuple[int, ...]
+    verify_batch_sizes: tuple[int, ...]
+    verify_drafts: tuple[int, ...]
+    context: int
+
+    @classmethod
+    def full(cls) -> "GgufSizes":
+        return cls(
+            correct_shapes=((1, 4097, 4096), (16, 4096, 4096), (100, 1031, 4096)),
+            bandwidth_types=("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"),
+            bandwidth_rows=(1, 16),
+            bandwidth_shape=(14336, 4096),
+            model=BIG_MODEL,
+            model_type="Q4_K",
+            batch_sizes=(1, 2, 4, 8, 16, 32),
+            verify_batch_sizes=(1, 8),
+            verify_drafts=(0, 1, 2, 4, 8),
+            context=512,
+        )
+
+    @classmethod
+    def dry_run(cls) -> "GgufSizes":
+        return cls(
+            correct_shapes=((3, 33, 256),),
+            bandwidth_types=("Q4_K",),
+            bandwidth_rows=(1,),
+            bandwidth_shape=(64, 256),
+            model=dict(TINY_MODEL, num_layers=1),
+            model_type="Q8_0",
+            batch_sizes=(2,),
+            verify_batch_sizes=(1,),
+            verify_drafts=(0, 2),
+            context=20,
+        )
+
+
+def _gguf_type_ids() -> dict[str, int]:
+    from executor_svc.weight_format import PACKED_TYPES
+
+    return {name: type_id for type_id, (name, _, _) in PACKED_TYPES.items()}
+
+
+def section_qmatmul_correct(report: Report, dtype_name: str, device, sizes: GgufSizes) -> None:
+    """Every GGUF type's kernel against x · dequantize(w)ᵀ in float64 (the torch reference dequantizer)."""
+    from executor_svc.kernels.qmatmul import dequantize, qmatmul
+    from executor_svc.kernels.random_model import random_gguf_rows
+
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(21)
+    for name, type_id in _gguf_type_ids().items():
+        worst_rel, worst_abs = 0.0, 0.0
+        for m, n, k in sizes.correct_shapes:
+            data = random_gguf_rows(n, k, type_id, gen, device)
+            x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+            ref = x.double() @ dequantize(data, type_id, k).double().T
+            rel, max_abs = relative_error(qmatmul(x, data, type_id, k).double(), ref)
+            worst_rel, worst_abs = max(worst_rel, rel), max(worst_abs, max_abs)
+        ok = worst_rel <= REL_TOLERANCE[dtype_name]
+        summary = f"rel {worst_rel:.1e} max|err| {worst_abs:.1e}" + ("" if ok else " FAIL")
+        shapes = " ".join(f"{m}x{n}x{k}" for m, n, k in sizes.correct_shapes)
+        report.add("qmatmul", f"correct_{name}", "", dtype_name, shapes, rel_err=worst_rel, max_abs=worst_abs, ok=ok, summary=summary)
+
+
+def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
+    """Each type's kernel at decode rows: bytes read / time as a share of the copy, beside a dense bf16 matmul."""
+    from executor_svc.kernels.qmatmul import dequantize, qmatmul
+    from executor_svc.kernels.random_model import random_gguf_rows
+
+    gen = torch.Generator(device=device).manual_seed(22)
+    n, k = sizes.bandwidth_shape
+    copy_gbps = report.yardsticks.get("copy_gbps")
+    for name in sizes.bandwidth_types:
+        type_id = _gguf_type_ids()[name]
+        data = random_gguf_rows(n, k, type_id, gen, device)
+        dense = dequantize(data, type_id, k).to(torch.bfloat16)
+        for m in sizes.bandwidth_rows:
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+            ms = bench.ms(lambda: qmatmul(x, data, type_id, k))
+            dense_ms = bench.ms(lambda: torch.nn.functional.linear(x, dense))
+            gbps = (data.numel() + 2 * m * (k + n)) / ms / 1e6
+            share = gbps / copy_gbps if copy_gbps else None
+            summary = f"{1e3 * ms:.0f}us {gbps:.0f} GB/s" + (f" = {100 * share:.0f}% of copy" if share else "")
+            summary += f" (dense bf16 {1e3 * dense_ms:.0f}us)"
+            size = f"M={m} {n}x{k}"
+            report.add("qmatmul", f"bandwidth_{name}", "", "bf16", size, batch=m, us=1e3 * ms, dense_us=1e3 * dense_ms,
+                       gbps=gbps, fraction_of_copy=share, summary=summary)
+
+
+class _QuantizedDecodeModel:
+    """A random model of GGUF rows (Triton dequant-matmul) with a KV cache of random context."""
+
+    def __init__(self, device, sizes: GgufSizes, max_requests: int, max_tokens_per_request: int) -> None:
+        from executor_svc.kernels.random_model import model_config, random_packed_weights
+        from executor_svc.kernels.triton_ops import TritonOps
+        from executor_svc.kv_cache import KVCache
+        from executor_svc.model import Transformer
+
+        self.config = model_config(**sizes.model, context_length=4096)
+        self.weights = random_packed_weights(self.config, _gguf_type_ids()[sizes.model_type], torch.bfloat16, device, seed=23)
+        self.model = Transformer(self.config, self.weights, device, ops=TritonOps(), dtype=torch.bfloat16)
+        self.blocks_per_request = math.ceil((sizes.context + max_tokens_per_request) / BLOCK_SIZE)
+        num_blocks = 1 + max_requests * self.blocks_per_request
+        self.kv_cache = KVCache(self.config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=device)
+        self.kv_cache.tensor.normal_()
+        self.device, self.context = device, sizes.context
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Weight bytes one step reads: every layer's matmuls and the LM head (the embedding only by row)."""
+        from executor_svc.model_weights import _nested_bytes
+        from executor_svc.weight_format import weight_bytes
+
+        return sum(_nested_bytes(layer) for layer in self.weights.layers) + weight_bytes(self.weights.lm_head)
+
+    def batch(self, num_requests: int, num_tokens: int):
+        from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+
+        bpr = self.blocks_per_request
+        slices = [
+            RequestSlice([7] * num_tokens, self.context, list(range(1 + r * bpr, 1 + (r + 1) * bpr)), num_tokens)
+            for r in range(num_requests)
+        ]
+        return RaggedBatch.build(slices, BLOCK_SIZE, self.device)
+
+
+def section_decode_floor(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
+    """Decode step time against B, eager and replayed from graphs, beside the weight-stream floor."""
+    from executor_svc.decode_graphs import DecodeGraphs
+
+    run = _QuantizedDecodeModel(device, sizes, max(sizes.batch_sizes), 1)
+    # On the CPU (--dry-run) there are no graphs: the "capture" replays by running the forward again.
+    graphs = DecodeGraphs(run.model, run.kv_cache, capture=None if device.type == "cuda" else (lambda fn: fn))
+    copy_gbps = report.yardsticks.get("copy_gbps")
+    floor_ms = run.streamed_bytes / copy_gbps / 1e6 if copy_gbps else None
+    for b in sizes.batch_sizes:
+        if report.over_budget():
+            break
+        batch = run.batch(b, 1)
+        eager_ms = bench.ms(lambda: run.model.forward(batch, run.kv_cache))
+        graph_ms = bench.ms(lambda: graphs.forward(batch))
+        summary = f"graph {graph_ms:.2f} eager {eager_ms:.2f}"
+        if floor_ms:
+            summary += f" floor {floor_ms:.2f} ms = {graph_ms / floor_ms:.2f}x"
+        size = f"B={b} ctx={run.context} L={run.config.num_layers} {sizes.model_type} {run.streamed_bytes / 1e9:.2f} GB"
+        report.add("decode", "step_vs_floor", sizes.model["name"], "bf16", size, batch=b, graph_ms=graph_ms,
+                   eager_ms=eager_ms, floor_ms=floor_ms, weight_bytes=run.streamed_bytes, summary=summary)
+
+
+def section_verify_cost(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
+    """A step verifying K drafts per request (1 + K tokens and logits rows each) against K = 0: the compute slack, measured."""
+    max_drafts = max(sizes.verify_drafts)
+    run = _QuantizedDecodeModel(device, sizes, max(sizes.verify_batch_sizes), 1 + max_drafts)
+    for b in sizes.verify_batch_sizes:
+        base_ms = None
+        for k in sizes.verify_drafts:
+            if report.over_budget():
+                return
+            batch = run.batch(b, 1 + k)
+            ms = bench.ms(lambda: run.model.forward(batch, run.kv_cache))
+            base_ms = base_ms or ms
+            summary = f"{ms:.2f} ms = {ms / base_ms:.2f}x K=0"
+            report.add("decode", f"verify_B{b}", sizes.model["name"], "bf16", f"B={b} K={k}", batch=b, drafts=k, ms=ms,
+                       ratio=ms / base_ms, summary=summary)
+
+
 # ----------------------------------------------------------------------------- main
+
+
+def gguf_plan(report: Report, bench: Bench, device) -> list[tuple]:
+    """The dequant-matmul and decode-floor checks (sections qmatmul, decode)."""
+    sizes = GgufSizes.full() if device.type != "cpu" else GgufSizes.dry_run()
+    plan = [("qmatmul", f"dequant-matmul {d}", section_qmatmul_correct, (report, d, device, sizes)) for d in ("fp32", "bf16")]
+    plan.append(("qmatmul", "dequant-matmul bandwidth", section_qmatmul_bandwidth, (report, bench, device, sizes)))
+    plan.append(("decode", "decode step vs floor", section_decode_floor, (report, bench, device, sizes)))
+    plan.append(("decode", "verify cost", section_verify_cost, (report, bench, device, sizes)))
+    return plan
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -960,6 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("invariant", f"delta net {sizes.delta_net['name']} {dtype_name}", section_delta_net_invariance, args_))
     for dtype_name in ("fp32", "bf16"):
         plan.append(("greedy", f"lockstep {dtype_name}", section_greedy, (report, dtype_name, device, sizes)))
+    plan += gguf_plan(report, bench, device)  # before the timings: the budget may not reach the end
     for shape in models:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("kernel", f"decode kernels {shape['name']}", section_kernel_timings, args_))

@@ -275,7 +275,7 @@ def dequantize(data: torch.Tensor, tensor_type: int, cols: int) -> torch.Tensor:
         values = d * q.float() - dm
     else:  # Q6_K
         ql = nibbles(blocks[..., :128].reshape(rows, -1, 2, 64)).reshape(rows, -1, 2, 4, 32)
-        shifts = torch.tensor([0, 2, 4, 6], device=data.device).view(1, 1, 1, 4, 1)
+        shifts = torch.arange(0, 8, 2, device=data.device).view(1, 1, 1, 4, 1)  # an arange: capture-safe in a graph
         qh = (blocks[..., 128:192].reshape(rows, -1, 2, 1, 32).long() >> shifts) & 3
         q = ((ql | (qh << 4)) - 32).reshape(rows, -1, 16, 16).float()
         scale = blocks[..., 192:208].contiguous().view(torch.int8).float()

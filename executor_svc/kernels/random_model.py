@@ -86,3 +86,64 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device
         lm_head=linear(config.vocab_size, h),
         rope_freq_factors=None,
     )
+
+
+# Per GGUF type: (byte offsets of its float16 scale fields in a block, the typical |code · sub-scale|
+# one weight's scale multiplies, and for the types with an offset, the offset field's multiple of d
+# that centres the codes).
+_SCALE_FIELDS = {
+    "Q4_0": ((0,), 4.6, None),
+    "Q4_1": ((0,), 4.6, (2, -7.5)),
+    "Q8_0": ((0,), 74.0, None),
+    "Q4_K": ((0,), 32 * 4.6, (2, 7.5)),
+    "Q5_K": ((0,), 32 * 9.2, (2, 15.5)),
+    "Q6_K": ((208,), 74 * 18.5, None),
+}
+
+
+def random_gguf_rows(rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Random GGUF rows uint8 [rows, row_bytes] of a weight ~ N(0, 1/cols) in spread: random codes,
+    float16 scales set so a row's dot product with an O(1) vector stays O(1)."""
+    from executor_svc.weight_format import PACKED_TYPES
+
+    name, block_elems, block_bytes = PACKED_TYPES[tensor_type]
+    if block_elems == 1:
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+        values = torch.randn(rows, cols, generator=gen, device=device) * cols**-0.5
+        return values.to(dtype).view(torch.uint8).reshape(rows, -1)
+    num_blocks = cols // block_elems
+    blocks = torch.randint(0, 256, (rows, num_blocks, block_bytes), generator=gen, device=device, dtype=torch.uint8)
+    offsets, spread, offset_field = _SCALE_FIELDS[name]
+    d = torch.full((rows, num_blocks, 1), 1.0 / (spread * cols**0.5), device=device)
+    for offset in offsets:
+        blocks[..., offset : offset + 2] = d.to(torch.float16).view(torch.uint8)
+    if offset_field is not None:
+        offset, multiple = offset_field
+        blocks[..., offset : offset + 2] = (d * multiple).to(torch.float16).view(torch.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def random_packed_weights(
+    config: ModelConfig, tensor_type: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> ModelWeights:
+    """`random_weights` with every matmul weight (embedding and LM head too) as random GGUF rows of
+    `tensor_type` on `device`, for the Triton dequant-matmul."""
+    from executor_svc.weight_format import PackedWeight
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dense = random_weights(config, dtype, device, seed)
+
+    def packed(w: torch.Tensor) -> PackedWeight:
+        rows, cols = w.shape
+        return PackedWeight(random_gguf_rows(rows, cols, tensor_type, gen, device), tensor_type, (rows, cols), triton=True)
+
+    layers = [
+        LayerWeights(
+            **{**vars(layer), "qkv": packed(layer.qkv), "o_proj": packed(layer.o_proj),
+               "gate_up": packed(layer.gate_up), "down": packed(layer.down)}
+        )
+        for layer in dense.layers
+    ]
+    return ModelWeights(
+        embed=packed(dense.embed), layers=layers, final_norm=dense.final_norm, lm_head=packed(dense.lm_head), rope_freq_factors=None
+    )

@@ -129,3 +129,34 @@ def test_only_plain_decode_steps_replay(model_and_cache):
     assert graphs.captured_buckets == []
     with pytest.raises(ValueError, match="Triton ops"):
         DecodeGraphs(Transformer(model.config, model.weights, DEVICE, ops=TorchOps()), kv_cache, capture=FakeCapture())
+
+
+def test_the_engine_replays_plain_decode_steps_and_gives_the_eager_tokens(make_tiny_engine):
+    """In the engine (on the CPU the engine builds no graphs; one with the fake capture is put in):
+    plain decode steps replay, prefill chunks and verify steps run eagerly, and the greedy tokens
+    are the engine's without graphs."""
+    from gguf import GGMLQuantizationType
+
+    from executor_svc.request_state import NewRequest
+    from tests.engine_driver import drive
+    from tests.tiny_gguf import TinyModelSpec
+
+    spec = TinyModelSpec("llama", GGMLQuantizationType.Q8_0, num_layers=1)
+    requests = [
+        NewRequest("a", list(range(40, 50)), max_new_tokens=5, ignore_eos=True),
+        NewRequest("b", [60, 61, 62], max_new_tokens=4, ignore_eos=True),
+        NewRequest("c", [70, 71], max_new_tokens=3, ignore_eos=True),
+    ]
+    tokens = {}
+    for use_graphs in (False, True):
+        engine = make_tiny_engine(spec, kernels="triton", device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
+        assert engine.decode_graphs is None  # no CUDA here
+        capture = FakeCapture()
+        if use_graphs:
+            engine.decode_graphs = DecodeGraphs(engine.model, engine.kv_cache, capture=capture)
+        # Request c speculates (its steps run eagerly); a and b decode plainly, from 1 to 3 requests a step.
+        budget = lambda step, request_id: 2 if request_id == "c" else 0  # noqa: E731
+        tokens[use_graphs] = drive(engine, requests, chunk_size=4, arrival_steps={"b": 2, "c": 3}, draft_budget=budget).tokens
+        if use_graphs:
+            assert capture.num_replays > 0 and capture.num_captures >= 2
+    assert tokens[True] == tokens[False]

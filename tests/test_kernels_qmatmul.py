@@ -117,3 +117,37 @@ def test_bad_arguments_are_refused_with_a_clear_error():
         qmatmul(torch.zeros(1, 64, dtype=torch.int32), data, int(T.Q4_0), 64)
     with pytest.raises(ValueError, match="not contiguous Q4_0 rows"):
         qmatmul(torch.zeros(1, 64), data[:, :10], int(T.Q4_0), 64)
+
+
+# Run without the interpreter (this module sets it, and interpreted kernels have nothing to compile).
+COMPILE_FOR_TARGETS = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from executor_svc.kernels import qmatmul as qm
+
+signature = {"x_ptr": "*bf16", "w_ptr": "*u8", "wv_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "row_bytes": "i32"}
+signature.update({name: "constexpr" for name in ("TYPE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "DOT_DTYPE")})
+constexprs = dict(TYPE=12, BLOCK_M=qm.BLOCK_M, BLOCK_N=qm.TILED_BLOCK_N, BLOCK_K=qm.BLOCK_K, GROUP_M=qm.TILED_GROUP_M,
+                  DOT_DTYPE=tl.bfloat16)
+for target, binary in ((GPUTarget("cuda", 90, 32), "cubin"), (GPUTarget("hip", "gfx1201", 32), "hsaco")):
+    source = ASTSource(fn=qm._qmatmul_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=target, options={"num_warps": 4})
+    assert kernel.asm[binary], target
+    print(target.backend, target.arch, "compiled")
+"""
+
+
+def test_kernel_compiles_for_the_h200_and_the_rx_9070_xt():
+    """The interpreter runs no compiler: build the Q4_K kernel (the tiled launch, bfloat16) down to
+    the machine code of an H200 (sm_90) and of RDNA4 (gfx1201) with triton's bundled toolchains."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_TARGETS], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["cuda", "90", "compiled", "hip", "gfx1201", "compiled"]

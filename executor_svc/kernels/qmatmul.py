@@ -76,52 +76,61 @@ def _k_scale_min(s_ptr, sub, mask):
 
 
 @triton.jit
+def _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr, HAS_HIGH_BIT: tl.constexpr):
+    """Q4_K (and Q5_K, HAS_HIGH_BIT): d f16, dmin f16, scales[12], (Q5_K: qh[32]), qs[128]. Value i of
+    the 256: sub-block j = i // 32 (its scale and min), nibble j % 2 of qs[32 · (i // 64) + i % 32];
+    Q5_K adds bit j of qh[i % 32] as the fifth bit."""
+    base = row + (k // 256) * BLOCK_BYTES
+    i = k % 256
+    sub = i // 32
+    d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
+    dmin = tl.load(wv_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
+    scale, minimum = _k_scale_min(w_ptr + base + 4, sub, mask)
+    q = tl.load(w_ptr + base + QS_OFFSET + 32 * (i // 64) + i % 32, mask=mask, other=0).to(tl.int32)
+    q = (q >> (4 * (sub % 2))) & 0xF
+    if HAS_HIGH_BIT:
+        qh = tl.load(w_ptr + base + 16 + i % 32, mask=mask, other=0).to(tl.int32)
+        q = q | (((qh >> sub) & 1) << 4)
+    return (d * scale) * q.to(tl.float32) - dmin * minimum
+
+
+@triton.jit
 def _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, mask, TYPE: tl.constexpr):
     """Weights [rows n, columns k] (broadcast index tensors) as float32, gguf-py's arithmetic.
 
     w_ptr: the bytes; wv_ptr: the same bytes viewed as the type's float scalar (float16
     for the quantized types' scales), so a field at byte offset b is wv_ptr[b // size].
+    One branch is compiled per TYPE; each sets `w`, returned once at the end.
     """
     row = n * row_bytes
     if TYPE == F32:
-        return tl.load(wv_ptr + (row + 4 * k) // 4, mask=mask, other=0.0)
-    elif TYPE == F16 or TYPE == BF16:
-        return tl.load(wv_ptr + (row + 2 * k) // 2, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(wv_ptr + (row + 4 * k) // 4, mask=mask, other=0.0)
+    elif TYPE == F16:
+        w = tl.load(wv_ptr + (row + 2 * k) // 2, mask=mask, other=0.0).to(tl.float32)
+    elif TYPE == BF16:
+        w = tl.load(wv_ptr + (row + 2 * k) // 2, mask=mask, other=0.0).to(tl.float32)
     elif TYPE == Q4_0:  # d f16, qs[16]: value i is nibble (i // 16) of qs[i % 16], minus 8
         base = row + (k // 32) * 18
         i = k % 32
         d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(w_ptr + base + 2 + i % 16, mask=mask, other=0).to(tl.int32)
-        return d * (((q >> ((i // 16) * 4)) & 0xF) - 8).to(tl.float32)
+        w = d * (((q >> ((i // 16) * 4)) & 0xF) - 8).to(tl.float32)
     elif TYPE == Q4_1:  # d f16, m f16, qs[16]: d · nibble + m
         base = row + (k // 32) * 20
         i = k % 32
         d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(wv_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(w_ptr + base + 4 + i % 16, mask=mask, other=0).to(tl.int32)
-        return d * ((q >> ((i // 16) * 4)) & 0xF).to(tl.float32) + m
+        w = d * ((q >> ((i // 16) * 4)) & 0xF).to(tl.float32) + m
     elif TYPE == Q8_0:  # d f16, qs[32] int8
         base = row + (k // 32) * 34
         d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
         q = _signed_byte(tl.load(w_ptr + base + 2 + k % 32, mask=mask, other=0))
-        return q.to(tl.float32) * d
-    elif TYPE == Q4_K or TYPE == Q5_K:
-        # d f16, dmin f16, scales[12], (Q5_K: qh[32]), qs[128]. Value i of the 256: sub-block
-        # j = i // 32 (scale, min), nibble j % 2 of qs[32 · (i // 64) + i % 32]; Q5_K adds bit j of qh[i % 32].
-        block_bytes = 144 if TYPE == Q4_K else 176
-        qs_offset = 16 if TYPE == Q4_K else 48
-        base = row + (k // 256) * block_bytes
-        i = k % 256
-        sub = i // 32
-        d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
-        dmin = tl.load(wv_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
-        scale, minimum = _k_scale_min(w_ptr + base + 4, sub, mask)
-        q = tl.load(w_ptr + base + qs_offset + 32 * (i // 64) + i % 32, mask=mask, other=0).to(tl.int32)
-        q = (q >> (4 * (sub % 2))) & 0xF
-        if TYPE == Q5_K:
-            qh = tl.load(w_ptr + base + 16 + i % 32, mask=mask, other=0).to(tl.int32)
-            q = q | (((qh >> sub) & 1) << 4)
-        return (d * scale) * q.to(tl.float32) - dmin * minimum
+        w = q.to(tl.float32) * d
+    elif TYPE == Q4_K:
+        w = _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES=144, QS_OFFSET=16, HAS_HIGH_BIT=False)
+    elif TYPE == Q5_K:
+        w = _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES=176, QS_OFFSET=48, HAS_HIGH_BIT=True)
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d f16
         # Value i: half h = i // 128, j = i % 128: nibble j // 64 of ql[64h + j % 64], bits 2 (j // 32) of
         # qh[32h + j % 32] on top, minus 32; scale i // 16.
@@ -134,7 +143,8 @@ def _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, mask, TYPE: tl.constexpr):
         q = (((ql >> (4 * (j // 64))) & 0xF) | (((qh >> (2 * (j // 32))) & 3) << 4)) - 32
         scale = _signed_byte(tl.load(w_ptr + base + 192 + i // 16, mask=mask, other=0)).to(tl.float32)
         d = tl.load(wv_ptr + (base + 208) // 2, mask=mask, other=0.0).to(tl.float32)
-        return (d * scale) * q.to(tl.float32)
+        w = (d * scale) * q.to(tl.float32)
+    return w
 
 
 @triton.jit

@@ -89,10 +89,10 @@ def run(
     `stop_after`: request id -> the output length at which the scheduler ends it (as a stop string would).
     """
     config = SchedulerConfig(max_running_requests=8, max_num_batched_tokens=budget, spec=spec, kv_watermark=0.0)
-    num_blocks = num_kv_blocks or engine.kv_cache.num_free_blocks
-    planner = Planner(config, engine.kv_cache.block_size, num_blocks, 8192, max_draft_tokens=engine.config.max_draft_tokens)
-    planner.num_free_blocks = min(num_blocks, engine.kv_cache.num_free_blocks)
-    reserve = engine.kv_cache.num_free_blocks - planner.num_free_blocks  # blocks the planner must not know about
+    num_blocks = num_kv_blocks or engine.kv.num_free_blocks
+    planner = Planner(config, engine.kv.block_size, num_blocks, 8192, max_draft_tokens=engine.config.max_draft_tokens)
+    planner.num_free_blocks = min(num_blocks, engine.kv.num_free_blocks)
+    reserve = engine.kv.num_free_blocks - planner.num_free_blocks  # blocks the planner must not know about
     stop_after = stop_after or {}
     for r in requests:
         planner.add(r)

@@ -10,17 +10,6 @@ from executor_svc.request_state import NewRequest
 from executor_svc.sampler import SampledToken
 from service_common.sampling_params import SamplingParams
 
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        num_logprobs=msg.num_logprobs,
-    )
-
-
 def grammar_from_pb(msg: pb.StructuredOutput) -> GrammarSpec | None:
     kind = msg.WhichOneof("kind")
     if kind is None:
@@ -32,7 +21,7 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
     return NewRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling=sampling_from_pb(msg.sampling),
+        sampling=SamplingParams.from_pb(msg.sampling),
         max_new_tokens=msg.max_new_tokens,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,

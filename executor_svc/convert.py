@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarmserve.executor.v1 import executor_pb2 as pb
 
-from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
+from executor_svc.engine import CostSample, RequestResult, ScheduledRequest, StepResponse, StepRequest
 from executor_svc.grammar import GrammarSpec
 from executor_svc.request_state import NewRequest
 from executor_svc.sampler import SampledToken
@@ -32,8 +32,8 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
     )
 
 
-def plan_from_pb(msg: pb.StepRequest) -> StepPlan:
-    return StepPlan(
+def step_request_from_pb(msg: pb.StepRequest) -> StepRequest:
+    return StepRequest(
         scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in msg.scheduled],
         new_requests=[new_request_from_pb(r) for r in msg.new_requests],
         released=list(msg.released),
@@ -50,7 +50,7 @@ def _logprob_to_pb(token: SampledToken) -> pb.TokenLogprob:
     )
 
 
-def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
+def _result_to_pb(out: RequestResult) -> pb.RequestResult:
     return pb.RequestResult(
         request_id=out.request_id,
         new_token_ids=out.new_token_ids,
@@ -65,7 +65,7 @@ def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
     )
 
 
-def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
+def step_response_to_pb(step_id: int, out: StepResponse) -> pb.StepResponse:
     return pb.StepResponse(
         step_id=step_id,
         results=[_result_to_pb(r) for r in out.outputs],

@@ -115,7 +115,7 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepRequest:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # finished or aborted: free everything
@@ -125,7 +125,7 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
+class RequestResult:
     request_id: str
     new_token_ids: list[int]  # empty mid-prefill
     finish_reason: FinishReason | None
@@ -167,8 +167,8 @@ class _Work:
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    outputs: list[RequestOutput]
+class StepResponse:
+    outputs: list[RequestResult]
     num_computed_tokens: int
     num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
     num_free_blocks: int
@@ -377,14 +377,14 @@ class Engine:
 
     # -------------------------------------------------------------------- steps
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def step(self, plan: StepRequest) -> StepResponse:
         """Execute one plan: schedule its requests (KV and drafts), run the forward pass,
         postprocess (verify, append, commit KV, report). Raises InvalidRequestError or
         OutOfKVBlocksError with nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
         work = self._schedule(self.rebase(plan))
         if not work:
-            return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
+            return self._step_response([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
         batch = RaggedBatch.build([w.piece for w in work], self.kv.block_size, self.device, self._row_multiple)
         t1 = time.perf_counter()
         logits = self._forward(batch)  # [rows needing logits, vocab]
@@ -392,7 +392,7 @@ class Engine:
         outputs, grammar_s = self._postprocess(work, logits)
         t3 = time.perf_counter()
         timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, grammar_s)
-        return self._step_output(outputs, batch.num_tokens, sum(batch.context_lens), timings, batch.num_logits)
+        return self._step_response(outputs, batch.num_tokens, sum(batch.context_lens), timings, batch.num_logits)
 
     def _forward(self, batch: RaggedBatch) -> torch.Tensor:
         """The model's logits for the batch: replayed from a captured graph when it is a plain decode step."""
@@ -402,7 +402,7 @@ class Engine:
 
     # ------------------------------------------------------------ step: schedule
 
-    def _schedule(self, plan: StepPlan) -> list[_Work]:
+    def _schedule(self, plan: StepRequest) -> list[_Work]:
         """Check the plan, then carry out its releases, preemptions and new requests and give each
         scheduled request its KV: the step's work, one entry per scheduled request."""
         self._validate(plan)
@@ -419,7 +419,7 @@ class Engine:
             state.num_computed_tokens = state.num_cached_tokens = self.kv.take_computed_blocks(request_id, blocks)
         return [self._allocate(s, drafts.get(s.request_id, [])) for s in plan.scheduled]
 
-    def _admit(self, plan: StepPlan) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
+    def _admit(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
         """The plan's prefix hits and drafts, once its KV and state slots are known to fit (pure:
         raises OutOfKVBlocksError with nothing changed if they do not). Drafts are optional: they
         are dropped before the plan is refused."""
@@ -435,7 +435,7 @@ class Engine:
         self.kv.check_state_slots([s.request_id for s in plan.scheduled], leaving)
         return computed, drafts
 
-    def _computed_blocks(self, plan: StepPlan) -> dict[str, ComputedBlocks]:
+    def _computed_blocks(self, plan: StepRequest) -> dict[str, ComputedBlocks]:
         """Cached blocks each scheduled request starting from zero can reuse (pure: nothing is taken yet)."""
         new = {n.request_id: n for n in plan.new_requests}
         leaving = {*plan.released, *plan.preempted}
@@ -449,7 +449,7 @@ class Engine:
                 computed[s.request_id] = blocks
         return computed
 
-    def _num_blocks_needed(self, plan: StepPlan, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]) -> int:
+    def _num_blocks_needed(self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]) -> int:
         """Free KV blocks the plan consumes, from the tokens each scheduled request's KV holds after it."""
         leaving = {*plan.released, *plan.preempted}
         new_lengths = {n.request_id: len(n.token_ids) for n in plan.new_requests}
@@ -480,7 +480,7 @@ class Engine:
 
     # --------------------------------------------------------- step: postprocess
 
-    def _postprocess(self, work: list[_Work], logits: torch.Tensor) -> tuple[list[RequestOutput], float]:
+    def _postprocess(self, work: list[_Work], logits: torch.Tensor) -> tuple[list[RequestResult], float]:
         """Every request's new tokens from the logits [rows, vocab], with its KV and drafter
         brought up to date; also the seconds spent on grammar masks."""
         t0 = time.perf_counter()
@@ -496,7 +496,7 @@ class Engine:
 
     def _postprocess_request(
         self, w: _Work, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
-    ) -> RequestOutput:
+    ) -> RequestResult:
         """One request's result; `row` is its first logits row."""
         state = w.state
         emitted, num_accepted, logprobs = self._sample(w, logits, argmax_ids, raw_rows, row)
@@ -508,7 +508,7 @@ class Engine:
             self.kv.restore_state(state.request_id, num_accepted)
         if emitted:
             self.drafter.append(state.request_id, emitted)
-        output = RequestOutput(
+        output = RequestResult(
             request_id=state.request_id,
             new_token_ids=emitted,
             finish_reason=state.finish_reason,
@@ -548,7 +548,7 @@ class Engine:
             ]
         return emitted, num_accepted, logprobs
 
-    def rebase(self, plan: StepPlan) -> StepPlan:
+    def rebase(self, plan: StepRequest) -> StepRequest:
         """A plan built ahead (overlapped scheduling), made exact against what the previous step left.
 
         The scheduler built it before the previous step's result was known,
@@ -597,7 +597,7 @@ class Engine:
             apply_masks(logits, row_spans, bitmask)
         return raw_rows
 
-    def _propose_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
+    def _propose_drafts(self, plan: StepRequest) -> dict[str, list[int]]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
         max_new_tokens or the context, and cut at the first token a request's grammar forbids."""
         drafts = {}
@@ -636,7 +636,7 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def _validate(self, plan: StepPlan) -> None:
+    def _validate(self, plan: StepRequest) -> None:
         new_ids = set()
         for new in plan.new_requests:
             self.validate_new_request(new)
@@ -689,10 +689,10 @@ class Engine:
             return FinishReason.CONTEXT_FULL
         return None
 
-    def _step_output(
-        self, outputs: list[RequestOutput], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
-    ) -> StepOutput:
-        return StepOutput(
+    def _step_response(
+        self, outputs: list[RequestResult], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
+    ) -> StepResponse:
+        return StepResponse(
             num_logits_rows=num_logits_rows,
             num_requests=len(outputs),
             outputs=outputs,

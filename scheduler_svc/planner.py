@@ -56,7 +56,7 @@ from service_common.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
-class ScheduledTokens:
+class ScheduledRequest:
     request_id: str  # the executor's id for the request (Request.executor_request_id)
     num_tokens: int
     draft_budget: int = 0
@@ -66,7 +66,7 @@ class ScheduledTokens:
 class Plan:
     step_id: int
     new_requests: list[Request] = field(default_factory=list)
-    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     planned_after_step_id: int = 0  # the step in flight this plan was built ahead of (0: none)
@@ -85,7 +85,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class StepResultView:
+class RequestResult:
     """What the executor reported for one request, as plain data."""
 
     request_id: str  # the executor's id for the request (Request.executor_request_id)
@@ -314,7 +314,7 @@ class Planner:
         self._schedule_prefill_chunks(scheduled, room)
         self._admit_waiting(plan, scheduled, room)
         drafts, room.num_free_blocks = self._draft_budgets(scheduled, room.num_tokens, room.num_free_blocks)
-        plan.scheduled = [ScheduledTokens(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
+        plan.scheduled = [ScheduledRequest(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
         plan.decode_ids = {rid for rid, n in scheduled.items() if n == 1 and self.requests[rid].num_pending_tokens == 1}
         plan.num_reserved_blocks = free_at_start - room.num_free_blocks
         plan.predicted_step_s = self._predict(plan)
@@ -498,7 +498,7 @@ class Planner:
         if plan in self.in_flight:
             self.in_flight.remove(plan)
 
-    def apply(self, results: list[StepResultView], num_free_blocks: int, now: float) -> list[RequestUpdate]:
+    def apply(self, results: list[RequestResult], num_free_blocks: int, now: float) -> list[RequestUpdate]:
         """Fold one step's results in; returns the updates of requests still live.
 
         Plans built ahead never preempt, so the requests a result names still

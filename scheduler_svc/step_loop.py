@@ -42,7 +42,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.planner import Plan, Planner, RequestUpdate, StepResultView
+from scheduler_svc.planner import Plan, Planner, RequestUpdate, RequestResult
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
@@ -99,8 +99,8 @@ def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
     return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
 
 
-def _result_from_pb(r: epb.RequestResult) -> StepResultView:
-    return StepResultView(
+def _result_from_pb(r: epb.RequestResult) -> RequestResult:
+    return RequestResult(
         request_id=r.request_id,
         new_token_ids=list(r.new_token_ids),
         finish_reason=FinishReason.from_pb(epb.FinishReason, r.finish_reason),
@@ -433,7 +433,7 @@ class StepLoop:
     def _step_record(
         plan: Plan,
         response: epb.StepResponse,
-        results: list[StepResultView],
+        results: list[RequestResult],
         start: float,
         end: float,
         decode_ids: set[str],

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 import numpy as np
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
 from executor_svc.request_state import FinishReason, NewRequest
 from service_common.errors import InvalidRequestError
@@ -149,23 +149,23 @@ def test_plan_naming_unknown_request_changes_nothing(engine):
     engine.add_request(NewRequest("known", PROMPT, max_new_tokens=2, ignore_eos=True))
     free_before = engine.kv.num_free_blocks
     with pytest.raises(UnknownRequestError, match="unknown request id 'ghost'"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("known", 6), ScheduledRequest("ghost", 1)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("known", 6), ScheduledRequest("ghost", 1)]))
     with pytest.raises(UnknownRequestError, match="cannot preempt unknown request id 'ghost'"):
-        engine.step(StepPlan(preempted=["ghost"]))
+        engine.step(StepRequest(preempted=["ghost"]))
     assert engine.kv.num_free_blocks == free_before
     assert engine.get_request("known").num_computed_tokens == 0
-    out = engine.step(StepPlan(scheduled=[ScheduledRequest("known", 6)]))
+    out = engine.step(StepRequest(scheduled=[ScheduledRequest("known", 6)]))
     assert len(out.outputs[0].new_token_ids) == 1
 
 
 def test_plan_computing_more_tokens_than_known(engine):
     engine.add_request(NewRequest("r", PROMPT))
     with pytest.raises(InvalidRequestError, match="cannot compute 7 tokens, only 6 are not yet in KV"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 7)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 7)]))
     with pytest.raises(InvalidRequestError, match="num_tokens must be > 0"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 0)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 0)]))
     with pytest.raises(InvalidRequestError, match="scheduled twice"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 1), ScheduledRequest("r", 1)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 1), ScheduledRequest("r", 1)]))
     assert_still_serves(engine)
 
 
@@ -180,13 +180,13 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
     engine.add_request(NewRequest("a", [40] * 40))
     engine.add_request(NewRequest("b", [41] * 40))
     with pytest.raises(OutOfKVBlocksError, match="needs 6 new KV blocks but only 4 are free"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40), ScheduledRequest("b", 40)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("a", 40), ScheduledRequest("b", 40)]))
     assert engine.kv.num_free_blocks == 4
     # All or nothing: a refused plan does not even add its new requests.
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepPlan(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
+        engine.step(StepRequest(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
     assert not engine.has_request("c")
-    out = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40)]))
+    out = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 40)]))
     assert out.outputs[0].num_computed_tokens == 40 and out.num_free_blocks == 1
 
 
@@ -218,16 +218,16 @@ def test_finish_reasons(engine):
 def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
     expected = drive(engine, [NewRequest("x", PROMPT, sampling, max_new_tokens=10, ignore_eos=True)]).tokens["x"]
     engine.add_request(NewRequest("y", PROMPT, sampling, max_new_tokens=10, ignore_eos=True))
-    tokens = engine.step(StepPlan(scheduled=[ScheduledRequest("y", len(PROMPT))])).outputs[0].new_token_ids
+    tokens = engine.step(StepRequest(scheduled=[ScheduledRequest("y", len(PROMPT))])).outputs[0].new_token_ids
     for _ in range(4):
-        tokens += engine.step(StepPlan(scheduled=[ScheduledRequest("y", 1)])).outputs[0].new_token_ids
-    engine.step(StepPlan(preempted=["y"]))
+        tokens += engine.step(StepRequest(scheduled=[ScheduledRequest("y", 1)])).outputs[0].new_token_ids
+    engine.step(StepRequest(preempted=["y"]))
     state = engine.get_request("y")
     assert state.num_computed_tokens == 0 and engine.kv.block_ids(state.request_id) == []
     # Recompute prompt + output in chunks of 4, then keep decoding.
     while True:
         pending = state.num_uncomputed_tokens
-        out = engine.step(StepPlan(scheduled=[ScheduledRequest("y", min(4, pending))])).outputs[0]
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest("y", min(4, pending))])).outputs[0]
         tokens += out.new_token_ids
         if out.finish_reason:
             break
@@ -239,11 +239,11 @@ def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
 
 def test_an_id_both_released_and_preempted_is_refused_with_nothing_changed(engine):
     engine.add_request(NewRequest("twice", PROMPT, max_new_tokens=4, ignore_eos=True))
-    engine.step(StepPlan(scheduled=[ScheduledRequest("twice", len(PROMPT))]))
+    engine.step(StepRequest(scheduled=[ScheduledRequest("twice", len(PROMPT))]))
     free = engine.kv.num_free_blocks
     for released, preempted in ((["twice"], ["twice"]), (["twice", "twice"], []), ([], ["twice", "twice"])):
         with pytest.raises(InvalidRequestError, match="listed more than once"):
-            engine.step(StepPlan(released=released, preempted=preempted))
+            engine.step(StepRequest(released=released, preempted=preempted))
         assert engine.has_request("twice") and engine.kv.num_free_blocks == free
     engine.release("twice")
     assert_still_serves(engine)
@@ -260,7 +260,7 @@ def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anythin
     owner = list(range(40, 40 + 2 * block + 1))  # 2 full blocks (cached) + 1 token: 3 blocks
     filler = [200] * (3 * block)  # 3 blocks
     engine.step(
-        StepPlan(
+        StepRequest(
             new_requests=[NewRequest("owner", owner, max_new_tokens=4), NewRequest("filler", filler, max_new_tokens=4)],
             scheduled=[ScheduledRequest("owner", len(owner)), ScheduledRequest("filler", len(filler))],
         )
@@ -269,7 +269,7 @@ def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anythin
     # Reuses owner's 2 cached blocks and needs 3 more: after owner's 3 go back, 4 are free, 5 are taken.
     reuser = NewRequest("reuser", owner[: 2 * block] + [100] * (2 * block + 8), max_new_tokens=4)
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepPlan(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
+        engine.step(StepRequest(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
     assert engine.has_request("owner") and not engine.has_request("reuser")
     assert engine.kv.num_free_blocks == 1
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor_svc import gated_delta_net
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
@@ -129,7 +129,7 @@ def test_preemption_and_recompute_change_no_token(engine, baseline):
         scheduled = [
             ScheduledRequest(rid, min(known[rid] - computed[rid], 4)) for rid in known if rid not in preempted
         ]
-        result = engine.step(StepPlan(scheduled=scheduled, new_requests=new, preempted=preempted))
+        result = engine.step(StepRequest(scheduled=scheduled, new_requests=new, preempted=preempted))
         if preempted:
             assert engine.kv.state_slot("r1") == -1
         new, preempted = [], []
@@ -151,15 +151,15 @@ def test_running_out_of_state_slots_refuses_the_plan_and_changes_nothing(models)
     engine = make_engine(models["qwen35"][1], num_state_slots=2)
     a, b, c = greedy_requests(3)
     with pytest.raises(OutOfStateSlotsError, match="recurrent-state slots"):
-        engine.step(StepPlan(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
+        engine.step(StepRequest(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
     assert engine.request_ids == [] and engine.kv.state_pool.num_free_slots == 2
-    engine.step(StepPlan(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
+    engine.step(StepRequest(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
     assert engine.kv.state_pool.num_free_slots == 0
     with pytest.raises(OutOfKVBlocksError):  # the same back-pressure class: RESOURCE_EXHAUSTED
-        engine.step(StepPlan(new_requests=[c], scheduled=[ScheduledRequest(c.request_id, 5)]))
+        engine.step(StepRequest(new_requests=[c], scheduled=[ScheduledRequest(c.request_id, 5)]))
     assert engine.request_ids == ["r0", "r1"]
     # Preempting one in the same plan frees the slot the newcomer takes.
-    engine.step(StepPlan(new_requests=[c], preempted=["r1"], scheduled=[ScheduledRequest(c.request_id, 5)]))
+    engine.step(StepRequest(new_requests=[c], preempted=["r1"], scheduled=[ScheduledRequest(c.request_id, 5)]))
     assert engine.kv.state_slot("r2") >= 0 and engine.kv.state_slot("r1") == -1
 
 

@@ -13,7 +13,7 @@ import pytest
 from swarmserve.executor.v1 import executor_pb2 as epb
 from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
-from executor_svc.convert import plan_from_pb
+from executor_svc.convert import step_request_from_pb
 from executor_svc.gguf_file import open_gguf
 from executor_svc.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
@@ -75,7 +75,7 @@ def test_every_sampling_option_reaches_the_engine(limits, make_tiny_engine):
     plan = planner.schedule()
     assert [r.executor_request_id for r in plan.new_requests] == [request.executor_request_id]
     wire = epb.StepRequest.FromString(plan_to_pb(plan).SerializeToString())
-    engine.step(plan_from_pb(wire))
+    engine.step(step_request_from_pb(wire))
 
     state = engine.get_request(request.executor_request_id)
     for f in dataclasses.fields(SamplingParams):

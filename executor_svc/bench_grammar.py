@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.grammar import GrammarSpec
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
@@ -49,12 +49,12 @@ def decode_steps(engine: Engine, batch_size: int, num_steps: int, spec: GrammarS
         NewRequest(f"b{i}", prompt, SamplingParams(temperature=1.0, seed=i), max_new_tokens=num_steps + 1, structured_output=spec)
         for i in range(batch_size)
     ]
-    engine.step(StepPlan(scheduled=[ScheduledRequest(r.request_id, len(prompt)) for r in requests], new_requests=requests))
+    engine.step(StepRequest(scheduled=[ScheduledRequest(r.request_id, len(prompt)) for r in requests], new_requests=requests))
     running = {r.request_id for r in requests}
     timings = []
     while running:
         t0 = time.perf_counter()
-        out = engine.step(StepPlan(scheduled=[ScheduledRequest(r, 1) for r in sorted(running)]))
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest(r, 1) for r in sorted(running)]))
         if len(out.outputs) == batch_size:
             timings.append((time.perf_counter() - t0, out.timings.grammar_s))
         running -= {o.request_id for o in out.outputs if o.finish_reason is not None}

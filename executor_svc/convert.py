@@ -4,22 +4,11 @@ from __future__ import annotations
 
 from swarmserve.executor.v1 import executor_pb2 as pb
 
-from executor_svc.engine import CostSample, RequestOutput, ScheduledRequest, StepOutput, StepPlan
+from executor_svc.engine import CostSample, RequestResult, ScheduledRequest, StepResponse, StepRequest
 from executor_svc.grammar import GrammarSpec
 from executor_svc.request_state import NewRequest
 from executor_svc.sampler import SampledToken
 from service_common.sampling_params import SamplingParams
-
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        num_logprobs=msg.num_logprobs,
-    )
-
 
 def grammar_from_pb(msg: pb.StructuredOutput) -> GrammarSpec | None:
     kind = msg.WhichOneof("kind")
@@ -32,7 +21,7 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
     return NewRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling=sampling_from_pb(msg.sampling),
+        sampling=SamplingParams.from_pb(msg.sampling),
         max_new_tokens=msg.max_new_tokens,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
@@ -43,8 +32,8 @@ def new_request_from_pb(msg: pb.NewRequest) -> NewRequest:
     )
 
 
-def plan_from_pb(msg: pb.StepRequest) -> StepPlan:
-    return StepPlan(
+def step_request_from_pb(msg: pb.StepRequest) -> StepRequest:
+    return StepRequest(
         scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in msg.scheduled],
         new_requests=[new_request_from_pb(r) for r in msg.new_requests],
         released=list(msg.released),
@@ -61,7 +50,7 @@ def _logprob_to_pb(token: SampledToken) -> pb.TokenLogprob:
     )
 
 
-def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
+def _result_to_pb(out: RequestResult) -> pb.RequestResult:
     return pb.RequestResult(
         request_id=out.request_id,
         new_token_ids=out.new_token_ids,
@@ -76,7 +65,7 @@ def _result_to_pb(out: RequestOutput) -> pb.RequestResult:
     )
 
 
-def step_output_to_pb(step_id: int, out: StepOutput) -> pb.StepResponse:
+def step_response_to_pb(step_id: int, out: StepResponse) -> pb.StepResponse:
     return pb.StepResponse(
         step_id=step_id,
         results=[_result_to_pb(r) for r in out.outputs],

@@ -15,25 +15,24 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
 
-from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError, UnknownRequestError
+from executor_svc.errors import OutOfKVBlocksError, UnknownRequestError
 from executor_svc.gguf_file import open_gguf
 from executor_svc.hybrid_model import HybridTransformer
-from executor_svc.kv_cache import KVCache
+from executor_svc.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVManager
 from executor_svc.load_progress import load_progress
 from executor_svc.model import Transformer
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_source import resolve_model_path
 from executor_svc.model_weights import load_weights
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.recurrent_state import RecurrentStatePool
 from executor_svc.request_state import FinishReason, NewRequest, RequestState
-from executor_svc.block_allocator import block_hash, root_hash
+from executor_svc.block_allocator import root_hash
 from executor_svc.config import MATMULS, EngineConfig
 from executor_svc.drafter import Drafter
 from executor_svc.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
@@ -116,7 +115,7 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepRequest:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # finished or aborted: free everything
@@ -126,7 +125,7 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
+class RequestResult:
     request_id: str
     new_token_ids: list[int]  # empty mid-prefill
     finish_reason: FinishReason | None
@@ -158,8 +157,18 @@ class StepTimings:
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    outputs: list[RequestOutput]
+class _Work:
+    """One scheduled request's part of a step, as the engine carries it from schedule to postprocess."""
+
+    state: RequestState
+    num_tokens: int  # known tokens computed this step
+    draft_ids: list[int]  # speculative tokens verified on top of them
+    piece: RequestSlice  # what the forward pass computes for it
+
+
+@dataclass(frozen=True)
+class StepResponse:
+    outputs: list[RequestResult]
     num_computed_tokens: int
     num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
     num_free_blocks: int
@@ -189,28 +198,30 @@ class Engine:
                 loading, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16", triton=is_triton
             )
         self.weight_bytes = weights.num_bytes
-        # Hybrid models keep a recurrent state per running request beside the paged KV of their attention layers.
-        self.state_pool: RecurrentStatePool | None = None
-        kv_bytes = config.kv_cache_bytes
         if self.model_config.is_hybrid:
             self.model = HybridTransformer(
                 self.model_config, weights, self.device, self.ops, self.dtype, batch_invariant=config.batch_invariant
             )
-            self.state_pool = RecurrentStatePool(self.model_config, config.num_state_slots, self.dtype, self.device)
-            kv_bytes -= config.num_state_slots * self.state_pool.bytes_per_slot
-            if kv_bytes <= 0:
-                raise ValueError(
-                    f"kv_cache_bytes={config.kv_cache_bytes} does not even hold the {config.num_state_slots} recurrent-state "
-                    f"slots ({self.state_pool.bytes_per_slot} bytes each); raise it or lower num_state_slots"
-                )
         else:
             self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
-        self.kv_cache = KVCache.from_memory_budget(self.model_config, kv_bytes, config.block_size, self.dtype, self.device)
+        # The paged KV cache and its prefix cache; hybrid models also keep a recurrent state per running
+        # request there. KV depends on the weights and the dtype: a cached block is only valid for this
+        # model as loaded, hence the prefix root.
+        self.kv = KVManager.from_memory_budget(
+            self.model_config,
+            config.kv_cache_bytes,
+            config.block_size,
+            config.num_state_slots,
+            self.dtype,
+            self.device,
+            prefix_root=root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}"),
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         self.decode_graphs = None
-        if config.decode_graphs and self.device.type == "cuda" and is_triton and self.state_pool is None:
+        if config.decode_graphs and self.device.type == "cuda" and is_triton and self.kv.state_pool is None:
             from executor_svc.decode_graphs import DecodeGraphs
 
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv.cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -222,8 +233,6 @@ class Engine:
         # Ids of requests the engine ended itself (a finish reason), newest last: a plan built ahead of
         # the step that ended one may still schedule it (see rebase).
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
-        # KV depends on the weights and the dtype: a cached block is only valid for this model as loaded.
-        self._prefix_root = root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}")
 
     # ----------------------------------------------------------------- requests
 
@@ -290,41 +299,21 @@ class Engine:
     def _insert(self, new: NewRequest) -> None:
         self._finished_ids.pop(new.request_id, None)
         seed = new.sampling.seed if new.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self._requests[new.request_id] = RequestState(
-            request_id=new.request_id,
-            token_ids=new.token_ids,
-            num_prompt_tokens=len(new.prompt_token_ids),
-            sampling=new.sampling,
-            seed=seed,
-            max_new_tokens=new.max_new_tokens,
-            stop_token_ids=frozenset(new.stop_token_ids),
-            ignore_eos=new.ignore_eos,
-            session_id=new.session_id,
-            retention_s=new.retention_s,
-            grammar=self._grammar_matcher(new),
-        )
+        self._requests[new.request_id] = RequestState(new, new.token_ids, seed, self._grammar_matcher(new))
         self.drafter.add_request(new.request_id, new.token_ids)
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV; releasing an unknown (e.g. already finished) id is a no-op."""
         state = self._requests.pop(request_id, None)
         if state is not None:
-            retain_until = time.monotonic() + state.retention_s if state.retention_s > 0 else None
-            self.kv_cache.release(state.block_ids, retain_until)
-            self._free_state_slot(state)
+            self.kv.free(request_id, state.new.retention_s)
             self.drafter.release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Free a request's KV but keep its tokens; later steps recompute them."""
         state = self.get_request(request_id)
-        self.kv_cache.release(state.block_ids)
-        self._free_state_slot(state)  # recomputing from token 0 rebuilds the recurrent state
-        state.num_computed_tokens = state.num_registered_blocks = 0
-
-    def _free_state_slot(self, state: RequestState) -> None:
-        if state.state_slot >= 0:
-            self.state_pool.free(state.state_slot)
-            state.state_slot = -1
+        self.kv.free(request_id)  # recomputing from token 0 rebuilds the recurrent state too
+        state.num_computed_tokens = 0
 
     # -------------------------------------------------------------- calibration
 
@@ -344,7 +333,6 @@ class Engine:
         costs apart before any real step has run. Uses free KV blocks and
         gives them back; call it while no request runs.
         """
-        bs = self.kv_cache.block_size
         shapes = []  # (context length, tokens per request, logits rows per request, requests)
         for context_len in context_lens:
             shapes += [(context_len, n, 1, 1) for n in token_counts]
@@ -354,67 +342,71 @@ class Engine:
         samples = []
         for context_len, num_tokens, num_logits, num_requests in shapes:
             context_len = min(context_len, max_context)
-            needed = num_requests * self.kv_cache.num_blocks_for(context_len + num_tokens)
-            if needed > self.kv_cache.num_free_blocks:
-                continue
-            if self.state_pool is not None and not self.state_pool.can_allocate(num_requests):
-                continue
-            block_lists: list[list[int]] = [[] for _ in range(num_requests)]
-            slots = [self.state_pool.allocate() for _ in range(num_requests)] if self.state_pool is not None else [-1] * num_requests
-            try:
-                for block_ids in block_lists:
-                    self.kv_cache.grow(block_ids, context_len + num_tokens)
-                pieces = [
-                    RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot)
-                    for block_ids, slot in zip(block_lists, slots)
-                ]
-                forward_times, step_times = [], []
-                for _ in range(reps + 1):  # the first pass warms up
-                    t0 = time.perf_counter()
-                    batch = RaggedBatch.build(pieces, bs, self.device, self._row_multiple)
-                    t1 = time.perf_counter()
-                    logits = self._forward(batch)
-                    t2 = time.perf_counter()
-                    logits.argmax(dim=-1).tolist()
-                    t3 = time.perf_counter()
-                    forward_times.append(t2 - t1)
-                    step_times.append(t3 - t0)
-                samples.append(
-                    CostSample(
-                        num_tokens * num_requests,
-                        (context_len + num_tokens) * num_requests,
-                        min(forward_times[1:]),
-                        num_logits * num_requests,
-                        num_requests,
-                        min(step_times[1:]),
-                    )
+            with self.kv.scratch(num_requests, context_len + num_tokens) as held:
+                if held is None:
+                    continue
+                pieces = [RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held]
+                forward_s, step_s = self._time_forward(pieces, reps)
+            samples.append(
+                CostSample(
+                    num_tokens * num_requests,
+                    (context_len + num_tokens) * num_requests,
+                    forward_s,
+                    num_logits * num_requests,
+                    num_requests,
+                    step_s,
                 )
-            finally:
-                for block_ids in block_lists:
-                    self.kv_cache.release(block_ids)
-                for slot in slots:
-                    if slot >= 0:
-                        self.state_pool.free(slot)
+            )
         return samples
+
+    def _time_forward(self, pieces: list[RequestSlice], reps: int) -> tuple[float, float]:
+        """The fastest of `reps` forward passes over the pieces, after one to warm up: forward
+        alone, and prepare + forward + argmax as a step would."""
+        forward_times, step_times = [], []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            batch = RaggedBatch.build(pieces, self.kv.block_size, self.device, self._row_multiple)
+            t1 = time.perf_counter()
+            logits = self._forward(batch)
+            t2 = time.perf_counter()
+            logits.argmax(dim=-1).tolist()
+            t3 = time.perf_counter()
+            forward_times.append(t2 - t1)
+            step_times.append(t3 - t0)
+        return min(forward_times[1:]), min(step_times[1:])
 
     # -------------------------------------------------------------------- steps
 
-    def step(self, plan: StepPlan) -> StepOutput:
-        """Execute one plan. Raises InvalidRequestError or OutOfKVBlocksError with
-        nothing changed, so the caller can fix the plan and try again."""
+    def step(self, plan: StepRequest) -> StepResponse:
+        """Execute one plan: schedule its requests (KV and drafts), run the forward pass,
+        postprocess (verify, append, commit KV, report). Raises InvalidRequestError or
+        OutOfKVBlocksError with nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
-        plan = self.rebase(plan)
+        work = self._schedule(self.rebase(plan))
+        if not work:
+            return self._step_response([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
+        batch = RaggedBatch.build([w.piece for w in work], self.kv.block_size, self.device, self._row_multiple)
+        t1 = time.perf_counter()
+        logits = self._forward(batch)  # [rows needing logits, vocab]
+        t2 = time.perf_counter()
+        outputs, grammar_s = self._postprocess(work, logits)
+        t3 = time.perf_counter()
+        timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, grammar_s)
+        return self._step_response(outputs, batch.num_tokens, sum(batch.context_lens), timings, batch.num_logits)
+
+    def _forward(self, batch: RaggedBatch) -> torch.Tensor:
+        """The model's logits for the batch: replayed from a captured graph when it is a plain decode step."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.forward(batch)
+        return self.model.forward(batch, self.kv.cache, self.kv.state_pool)
+
+    # ------------------------------------------------------------ step: schedule
+
+    def _schedule(self, plan: StepRequest) -> list[_Work]:
+        """Check the plan, then carry out its releases, preemptions and new requests and give each
+        scheduled request its KV: the step's work, one entry per scheduled request."""
         self._validate(plan)
-        hits = self._prefix_hits(plan)
-        drafts = self._propose_drafts(plan)
-        if not self._has_kv_room(plan, hits, drafts):
-            drafts = {}  # drafts are optional: drop them before refusing the plan
-            if not self._has_kv_room(plan, hits, drafts):
-                raise OutOfKVBlocksError(
-                    f"the plan needs {self._num_blocks_needed(plan, hits, drafts)} new KV blocks but only "
-                    f"{self._num_blocks_available(plan)} are free"
-                )
-        self._check_state_slots(plan)
+        computed, drafts = self._admit(plan)
         for request_id in plan.released:
             self.release(request_id)
         for request_id in plan.preempted:
@@ -422,91 +414,141 @@ class Engine:
         for new in plan.new_requests:
             self._insert(new)
         # Take every cached prefix before growing anyone, so no growth evicts a block about to be shared.
-        for request_id, block_ids in hits.items():
-            self._reuse_prefix(self._requests[request_id], block_ids)
+        for request_id, blocks in computed.items():
+            state = self._requests[request_id]
+            state.num_computed_tokens = state.num_cached_tokens = self.kv.take_computed_blocks(request_id, blocks)
+        return [self._allocate(s, drafts.get(s.request_id, [])) for s in plan.scheduled]
 
-        work = []
+    def _admit(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
+        """The plan's prefix hits and drafts, once its KV and state slots are known to fit (pure:
+        raises OutOfKVBlocksError with nothing changed if they do not). Drafts are optional: they
+        are dropped before the plan is refused."""
+        leaving = {*plan.released, *plan.preempted}
+        computed = self._computed_blocks(plan)
+        drafts = self._propose_drafts(plan)
+        if self._num_blocks_needed(plan, computed, drafts) > self.kv.num_blocks_available(leaving):
+            drafts = {}
+            needed = self._num_blocks_needed(plan, computed, drafts)
+            available = self.kv.num_blocks_available(leaving)
+            if needed > available:
+                raise OutOfKVBlocksError(f"the plan needs {needed} new KV blocks but only {available} are free")
+        self.kv.check_state_slots([s.request_id for s in plan.scheduled], leaving)
+        return computed, drafts
+
+    def _computed_blocks(self, plan: StepRequest) -> dict[str, ComputedBlocks]:
+        """Cached blocks each scheduled request starting from zero can reuse (pure: nothing is taken yet)."""
+        new = {n.request_id: n for n in plan.new_requests}
+        leaving = {*plan.released, *plan.preempted}
+        computed = {}
         for s in plan.scheduled:
-            state = self._requests[s.request_id]
-            if self.state_pool is not None and state.state_slot < 0:
-                state.state_slot = self.state_pool.allocate()  # zeroed: the state before token 0
-            # A prefix hit may have covered part of what the plan asked to compute.
-            num_tokens = min(s.num_tokens, len(state.token_ids) - state.num_computed_tokens)
-            work.append((state, num_tokens, drafts.get(s.request_id, [])))
-        if not work:
-            return self._step_output([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
-        slices = []
-        for state, num_tokens, draft_ids in work:
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            self.kv_cache.grow(state.block_ids, end + len(draft_ids))
-            num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
-            slices.append(RequestSlice(state.token_ids[start:end] + draft_ids, start, state.block_ids, num_logits, state.state_slot))
-        batch = RaggedBatch.build(slices, self.kv_cache.block_size, self.device, self._row_multiple)
-        t1 = time.perf_counter()
-        logits = self._forward(batch)  # [rows needing logits, vocab]
-        t2 = time.perf_counter()
-        # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
-        raw_rows = self._mask_grammar_rows(logits, work, slices)
-        t_grammar = time.perf_counter() - t2
-        argmax_ids = logits.argmax(dim=-1).tolist()
+            state = self._requests.get(s.request_id)
+            if state is not None and s.request_id not in leaving and (state.num_computed_tokens or self.kv.block_ids(s.request_id)):
+                continue
+            blocks = self.kv.computed_blocks(new[s.request_id].token_ids if state is None else state.token_ids)
+            if blocks.block_ids:
+                computed[s.request_id] = blocks
+        return computed
 
-        outputs = []
-        row = 0
-        for (state, num_tokens, draft_ids), piece in zip(work, slices):
-            emitted, num_accepted, logprobs = [], 0, []
-            if piece.num_logits:
-                rows = slice(row, row + piece.num_logits)
-                spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
-                emitted, num_accepted = verify(logits[rows], argmax_ids[rows], draft_ids, spec)
-                emitted = self._append_until_finish(state, emitted)
-                if state.sampling.num_logprobs:
-                    logprobs = [
-                        token_logprobs(raw_rows.get(row + j, logits[row + j]), token_id, state.sampling.num_logprobs)
-                        for j, token_id in enumerate(emitted)
-                    ]
-                row += piece.num_logits
-            # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
-            state.num_computed_tokens += num_tokens + min(num_accepted, len(emitted))
-            self.kv_cache.truncate(state.block_ids, state.num_computed_tokens)
-            if self.state_pool is not None and num_accepted < len(draft_ids) and state.finish_reason is None:
-                # The recurrent state went through every draft: put back the one after the last kept token
-                # (window position 0 is the decode token, position j its j-th draft).
-                self.state_pool.restore_window(state.state_slot, num_accepted)
-            if emitted:
-                self.drafter.append(state.request_id, emitted)
-            self._register_full_blocks(state)
-            outputs.append(
-                RequestOutput(
-                    request_id=state.request_id,
-                    new_token_ids=emitted,
-                    finish_reason=state.finish_reason,
-                    num_computed_tokens=state.num_computed_tokens,
-                    logprobs=logprobs,
-                    num_drafted_tokens=len(draft_ids),
-                    num_accepted_tokens=num_accepted,
-                    num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
-                    num_cached_tokens=state.num_cached_tokens,
-                    num_exclusive_blocks=sum(1 for b in state.block_ids if self.kv_cache.allocator.ref_count(b) == 1),
-                )
-            )
-            if state.finish_reason is not None:
-                self.release(state.request_id)
-                self._finished_ids[state.request_id] = None
-                if len(self._finished_ids) > MAX_FINISHED_IDS:
-                    self._finished_ids.popitem(last=False)
-        t3 = time.perf_counter()
-        return self._step_output(
-            outputs, batch.num_tokens, sum(batch.context_lens), StepTimings(t1 - t0, t2 - t1, t3 - t2, t_grammar), batch.num_logits
+    def _num_blocks_needed(self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]) -> int:
+        """Free KV blocks the plan consumes, from the tokens each scheduled request's KV holds after it."""
+        leaving = {*plan.released, *plan.preempted}
+        new_lengths = {n.request_id: len(n.token_ids) for n in plan.new_requests}
+        num_tokens = {}
+        for s in plan.scheduled:
+            state = self._requests.get(s.request_id)
+            if state is None or s.request_id in leaving:  # new, or starting over after a preemption
+                num_cached = len(computed.get(s.request_id, NO_COMPUTED_BLOCKS).block_ids) * self.kv.block_size
+                num_known = new_lengths[s.request_id] if state is None else len(state.token_ids)
+                num_tokens[s.request_id] = num_cached + min(s.num_tokens, num_known - num_cached)
+            else:
+                num_tokens[s.request_id] = state.num_computed_tokens + s.num_tokens + len(drafts.get(s.request_id, ()))
+        return self.kv.num_blocks_needed(num_tokens, computed, leaving)
+
+    def _allocate(self, s: ScheduledRequest, draft_ids: list[int]) -> _Work:
+        """KV (and a state slot) for one scheduled request's tokens and drafts: its part of the step."""
+        state = self._requests[s.request_id]
+        # A prefix hit may have covered part of what the plan asked to compute.
+        num_tokens = min(s.num_tokens, state.num_uncomputed_tokens)
+        start = state.num_computed_tokens
+        end = start + num_tokens
+        self.kv.allocate_slots(s.request_id, end + len(draft_ids))
+        num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
+        piece = RequestSlice(
+            state.token_ids[start:end] + draft_ids, start, self.kv.block_ids(s.request_id), num_logits, self.kv.state_slot(s.request_id)
         )
+        return _Work(state, num_tokens, draft_ids, piece)
 
-    def _forward(self, batch: RaggedBatch) -> torch.Tensor:
-        """The model's logits for the batch: replayed from a captured graph when it is a plain decode step."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            return self.decode_graphs.forward(batch)
-        return self.model.forward(batch, self.kv_cache, self.state_pool)
+    # --------------------------------------------------------- step: postprocess
 
-    def rebase(self, plan: StepPlan) -> StepPlan:
+    def _postprocess(self, work: list[_Work], logits: torch.Tensor) -> tuple[list[RequestResult], float]:
+        """Every request's new tokens from the logits [rows, vocab], with its KV and drafter
+        brought up to date; also the seconds spent on grammar masks."""
+        t0 = time.perf_counter()
+        # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
+        raw_rows = self._mask_grammar_rows(logits, work)
+        grammar_s = time.perf_counter() - t0
+        argmax_ids = logits.argmax(dim=-1).tolist()
+        outputs, row = [], 0
+        for w in work:
+            outputs.append(self._postprocess_request(w, logits, argmax_ids, raw_rows, row))
+            row += w.piece.num_logits
+        return outputs, grammar_s
+
+    def _postprocess_request(
+        self, w: _Work, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
+    ) -> RequestResult:
+        """One request's result; `row` is its first logits row."""
+        state = w.state
+        emitted, num_accepted, logprobs = self._sample(w, logits, argmax_ids, raw_rows, row)
+        # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
+        state.num_computed_tokens += w.num_tokens + min(num_accepted, len(emitted))
+        self.kv.commit(state.request_id, state.token_ids, state.num_computed_tokens)
+        if self.kv.state_pool is not None and num_accepted < len(w.draft_ids) and state.finish_reason is None:
+            # The recurrent state went through every draft: put back the one after the last kept token.
+            self.kv.restore_state(state.request_id, num_accepted)
+        if emitted:
+            self.drafter.append(state.request_id, emitted)
+        output = RequestResult(
+            request_id=state.request_id,
+            new_token_ids=emitted,
+            finish_reason=state.finish_reason,
+            num_computed_tokens=state.num_computed_tokens,
+            logprobs=logprobs,
+            num_drafted_tokens=len(w.draft_ids),
+            num_accepted_tokens=num_accepted,
+            num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
+            num_cached_tokens=state.num_cached_tokens,
+            num_exclusive_blocks=self.kv.num_exclusive_blocks(state.request_id),
+        )
+        if state.finish_reason is not None:
+            self.release(state.request_id)
+            self._finished_ids[state.request_id] = None
+            if len(self._finished_ids) > MAX_FINISHED_IDS:
+                self._finished_ids.popitem(last=False)
+        return output
+
+    def _sample(
+        self, w: _Work, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
+    ) -> tuple[list[int], int, list[SampledToken]]:
+        """The tokens a request emits from its logits rows (verified drafts, then the bonus token,
+        cut at the one that finishes it), how many drafts were kept, and their logprobs if asked for.
+        Nothing mid-prefill."""
+        state = w.state
+        if not w.piece.num_logits:
+            return [], 0, []
+        rows = slice(row, row + w.piece.num_logits)
+        spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
+        emitted, num_accepted = verify(logits[rows], argmax_ids[rows], w.draft_ids, spec)
+        emitted = self._append_until_finish(state, emitted)
+        logprobs = []
+        if state.sampling.num_logprobs:
+            logprobs = [
+                token_logprobs(raw_rows.get(row + j, logits[row + j]), token_id, state.sampling.num_logprobs)
+                for j, token_id in enumerate(emitted)
+            ]
+        return emitted, num_accepted, logprobs
+
+    def rebase(self, plan: StepRequest) -> StepRequest:
         """A plan built ahead (overlapped scheduling), made exact against what the previous step left.
 
         The scheduler built it before the previous step's result was known,
@@ -534,20 +576,19 @@ class Engine:
         preempted = [r for r in plan.preempted if r in self._requests or r not in self._finished_ids]
         return replace(plan, scheduled=scheduled, preempted=preempted)
 
-    def _mask_grammar_rows(
-        self, logits: torch.Tensor, work: list[tuple[RequestState, int, list[int]]], slices: list[RequestSlice]
-    ) -> dict[int, torch.Tensor]:
+    def _mask_grammar_rows(self, logits: torch.Tensor, work: list[_Work]) -> dict[int, torch.Tensor]:
         """Mask each grammar request's rows of logits [rows, V] in place to what its grammar allows
         there (see grammar.py). Returns the unmasked rows of requests that asked for logprobs, by row.
         A step without grammar requests does nothing here."""
         row_spans, logprob_rows, requests, row = [], [], [], 0
-        for (state, _, draft_ids), piece in zip(work, slices):
-            if piece.num_logits and state.grammar is not None:
-                row_spans.append((row, piece.num_logits))
-                if state.sampling.num_logprobs:
-                    logprob_rows.extend(range(row, row + piece.num_logits))
-                requests.append((state.grammar, draft_ids))
-            row += piece.num_logits
+        for w in work:
+            num_logits = w.piece.num_logits
+            if num_logits and w.state.grammar is not None:
+                row_spans.append((row, num_logits))
+                if w.state.sampling.num_logprobs:
+                    logprob_rows.extend(range(row, row + num_logits))
+                requests.append((w.state.grammar, w.draft_ids))
+            row += num_logits
         if not requests:
             return {}
         raw_rows = {r: logits[r].clone() for r in logprob_rows}
@@ -556,7 +597,7 @@ class Engine:
             apply_masks(logits, row_spans, bitmask)
         return raw_rows
 
-    def _propose_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
+    def _propose_drafts(self, plan: StepRequest) -> dict[str, list[int]]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
         max_new_tokens or the context, and cut at the first token a request's grammar forbids."""
         drafts = {}
@@ -568,7 +609,7 @@ class Engine:
             room = min(
                 s.draft_budget,
                 self.config.max_draft_tokens,
-                state.max_new_tokens - state.num_output_tokens - 1,
+                state.new.max_new_tokens - state.num_output_tokens - 1,
                 self.model_config.context_length - len(state.token_ids) - 1,
             )
             if room > 0:
@@ -595,7 +636,7 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def _validate(self, plan: StepPlan) -> None:
+    def _validate(self, plan: StepRequest) -> None:
         new_ids = set()
         for new in plan.new_requests:
             self.validate_new_request(new)
@@ -637,140 +678,27 @@ class Engine:
                 f"the plan computes {total} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens}"
             )
 
-    def _blocks_freed_by(self, plan: StepPlan) -> set[int]:
-        """Blocks the plan's releases and preemptions leave without a holder."""
-        leaving = [self._requests[r] for r in {*plan.released, *plan.preempted} if r in self._requests]
-        holders = Counter(b for state in leaving for b in state.block_ids)
-        return {b for b, n in holders.items() if self.kv_cache.allocator.ref_count(b) == n}
-
-    def _num_blocks_available(self, plan: StepPlan) -> int:
-        """Free blocks once the plan's releases and preemptions have freed theirs."""
-        return self.kv_cache.num_free_blocks + len(self._blocks_freed_by(plan))
-
-    def _num_blocks_needed(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> int:
-        """Free blocks the plan consumes: new blocks, plus cached-but-unused blocks it reuses.
-
-        A hit on a block the same plan's releases free is counted too: the release
-        puts it among the free blocks (see _num_blocks_available), and reusing it takes it out.
-        """
-        emptied = {*plan.released, *plan.preempted}
-        new_lengths = {n.request_id: len(n.token_ids) for n in plan.new_requests}
-        allocator = self.kv_cache.allocator
-        freed = self._blocks_freed_by(plan)
-        needed = len({b for block_ids in hits.values() for b in block_ids if allocator.is_evictable(b) or b in freed})
-        for s in plan.scheduled:
-            state = self._requests.get(s.request_id)
-            if state is None or s.request_id in emptied:  # new, or starting over after a preemption
-                num_cached = len(hits.get(s.request_id, ())) * self.kv_cache.block_size
-                num_known = new_lengths[s.request_id] if state is None else len(state.token_ids)
-                num_tokens = min(s.num_tokens, num_known - num_cached)
-                needed += self.kv_cache.num_blocks_for(num_cached + num_tokens) - len(hits.get(s.request_id, ()))
-            else:
-                num_tokens = s.num_tokens + len(drafts.get(s.request_id, ()))
-                needed += self.kv_cache.num_new_blocks_needed(state.block_ids, state.num_computed_tokens + num_tokens)
-        return needed
-
-    def _has_kv_room(self, plan: StepPlan, hits: dict[str, list[int]], drafts: dict[str, list[int]]) -> bool:
-        return self._num_blocks_needed(plan, hits, drafts) <= self._num_blocks_available(plan)
-
-    def _check_state_slots(self, plan: StepPlan) -> None:
-        """A hybrid model computes a request only with a recurrent-state slot: refuse (nothing
-        changed) a plan that would run more requests than there are slots, counting the slots
-        its releases and preemptions give back."""
-        if self.state_pool is None:
-            return
-        emptied = {*plan.released, *plan.preempted}
-        freed = sum(1 for r in emptied if r in self._requests and self._requests[r].state_slot >= 0)
-        needed = 0
-        for s in plan.scheduled:
-            state = self._requests.get(s.request_id)
-            if state is None or s.request_id in emptied or state.state_slot < 0:
-                needed += 1
-        available = self.state_pool.num_free_slots + freed
-        if needed > available:
-            raise OutOfStateSlotsError(
-                f"the plan starts {needed} requests but only {available} of {self.state_pool.num_slots} "
-                f"recurrent-state slots are free (each running request of a hybrid model holds one)"
-            )
-
-    # ---------------------------------------------------------- prefix cache
-
-    def _extend_block_hashes(self, token_ids: list[int], block_hashes: list[bytes], num_blocks: int) -> None:
-        """Grow a hash chain in place to cover the first `num_blocks` full blocks of token_ids."""
-        bs = self.kv_cache.block_size
-        for i in range(len(block_hashes), num_blocks):
-            parent = block_hashes[-1] if block_hashes else self._prefix_root
-            block_hashes.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
-
-    def _prefix_hits(self, plan: StepPlan) -> dict[str, list[int]]:
-        """Cached blocks each request starting from zero can reuse (pure: nothing is taken yet).
-
-        Only blocks wholly before the last known token count: that token must be
-        computed to produce logits, and a shared block is never written into.
-        """
-        if not self.config.enable_prefix_caching or self.state_pool is not None:
-            return {}  # a hybrid's prefix would also need its recurrent state at the block boundary
-        new = {n.request_id: n for n in plan.new_requests}
-        emptied = {*plan.released, *plan.preempted}
-        hits = {}
-        for s in plan.scheduled:
-            state = self._requests.get(s.request_id)
-            if state is not None and s.request_id not in emptied and (state.num_computed_tokens or state.block_ids):
-                continue
-            token_ids = new[s.request_id].token_ids if state is None else state.token_ids
-            block_hashes = [] if state is None else state.block_hashes
-            max_blocks = (len(token_ids) - 1) // self.kv_cache.block_size
-            self._extend_block_hashes(token_ids, block_hashes, max_blocks)
-            found = []
-            for h in block_hashes[:max_blocks]:
-                block_id = self.kv_cache.allocator.lookup(h)
-                if block_id is None:
-                    break
-                found.append(block_id)
-            if found:
-                hits[s.request_id] = found
-        return hits
-
-    def _reuse_prefix(self, state: RequestState, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            self.kv_cache.allocator.share(block_id)
-        state.block_ids = list(block_ids)
-        state.num_registered_blocks = len(block_ids)
-        state.num_computed_tokens = state.num_cached_tokens = len(block_ids) * self.kv_cache.block_size
-
-    def _register_full_blocks(self, state: RequestState) -> None:
-        """Cache every block the request has completely computed and not registered yet."""
-        if not self.config.enable_prefix_caching or self.state_pool is not None:
-            return
-        num_full = state.num_computed_tokens // self.kv_cache.block_size
-        if num_full <= state.num_registered_blocks:
-            return
-        self._extend_block_hashes(state.token_ids, state.block_hashes, num_full)
-        for i in range(state.num_registered_blocks, num_full):
-            self.kv_cache.allocator.register(state.block_ids[i], state.block_hashes[i])
-        state.num_registered_blocks = num_full
-
     def _finish_reason(self, state: RequestState, token_id: int) -> FinishReason | None:
-        if token_id in self.eos_token_ids and not state.ignore_eos:
+        if token_id in self.eos_token_ids and not state.new.ignore_eos:
             return FinishReason.EOS
-        if token_id in state.stop_token_ids:
+        if token_id in state.new.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if state.num_output_tokens >= state.max_new_tokens:
+        if state.num_output_tokens >= state.new.max_new_tokens:
             return FinishReason.LENGTH
         if len(state.token_ids) >= self.model_config.context_length:
             return FinishReason.CONTEXT_FULL
         return None
 
-    def _step_output(
-        self, outputs: list[RequestOutput], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
-    ) -> StepOutput:
-        return StepOutput(
+    def _step_response(
+        self, outputs: list[RequestResult], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
+    ) -> StepResponse:
+        return StepResponse(
             num_logits_rows=num_logits_rows,
             num_requests=len(outputs),
             outputs=outputs,
             num_computed_tokens=num_tokens,
             num_kv_tokens=num_kv_tokens,
-            num_free_blocks=self.kv_cache.num_free_blocks,
-            num_total_blocks=self.kv_cache.num_usable_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_usable_blocks,
             timings=timings,
         )

@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow
 from executor_svc.invariant_elementwise import invariant_map
 from executor_svc.kv_cache import KVCache
-from executor_svc.model import rope_tables
+from executor_svc.model import embed, ffn, lm_head, rope_tables
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
-from executor_svc.moe import moe_ffn
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.recurrent_state import RecurrentStatePool
 from executor_svc.torch_ops import TorchOps
-from executor_svc.weight_format import embedding, linear
+from executor_svc.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
 MIN_CHUNKED_PREFILL_TOKENS = 64
@@ -74,22 +73,15 @@ class HybridTransformer:
         min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
         delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
         state_pool.begin_step()
-        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden]
-        x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
+        x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         for layer_index, layer in enumerate(w.layers):
             if layer.delta_net is not None:
                 mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool)
             else:
                 mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
             x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
-            if layer.moe is None:
-                ffn = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
-            else:
-                ffn = moe_ffn(x, layer.moe, c.num_experts_per_token, ops)
-            next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
-            x, residual = ops.add_rms_norm(ffn, residual, next_norm, c.rms_norm_eps)
-        logits = linear(x[batch.logits_indices], w.lm_head).float()
-        return logits[: batch.num_logits]
+            x, residual = ffn(x, residual, layer_index, c, w, ops)
+        return lm_head(x, batch, w)
 
     def _gated_attention(self, layer_index: int, layer: LayerWeights, x, batch: RaggedBatch, kv_cache: KVCache, metadata):
         c, ops = self.config, self.ops

@@ -41,8 +41,8 @@ async def run(args: argparse.Namespace) -> None:
         "executor_listening",
         address=args.listen,
         model=engine.model_config.name,
-        kv_blocks=engine.kv_cache.num_usable_blocks,
-        block_size=engine.kv_cache.block_size,
+        kv_blocks=engine.kv.num_usable_blocks,
+        block_size=engine.kv.block_size,
     )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -35,6 +35,30 @@ def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: 
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
+def embed(batch: RaggedBatch, config: ModelConfig, weights: ModelWeights, ops, dtype: torch.dtype):
+    """The batch's token embeddings as the residual stream [T_padded, hidden], and the first layer's input (normed)."""
+    residual = embedding(batch.token_ids, weights.embed, dtype)
+    return ops.rms_norm(residual, weights.layers[0].attn_norm, config.rms_norm_eps), residual
+
+
+def ffn(x: torch.Tensor, residual: torch.Tensor, layer_index: int, config: ModelConfig, weights: ModelWeights, ops):
+    """A layer's second half, the same in every model here: the FFN (SwiGLU, or the MoE), its residual
+    add, and the next layer's input norm (the final norm after the last layer); returns (x, residual)."""
+    layer = weights.layers[layer_index]
+    if layer.moe is None:
+        out = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+    else:
+        out = moe_ffn(x, layer.moe, config.num_experts_per_token, ops)
+    next_norm = weights.layers[layer_index + 1].attn_norm if layer_index + 1 < config.num_layers else weights.final_norm
+    return ops.add_rms_norm(out, residual, next_norm, config.rms_norm_eps)
+
+
+def lm_head(x: torch.Tensor, batch: RaggedBatch, weights: ModelWeights) -> torch.Tensor:
+    """float32 logits [batch.num_logits, vocab] of only the rows that need them."""
+    logits = linear(x[batch.logits_indices], weights.lm_head).float()
+    return logits[: batch.num_logits]
+
+
 class Transformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype | None = None
@@ -59,8 +83,7 @@ class Transformer:
         """`forward` with the attention metadata already built: device work only, no host
         reads, which is what a captured graph replays (decode_graphs.py)."""
         c, w, ops = self.config, self.weights, self.ops
-        residual = embedding(batch.token_ids, w.embed, self.dtype)  # [T_padded, hidden], the model's own
-        x = ops.rms_norm(residual, w.layers[0].attn_norm, c.rms_norm_eps)
+        x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache.layer(layer_index)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, (heads + 2 * kv_heads) * head_dim]
@@ -70,12 +93,5 @@ class Transformer:
             )  # [T_padded, heads, head_dim]; K and V are in the cache
             attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
             x, residual = ops.add_rms_norm(linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
-            if layer.moe is None:
-                mlp = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
-            else:
-                mlp = moe_ffn(x, layer.moe, c.num_experts_per_token, ops)
-            next_norm = w.layers[layer_index + 1].attn_norm if layer_index + 1 < c.num_layers else w.final_norm
-            x, residual = ops.add_rms_norm(mlp, residual, next_norm, c.rms_norm_eps)
-
-        logits = linear(x[batch.logits_indices], w.lm_head).float()
-        return logits[: batch.num_logits]
+            x, residual = ffn(x, residual, layer_index, c, w, ops)
+        return lm_head(x, batch, w)

@@ -1,8 +1,9 @@
-"""What the executor holds for one request: its tokens, its KV blocks, why it stopped."""
+"""What the executor holds for one request: its tokens, how far they are computed, why it stopped
+(its KV blocks and recurrent-state slot are the KVManager's)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from executor_svc.grammar import GrammarMatcher, GrammarSpec
 from service_common.finish_reason import FinishReason
@@ -30,24 +31,25 @@ class NewRequest:
 
 @dataclass
 class RequestState:
-    request_id: str
+    new: NewRequest  # the request as the plan sent it: its prompt and options
     token_ids: list[int]  # prompt followed by output
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    seed: int
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    session_id: str = ""
-    retention_s: float = 0.0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
-    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
-    num_registered_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
-    state_slot: int = -1  # recurrent-state slot (hybrid models) while the request is being computed; -1: none
+    seed: int  # the sampling seed: the request's own, or one the engine drew
     grammar: GrammarMatcher | None = None  # where its output stands in its structured_output grammar
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (its blocks: the engine's KVManager)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
+    finish_reason: FinishReason | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.new.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.new.sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.new.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

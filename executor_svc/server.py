@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.convert import cost_samples_to_pb, plan_from_pb, step_output_to_pb
+from executor_svc.convert import cost_samples_to_pb, step_request_from_pb, step_response_to_pb
 from executor_svc.engine import CostSample, Engine
 from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.kv_cache import bytes_per_block
@@ -132,17 +132,17 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             eos_token=tok.eos_token or "",
             tokenizer_json=tok.to_json(),
             chat_template=tok.chat_template or "",
-            kv_block_size=engine.kv_cache.block_size,
-            num_kv_blocks=engine.kv_cache.num_usable_blocks,
-            num_free_kv_blocks=engine.kv_cache.num_free_blocks,
+            kv_block_size=engine.kv.block_size,
+            num_kv_blocks=engine.kv.num_usable_blocks,
+            num_free_kv_blocks=engine.kv.num_free_blocks,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             dtype=str(engine.dtype).removeprefix("torch."),
             weight_bytes=engine.weight_bytes,
             matmul=engine.matmul,
-            num_state_slots=engine.state_pool.num_slots if engine.state_pool else 0,
-            num_free_state_slots=engine.state_pool.num_free_slots if engine.state_pool else 0,
-            state_bytes_per_request=engine.state_pool.bytes_per_slot if engine.state_pool else 0,
-            kv_bytes_per_block=bytes_per_block(config, engine.kv_cache.block_size, engine.dtype),
+            num_state_slots=engine.kv.state_pool.num_slots if engine.kv.state_pool else 0,
+            num_free_state_slots=engine.kv.state_pool.num_free_slots if engine.kv.state_pool else 0,
+            state_bytes_per_request=engine.kv.state_pool.bytes_per_slot if engine.kv.state_pool else 0,
+            kv_bytes_per_block=bytes_per_block(config, engine.kv.block_size, engine.dtype),
             device=str(engine.device),
             executor_id=self.executor_id,
             num_released_requests=released,
@@ -187,7 +187,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         finally:
             # As soon as the engine is done: the next plan runs while this answer is encoded and sent.
             await self._step_ended(request, is_ok)
-        return step_output_to_pb(request.step_id, output)
+        return step_response_to_pb(request.step_id, output)
 
     async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext):
         async with self._lock:
@@ -197,7 +197,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             if refusal is not None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
-                return await self._run(self.engine.step, plan_from_pb(request))
+                return await self._run(self.engine.step, step_request_from_pb(request))
             except OutOfKVBlocksError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except InvalidRequestError as exc:

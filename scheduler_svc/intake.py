@@ -62,16 +62,9 @@ class Intake:
 
 
 def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
-    s = msg.sampling
     try:
-        return SamplingParams(
-            temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            min_p=s.min_p if s.HasField("min_p") else 0.0,
-            seed=s.seed if s.HasField("seed") else None,
-            num_logprobs=msg.num_logprobs,
-        )
+        # num_logprobs sits beside the sampling message in the public API.
+        return SamplingParams.from_pb(msg.sampling, SamplingParams(temperature=DEFAULT_TEMPERATURE, num_logprobs=msg.num_logprobs))
     except InvalidRequestError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
 

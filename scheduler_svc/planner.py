@@ -56,7 +56,7 @@ from service_common.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
-class ScheduledTokens:
+class ScheduledRequest:
     request_id: str  # the executor's id for the request (Request.executor_request_id)
     num_tokens: int
     draft_budget: int = 0
@@ -66,7 +66,7 @@ class ScheduledTokens:
 class Plan:
     step_id: int
     new_requests: list[Request] = field(default_factory=list)
-    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     planned_after_step_id: int = 0  # the step in flight this plan was built ahead of (0: none)
@@ -85,7 +85,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class StepResultView:
+class RequestResult:
     """What the executor reported for one request, as plain data."""
 
     request_id: str  # the executor's id for the request (Request.executor_request_id)
@@ -112,6 +112,22 @@ class RequestUpdate:
 class RequestFailure:
     request: Request
     message: str
+
+
+@dataclass
+class _Room:
+    """What the plan being built may still take: free KV blocks and tokens. Decodes and drafts
+    take from `num_tokens`; prefill chunks and admissions take from both it and
+    `num_prefill_tokens`, their own (possibly smaller) share of it."""
+
+    num_free_blocks: int
+    num_tokens: int
+    num_prefill_tokens: int = 0
+
+    def take_prefill(self, num_tokens: int, num_blocks: int) -> None:
+        self.num_tokens -= num_tokens
+        self.num_prefill_tokens -= num_tokens
+        self.num_free_blocks -= num_blocks
 
 
 class _CannotPlanAhead(Exception):
@@ -287,107 +303,116 @@ class Planner:
 
     def _schedule(self, plan: Plan, ahead: bool) -> Plan:
         # Blocks of requests released by this plan come back only in the next report.
-        free = self.num_free_blocks
+        room = _Room(self.num_free_blocks, self.token_budget)
         if ahead:
             plan.planned_after_step_id = self.in_flight[-1].step_id
-            free -= sum(p.num_reserved_blocks for p in self.in_flight) + len(self.running)
-        free_at_start = free
-        budget = self.token_budget
-        scheduled: dict[str, int] = {}
+            room.num_free_blocks -= sum(p.num_reserved_blocks for p in self.in_flight) + len(self.running)
+        free_at_start = room.num_free_blocks
+        scheduled: dict[str, int] = {}  # tokens to compute by executor request id, in scheduling order
+        self._schedule_decodes(plan, scheduled, room, ahead)
+        room.num_prefill_tokens = self._prefill_budget(scheduled, room.num_tokens)
+        self._schedule_prefill_chunks(scheduled, room)
+        self._admit_waiting(plan, scheduled, room)
+        drafts, room.num_free_blocks = self._draft_budgets(scheduled, room.num_tokens, room.num_free_blocks)
+        plan.scheduled = [ScheduledRequest(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
+        plan.decode_ids = {rid for rid, n in scheduled.items() if n == 1 and self.requests[rid].num_pending_tokens == 1}
+        plan.num_reserved_blocks = free_at_start - room.num_free_blocks
+        plan.predicted_step_s = self._predict(plan)
+        plan.num_free_tokens = self.last_allocation.num_free_tokens if self.last_allocation else 0
+        return plan
 
-        # 1. Decodes first; preempt the newest running requests when the KV cannot grow.
+    def _schedule_decodes(self, plan: Plan, scheduled: dict[str, int], room: _Room, ahead: bool) -> None:
+        """1. One token for each decoding request, oldest first; preempt the newest running
+        requests when the KV cannot grow."""
         for request in [r for r in self.running if r.num_pending_tokens == 1]:
-            if budget == 0:
+            if room.num_tokens == 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if request.num_expected_output_tokens >= request.max_new_tokens:
                 continue  # its step in flight ends it (length): nothing left to plan
             need = request.num_new_blocks(1, self.block_size)
-            if need > free and ahead:
+            if need > room.num_free_blocks and ahead:
                 raise _CannotPlanAhead
-            while need > free:
-                victim = next((r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None)
-                if victim is None:
-                    break
-                free += victim.num_exclusive_blocks  # blocks it shares stay held by others
-                self._preempt(victim)
-                plan.preempted.append(victim.executor_request_id)
-            if need > free:
+            self._preempt_for(request, need, plan, scheduled, room)
+            if need > room.num_free_blocks:
                 if len(self.running) > 1:
                     # Older requests hold the KV: this one (the newest left) waits its turn.
                     self._preempt(request)
                     plan.preempted.append(request.executor_request_id)
                 elif not plan.released:  # released blocks would come back next step
-                    self._fail(request, free)
+                    self._fail(request, room.num_free_blocks)
                 continue
             scheduled[request.executor_request_id] = 1
-            free -= need
-            budget -= 1
+            room.num_free_blocks -= need
+            room.num_tokens -= 1
 
-        prefill_budget = budget
-        if self.config.decode_latency_target_s is not None:
-            decode_kv = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
-            cap = self.cost_model.max_chunk_tokens(
-                len(scheduled), decode_kv, self.config.decode_latency_target_s, self.config.min_prefill_chunk
-            )
-            prefill_budget = min(budget, cap)
-        budget -= prefill_budget  # what prefill leaves unused comes back for drafts below
+    def _preempt_for(self, request: Request, need: int, plan: Plan, scheduled: dict[str, int], room: _Room) -> None:
+        """Preempt the newest running requests not scheduled yet until `need` blocks are free for `request`
+        (or no one is left to preempt)."""
+        while need > room.num_free_blocks:
+            victim = next((r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None)
+            if victim is None:
+                return
+            room.num_free_blocks += victim.num_exclusive_blocks  # blocks it shares stay held by others
+            self._preempt(victim)
+            plan.preempted.append(victim.executor_request_id)
 
-        # 2. Prefill chunks of running requests, oldest first, cut to budget and free KV.
+    def _prefill_budget(self, scheduled: dict[str, int], num_tokens: int) -> int:
+        """Of the tokens left after the decodes, those prefill chunks and admissions may take: all
+        of them, or with a decode-latency target, what the cost model says keeps the step within it."""
+        if self.config.decode_latency_target_s is None:
+            return num_tokens
+        decode_kv = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
+        cap = self.cost_model.max_chunk_tokens(
+            len(scheduled), decode_kv, self.config.decode_latency_target_s, self.config.min_prefill_chunk
+        )
+        return min(num_tokens, cap)
+
+    def _schedule_prefill_chunks(self, scheduled: dict[str, int], room: _Room) -> None:
+        """2. Prefill chunks of running requests, oldest first, cut to the budget and the free KV."""
         for request in self.running:
-            if prefill_budget == 0:
+            if room.num_prefill_tokens == 0:
                 break
             if request.executor_request_id in scheduled or request.num_pending_tokens <= 1:
                 continue
-            fits = (request.num_blocks(self.block_size) + free) * self.block_size - request.num_expected_computed_tokens
-            n = min(request.num_pending_tokens, prefill_budget, fits)
+            fits = (request.num_blocks(self.block_size) + room.num_free_blocks) * self.block_size - request.num_expected_computed_tokens
+            n = min(request.num_pending_tokens, room.num_prefill_tokens, fits)
             if n <= 0:
                 continue
             scheduled[request.executor_request_id] = n
-            free -= request.num_new_blocks(n, self.block_size)
-            prefill_budget -= n
+            room.take_prefill(n, request.num_new_blocks(n, self.block_size))
 
-        # 3. Admission, FIFO, while there is room, budget and KV for the whole prompt.
+    def _admit_waiting(self, plan: Plan, scheduled: dict[str, int], room: _Room) -> None:
+        """3. Admission, FIFO, while there is room in the batch, budget, and KV for the whole prompt."""
         if self.config.batching == "static" and not self.running:
             self._static_batch.clear()
         forming_static_batch = self.config.batching == "static" and not self._static_batch
-        admitted_static: list[str] = []
-        while self.waiting and prefill_budget > 0 and len(self.running) < self.max_running_requests:
+        admitted: list[str] = []
+        while self.waiting and room.num_prefill_tokens > 0 and len(self.running) < self.max_running_requests:
             request = self.waiting[0]
             if self.config.batching == "static" and not forming_static_batch and request.executor_request_id not in self._static_batch:
                 break
             need_total = self.blocks_for(request.num_known_tokens + 1)
             if not self.can_ever_fit(request.num_known_tokens + 1):
                 self.waiting.popleft()
-                self._fail(request, free)
+                self._fail(request, room.num_free_blocks)
                 continue
-            if need_total > free - self.watermark_blocks:
+            if need_total > room.num_free_blocks - self.watermark_blocks:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted_static.append(request.executor_request_id)
+            admitted.append(request.executor_request_id)
             if not request.is_known_to_executor:
                 plan.new_requests.append(request)
                 request.is_known_to_executor = True
-            n = min(request.num_pending_tokens, prefill_budget)
+            n = min(request.num_pending_tokens, room.num_prefill_tokens)
             scheduled[request.executor_request_id] = n
             # Reserve the whole prompt: cached prefix blocks the executor reuses may come out of the free pool too.
-            free -= need_total
-            prefill_budget -= n
+            room.take_prefill(n, need_total)
         if forming_static_batch:
-            self._static_batch.update(admitted_static)
-        budget += prefill_budget
-
-        # 4. Draft budgets for the decoding requests, within what budget and KV are left.
-        drafts, free = self._draft_budgets(scheduled, budget, free)
-        plan.scheduled = [ScheduledTokens(rid, n, drafts.get(rid, 0)) for rid, n in scheduled.items()]
-        plan.decode_ids = {rid for rid, n in scheduled.items() if n == 1 and self.requests[rid].num_pending_tokens == 1}
-        plan.num_reserved_blocks = free_at_start - free
-        plan.predicted_step_s = self._predict(plan)
-        plan.num_free_tokens = self.last_allocation.num_free_tokens if self.last_allocation else 0
-        return plan
+            self._static_batch.update(admitted)
 
     def _predict(self, plan: Plan) -> float:
         """The cost model's executor time for `plan`, in the executor's own terms (see cost_model.py):
@@ -473,7 +498,7 @@ class Planner:
         if plan in self.in_flight:
             self.in_flight.remove(plan)
 
-    def apply(self, results: list[StepResultView], num_free_blocks: int, now: float) -> list[RequestUpdate]:
+    def apply(self, results: list[RequestResult], num_free_blocks: int, now: float) -> list[RequestUpdate]:
         """Fold one step's results in; returns the updates of requests still live.
 
         Plans built ahead never preempt, so the requests a result names still

@@ -42,7 +42,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.planner import Plan, Planner, RequestUpdate, RequestResult
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
@@ -99,6 +99,21 @@ def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
     return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
 
 
+def _result_from_pb(r: epb.RequestResult) -> RequestResult:
+    return RequestResult(
+        request_id=r.request_id,
+        new_token_ids=list(r.new_token_ids),
+        finish_reason=FinishReason.from_pb(epb.FinishReason, r.finish_reason),
+        num_computed_tokens=r.num_computed_tokens,
+        num_drafted_tokens=r.num_drafted_tokens,
+        num_accepted_tokens=r.num_accepted_tokens,
+        num_cached_tokens=r.num_cached_tokens,
+        num_draftable_tokens=r.num_draftable_tokens,
+        num_exclusive_blocks=r.num_exclusive_kv_blocks,
+        logprobs=_logprobs_to_pb(r.logprobs),
+    )
+
+
 def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
     return [
         spb.TokenLogprob(
@@ -108,6 +123,35 @@ def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
         )
         for lp in logprobs
     ]
+
+
+def plan_to_pb(plan: Plan) -> epb.StepRequest:
+    """The plan as the executor's StepRequest: new requests whole, the rest by id."""
+    return epb.StepRequest(
+        step_id=plan.step_id,
+        new_requests=[
+            epb.NewRequest(
+                request_id=r.executor_request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling=r.sampling.to_pb(epb.SamplingParams),
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=sorted(r.stop_token_ids),
+                ignore_eos=r.ignore_eos,
+                session_id=r.session_id,
+                retention_s=r.retention_s,
+                output_token_ids=r.output_token_ids,  # non-empty only when resubmitted
+                structured_output=r.structured_output.to_pb() if r.structured_output else None,
+            )
+            for r in plan.new_requests
+        ],
+        scheduled=[
+            epb.ScheduledRequest(request_id=s.request_id, num_tokens=s.num_tokens, draft_budget=s.draft_budget)
+            for s in plan.scheduled
+        ],
+        released=plan.released,
+        preempted=plan.preempted,
+        planned_after_step_id=plan.planned_after_step_id,
+    )
 
 
 class StepLoop:
@@ -207,39 +251,52 @@ class StepLoop:
         attempt = 0
         while True:
             if not self.is_connected:
-                if await self._attach():
-                    attempt = 0
-                else:
-                    self._give_up_on_lost_executor()
-                    await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
-                    attempt += 1
-                continue
-            planner = self.planner
-            if not planner.has_work and not self.in_flight:
+                attempt = await self._reconnect(attempt)
+            elif not self.planner.has_work and not self.in_flight:
                 self._wake.clear()
                 await self._wake.wait()
-                continue
-            plan = None
-            try:
-                if len(self.in_flight) < self.max_steps_in_flight and planner.has_work:
-                    plan = planner.schedule(ahead=bool(self.in_flight))
-                    for failure in planner.failures:
-                        self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
-                    planner.failures.clear()
-                    if plan is not None and not plan.is_empty:
-                        await self._send(plan)
-                        continue  # fill the pipeline before waiting on it
-                    if not self.in_flight:  # nothing to do until a request arrives (or a prefill can be admitted)
-                        self._wake.clear()
-                        try:
-                            await asyncio.wait_for(self._wake.wait(), 0.05)
-                        except asyncio.TimeoutError:
-                            pass
-                        continue
-                plan = self.in_flight[0].plan
-                await self._finish_step()
-            except Exception as exc:  # a bug, or a result that cannot be applied: contain it
-                self._step_crashed(plan, exc)
+            else:
+                await self._advance()
+
+    async def _reconnect(self, attempt: int) -> int:
+        """Try to attach once, backing off after a failure; returns the attempts failed so far."""
+        if await self._attach():
+            return 0
+        self._give_up_on_lost_executor()
+        await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
+        return attempt + 1
+
+    async def _advance(self) -> None:
+        """One move of the pipeline: send the next plan while there is room in flight, else
+        wait for the oldest step and fold its result in (or, with nothing to do, wait briefly)."""
+        planner = self.planner
+        plan = None
+        try:
+            if len(self.in_flight) < self.max_steps_in_flight and planner.has_work:
+                plan = self._schedule()
+                if plan is not None and not plan.is_empty:
+                    await self._send(plan)
+                    return  # fill the pipeline before waiting on it
+                if not self.in_flight:  # nothing to do until a request arrives (or a prefill can be admitted)
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
+                    return
+            plan = self.in_flight[0].plan
+            await self._finish_step()
+        except Exception as exc:  # a bug, or a result that cannot be applied: contain it
+            self._step_crashed(plan, exc)
+
+    def _schedule(self) -> Plan | None:
+        """The planner's next plan (built ahead when steps are in flight); fails the streams of
+        requests it had to give up on."""
+        plan = self.planner.schedule(ahead=bool(self.in_flight))
+        for failure in self.planner.failures:
+            self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
+        self.planner.failures.clear()
+        return plan
 
     async def _attach(self) -> bool:
         try:
@@ -280,40 +337,6 @@ class StepLoop:
         )
         return True
 
-    def _plan_to_pb(self, plan: Plan) -> epb.StepRequest:
-        return epb.StepRequest(
-            step_id=plan.step_id,
-            new_requests=[
-                epb.NewRequest(
-                    request_id=r.executor_request_id,
-                    prompt_token_ids=r.prompt_token_ids,
-                    sampling=epb.SamplingParams(
-                        temperature=r.sampling.temperature,
-                        top_p=r.sampling.top_p,
-                        top_k=r.sampling.top_k,
-                        min_p=r.sampling.min_p,
-                        seed=r.sampling.seed,
-                        num_logprobs=r.sampling.num_logprobs,
-                    ),
-                    max_new_tokens=r.max_new_tokens,
-                    stop_token_ids=sorted(r.stop_token_ids),
-                    ignore_eos=r.ignore_eos,
-                    session_id=r.session_id,
-                    retention_s=r.retention_s,
-                    output_token_ids=r.output_token_ids,  # non-empty only when resubmitted
-                    structured_output=r.structured_output.to_pb() if r.structured_output else None,
-                )
-                for r in plan.new_requests
-            ],
-            scheduled=[
-                epb.ScheduledRequest(request_id=s.request_id, num_tokens=s.num_tokens, draft_budget=s.draft_budget)
-                for s in plan.scheduled
-            ],
-            released=plan.released,
-            preempted=plan.preempted,
-            planned_after_step_id=plan.planned_after_step_id,
-        )
-
     async def _send(self, plan: Plan) -> None:
         """Send `plan` (the RPC runs as its own task) and queue it to be finished in order."""
         planner = self.planner
@@ -324,7 +347,7 @@ class StepLoop:
         context = contextvars.copy_context()
         scope = context.run(self.telemetry.begin_step, plan)
         context.run(scope.__enter__)  # the step's span (if tracing) is current: the RPC's metadata carries it
-        call = context.run(asyncio.ensure_future, self.link.step(self._plan_to_pb(plan)))
+        call = context.run(asyncio.ensure_future, self.link.step(plan_to_pb(plan)))
         planner.sent(plan)
         self.in_flight.append(StepInFlight(plan, call, start, scope, context, client_ids))
         await asyncio.sleep(0)  # let the RPC go out before the next plan is built
@@ -367,38 +390,32 @@ class StepLoop:
     def _apply_step(
         self, plan: Plan, response: epb.StepResponse, start: float, decode_ids: set[str], client_ids: dict[str, str], step_scope
     ) -> None:
-        """Fold the executor's answer in: planner state, client streams, the step history."""
-        planner = self.planner
-        num_decode = len(decode_ids)
+        """Fold the executor's answer in: cost model, planner state, client streams, the step history."""
         end = time.monotonic()
-        results = [
-            StepResultView(
-                request_id=r.request_id,
-                new_token_ids=list(r.new_token_ids),
-                finish_reason=FinishReason.from_pb(epb.FinishReason, r.finish_reason),
-                num_computed_tokens=r.num_computed_tokens,
-                num_drafted_tokens=r.num_drafted_tokens,
-                num_accepted_tokens=r.num_accepted_tokens,
-                num_cached_tokens=r.num_cached_tokens,
-                num_draftable_tokens=r.num_draftable_tokens,
-                num_exclusive_blocks=r.num_exclusive_kv_blocks,
-                logprobs=_logprobs_to_pb(r.logprobs),
-            )
-            for r in response.results
-        ]
+        results = [_result_from_pb(r) for r in response.results]
         self.num_steps += 1
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
+        self._observe_cost(response)
+        updates = self.planner.apply(results, response.num_free_kv_blocks, end)
+        self._stream_updates(updates, end)
+        self.history.append(self._step_record(plan, response, results, start, end, decode_ids, client_ids))
+        self.telemetry.end_step(step_scope, self.history[-1], updates)
+
+    def _observe_cost(self, response: epb.StepResponse) -> None:
+        """Refine the cost model with the step's measured executor time."""
         t = response.timings
-        executor_s = t.prepare_s + t.forward_s + t.sample_s
         if response.num_computed_tokens and t.forward_s > 0:
-            planner.cost_model.observe(
+            self.planner.cost_model.observe(
                 response.num_computed_tokens,
                 response.num_kv_tokens,
-                executor_s,
+                t.prepare_s + t.forward_s + t.sample_s,
                 response.num_logits_rows if response.num_requests else 1,  # 0 requests: an executor that does not say
                 max(1, response.num_requests),
             )
-        updates = planner.apply(results, response.num_free_kv_blocks, end)
+
+    def _stream_updates(self, updates: list[RequestUpdate], end: float) -> None:
+        """New tokens to each request's client stream; end the streams of finished requests (a stop
+        string found in the text ends one here)."""
         for update in updates:
             stream = self.streams.get(update.request.request_id)
             if stream is None or stream.request is not update.request:
@@ -406,36 +423,46 @@ class StepLoop:
             reason = update.finish_reason
             if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
                 reason = FinishReason.STOP_STRING
-                planner.finish(update.request)
+                self.planner.finish(update.request)
                 update.request.finish_time = end
             if reason is not None:
                 stream.finish(reason)
                 del self.streams[stream.request_id]
-        self.history.append(
-            StepRecord(
-                step_id=plan.step_id,
-                start_s=start,
-                wall_s=end - start,
-                num_requests=len(plan.scheduled),
-                num_prefill_tokens=plan.num_scheduled_tokens - num_decode,
-                num_decode_tokens=num_decode,
-                num_new_requests=len(plan.new_requests),
-                num_preempted=len(plan.preempted),
-                num_free_kv_blocks=response.num_free_kv_blocks,
-                executor_forward_s=t.forward_s,
-                executor_total_s=executor_s,
-                request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
-                num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
-                num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
-                num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
-                num_free_tokens=plan.num_free_tokens,
-                predicted_step_s=plan.predicted_step_s,
-                executor_prepare_s=t.prepare_s,
-                executor_sample_s=t.sample_s,
-                requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
-            )
+
+    @staticmethod
+    def _step_record(
+        plan: Plan,
+        response: epb.StepResponse,
+        results: list[RequestResult],
+        start: float,
+        end: float,
+        decode_ids: set[str],
+        client_ids: dict[str, str],
+    ) -> StepRecord:
+        t = response.timings
+        num_decode = len(decode_ids)
+        return StepRecord(
+            step_id=plan.step_id,
+            start_s=start,
+            wall_s=end - start,
+            num_requests=len(plan.scheduled),
+            num_prefill_tokens=plan.num_scheduled_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            num_new_requests=len(plan.new_requests),
+            num_preempted=len(plan.preempted),
+            num_free_kv_blocks=response.num_free_kv_blocks,
+            executor_forward_s=t.forward_s,
+            executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
+            request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
+            num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
+            num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
+            num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
+            num_free_tokens=plan.num_free_tokens,
+            predicted_step_s=plan.predicted_step_s,
+            executor_prepare_s=t.prepare_s,
+            executor_sample_s=t.sample_s,
+            requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
         )
-        self.telemetry.end_step(step_scope, self.history[-1], updates)
 
     def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
         """A step failed. Unreachable: keep the requests for the executor's return.

@@ -25,7 +25,7 @@ class StepRequestRecord:
 def step_request_records(
     scheduled: Iterable, decode_ids: set[str], results: Iterable, client_ids: Mapping[str, str]
 ) -> tuple[StepRequestRecord, ...]:
-    """`scheduled`: the plan's ScheduledTokens; `results`: the step's StepResultViews (both by
+    """`scheduled`: the plan's ScheduledRequest; `results`: the step's StepResultViews (both by
     executor id); `client_ids`: executor id -> the client's id, which names each record."""
     by_id = {r.request_id: r for r in results}
     records = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,3 +40,27 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    # Both services' protos have a SamplingParams message whose fields are named like these, so one
+    # pair of converters, driven by the dataclass's fields, serves every boundary: a new option
+    # needs no conversion code, only its proto field.
+
+    @classmethod
+    def from_pb(cls, msg, defaults: SamplingParams | None = None) -> SamplingParams:
+        """From a SamplingParams message: a field the message lacks, or leaves unset where
+        it tracks presence, takes its value in `defaults` (the dataclass defaults if None).
+        Raises InvalidRequestError naming the field out of range."""
+        defaults = defaults or cls()
+        present = {f.name: f for f in msg.DESCRIPTOR.fields}
+        values = {}
+        for f in dataclasses.fields(cls):
+            field_pb = present.get(f.name)
+            if field_pb is None or (field_pb.has_presence and not msg.HasField(f.name)):
+                values[f.name] = getattr(defaults, f.name)
+            else:
+                values[f.name] = getattr(msg, f.name)
+        return cls(**values)
+
+    def to_pb(self, message_cls):
+        """As a SamplingParams message of `message_cls` (None fields stay unset); every field must exist there."""
+        return message_cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None})

@@ -26,26 +26,18 @@ from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 def time_step(engine: Engine, num_requests: int, context_len: int, num_tokens: int, reps: int) -> tuple[float, int]:
     """Best forward time of `num_requests` requests computing `num_tokens` each (all logits rows, a verify
     of num_tokens − 1 drafts) after `context_len` tokens; and the verify-window bytes the step kept."""
-    pool = engine.state_pool
-    blocks = [[] for _ in range(num_requests)]
-    slots = [pool.allocate() for _ in range(num_requests)] if pool else [-1] * num_requests
-    try:
-        for b in blocks:
-            engine.kv_cache.grow(b, context_len + num_tokens)
-        pieces = [RequestSlice([7] * num_tokens, context_len, b, num_tokens, s) for b, s in zip(blocks, slots)]
-        batch = RaggedBatch.build(pieces, engine.kv_cache.block_size, engine.device)
+    pool = engine.kv.state_pool
+    with engine.kv.scratch(num_requests, context_len + num_tokens) as held:
+        if held is None:
+            raise ValueError(f"{num_requests} requests of {context_len + num_tokens} tokens do not fit the KV cache")
+        pieces = [RequestSlice([7] * num_tokens, context_len, b, num_tokens, s) for b, s in held]
+        batch = RaggedBatch.build(pieces, engine.kv.block_size, engine.device)
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            engine.model.forward(batch, engine.kv_cache, pool)
+            engine.model.forward(batch, engine.kv.cache, pool)
             times.append(time.perf_counter() - t0)
         return min(times[1:]), pool.window_bytes if pool else 0
-    finally:
-        for b in blocks:
-            engine.kv_cache.release(b)
-        for s in slots:
-            if s >= 0:
-                pool.free(s)
 
 
 def main() -> None:
@@ -69,7 +61,7 @@ def main() -> None:
     print("memory per request (bytes):")
     for name, e in engines.items():
         per_token = bytes_per_block(e.model_config, 1, e.dtype)
-        state = e.state_pool.bytes_per_slot if e.state_pool else 0
+        state = e.kv.state_pool.bytes_per_slot if e.kv.state_pool else 0
         print(f"  {name:6s} KV/token {per_token:6d}  state {state:7d}  at {args.context} tokens: {per_token * args.context + state}")
     print("decode step (ms), B requests × 1 token:")
     for b in (1, 4, 8):

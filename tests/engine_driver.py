@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from executor_svc.engine import Engine, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, ScheduledRequest, StepRequest
 from executor_svc.request_state import FinishReason, NewRequest
 
 
@@ -66,7 +66,7 @@ def drive(
             budget = budget_of(step, request_id) if pending == 1 else 0
             scheduled.append(ScheduledRequest(request_id, min(pending, chunk_size or pending), budget))
         run.max_batch_size = max(run.max_batch_size, len(scheduled))
-        result = engine.step(StepPlan(scheduled=scheduled, new_requests=new))
+        result = engine.step(StepRequest(scheduled=scheduled, new_requests=new))
         for out in result.outputs:
             rid = out.request_id
             run.tokens[rid].extend(out.new_token_ids)

@@ -69,10 +69,10 @@ def test_cancel_storm_leaves_no_request_and_no_kv_block(make_tiny_engine):
                 for start in range(0, NUM_REQUESTS, 40):  # waves, so the queue fills and drains
                     await asyncio.gather(*(one(i) for i in range(start, min(start + 40, NUM_REQUESTS))))
             idle = time.monotonic()
-            while num_held_requests(engine) or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
+            while num_held_requests(engine) or engine.kv.num_free_blocks != engine.kv.num_usable_blocks:
                 assert time.monotonic() - idle < 1.0, (
                     f"{num_held_requests(engine)} requests and "
-                    f"{engine.kv_cache.num_usable_blocks - engine.kv_cache.num_free_blocks} KV blocks still held 1 s after idle"
+                    f"{engine.kv.num_usable_blocks - engine.kv.num_free_blocks} KV blocks still held 1 s after idle"
                 )
                 await asyncio.sleep(0.02)
             assert not loop.streams and not loop.planner.requests and loop.is_serving

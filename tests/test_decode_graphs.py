@@ -153,7 +153,7 @@ def test_the_engine_replays_plain_decode_steps_and_gives_the_eager_tokens(make_t
         assert engine.decode_graphs is None  # no CUDA here
         capture = FakeCapture()
         if use_graphs:
-            engine.decode_graphs = DecodeGraphs(engine.model, engine.kv_cache, capture=capture)
+            engine.decode_graphs = DecodeGraphs(engine.model, engine.kv.cache, capture=capture)
         # Request c speculates (its steps run eagerly); a and b decode plainly, from 1 to 3 requests a step.
         budget = lambda step, request_id: 2 if request_id == "c" else 0  # noqa: E731
         tokens[use_graphs] = drive(engine, requests, chunk_size=4, arrival_steps={"b": 2, "c": 3}, draft_budget=budget).tokens

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 import numpy as np
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
 from executor_svc.request_state import FinishReason, NewRequest
 from service_common.errors import InvalidRequestError
@@ -147,25 +147,25 @@ def test_retention_must_be_finite(engine, retention_s):
 
 def test_plan_naming_unknown_request_changes_nothing(engine):
     engine.add_request(NewRequest("known", PROMPT, max_new_tokens=2, ignore_eos=True))
-    free_before = engine.kv_cache.num_free_blocks
+    free_before = engine.kv.num_free_blocks
     with pytest.raises(UnknownRequestError, match="unknown request id 'ghost'"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("known", 6), ScheduledRequest("ghost", 1)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("known", 6), ScheduledRequest("ghost", 1)]))
     with pytest.raises(UnknownRequestError, match="cannot preempt unknown request id 'ghost'"):
-        engine.step(StepPlan(preempted=["ghost"]))
-    assert engine.kv_cache.num_free_blocks == free_before
+        engine.step(StepRequest(preempted=["ghost"]))
+    assert engine.kv.num_free_blocks == free_before
     assert engine.get_request("known").num_computed_tokens == 0
-    out = engine.step(StepPlan(scheduled=[ScheduledRequest("known", 6)]))
+    out = engine.step(StepRequest(scheduled=[ScheduledRequest("known", 6)]))
     assert len(out.outputs[0].new_token_ids) == 1
 
 
 def test_plan_computing_more_tokens_than_known(engine):
     engine.add_request(NewRequest("r", PROMPT))
     with pytest.raises(InvalidRequestError, match="cannot compute 7 tokens, only 6 are not yet in KV"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 7)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 7)]))
     with pytest.raises(InvalidRequestError, match="num_tokens must be > 0"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 0)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 0)]))
     with pytest.raises(InvalidRequestError, match="scheduled twice"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("r", 1), ScheduledRequest("r", 1)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("r", 1), ScheduledRequest("r", 1)]))
     assert_still_serves(engine)
 
 
@@ -176,17 +176,17 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
     probe = Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=1 << 20))
     per_block = bytes_per_block(probe.model_config, 16, probe.dtype)
     engine = Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=5 * per_block))
-    assert engine.kv_cache.num_usable_blocks == 4
+    assert engine.kv.num_usable_blocks == 4
     engine.add_request(NewRequest("a", [40] * 40))
     engine.add_request(NewRequest("b", [41] * 40))
     with pytest.raises(OutOfKVBlocksError, match="needs 6 new KV blocks but only 4 are free"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40), ScheduledRequest("b", 40)]))
-    assert engine.kv_cache.num_free_blocks == 4
+        engine.step(StepRequest(scheduled=[ScheduledRequest("a", 40), ScheduledRequest("b", 40)]))
+    assert engine.kv.num_free_blocks == 4
     # All or nothing: a refused plan does not even add its new requests.
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepPlan(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
+        engine.step(StepRequest(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
     assert not engine.has_request("c")
-    out = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 40)]))
+    out = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 40)]))
     assert out.outputs[0].num_computed_tokens == 40 and out.num_free_blocks == 1
 
 
@@ -211,23 +211,23 @@ def test_finish_reasons(engine):
     # The context (64) fills up before max_new_tokens.
     full = drive(engine, [NewRequest("full", [40] * 60, max_new_tokens=50, ignore_eos=True)])
     assert full.finish_reasons["full"] == FinishReason.CONTEXT_FULL and len(full.tokens["full"]) == 4
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=7)])
 def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
     expected = drive(engine, [NewRequest("x", PROMPT, sampling, max_new_tokens=10, ignore_eos=True)]).tokens["x"]
     engine.add_request(NewRequest("y", PROMPT, sampling, max_new_tokens=10, ignore_eos=True))
-    tokens = engine.step(StepPlan(scheduled=[ScheduledRequest("y", len(PROMPT))])).outputs[0].new_token_ids
+    tokens = engine.step(StepRequest(scheduled=[ScheduledRequest("y", len(PROMPT))])).outputs[0].new_token_ids
     for _ in range(4):
-        tokens += engine.step(StepPlan(scheduled=[ScheduledRequest("y", 1)])).outputs[0].new_token_ids
-    engine.step(StepPlan(preempted=["y"]))
+        tokens += engine.step(StepRequest(scheduled=[ScheduledRequest("y", 1)])).outputs[0].new_token_ids
+    engine.step(StepRequest(preempted=["y"]))
     state = engine.get_request("y")
-    assert state.num_computed_tokens == 0 and state.block_ids == []
+    assert state.num_computed_tokens == 0 and engine.kv.block_ids(state.request_id) == []
     # Recompute prompt + output in chunks of 4, then keep decoding.
     while True:
         pending = state.num_uncomputed_tokens
-        out = engine.step(StepPlan(scheduled=[ScheduledRequest("y", min(4, pending))])).outputs[0]
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest("y", min(4, pending))])).outputs[0]
         tokens += out.new_token_ids
         if out.finish_reason:
             break
@@ -239,12 +239,12 @@ def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
 
 def test_an_id_both_released_and_preempted_is_refused_with_nothing_changed(engine):
     engine.add_request(NewRequest("twice", PROMPT, max_new_tokens=4, ignore_eos=True))
-    engine.step(StepPlan(scheduled=[ScheduledRequest("twice", len(PROMPT))]))
-    free = engine.kv_cache.num_free_blocks
+    engine.step(StepRequest(scheduled=[ScheduledRequest("twice", len(PROMPT))]))
+    free = engine.kv.num_free_blocks
     for released, preempted in ((["twice"], ["twice"]), (["twice", "twice"], []), ([], ["twice", "twice"])):
         with pytest.raises(InvalidRequestError, match="listed more than once"):
-            engine.step(StepPlan(released=released, preempted=preempted))
-        assert engine.has_request("twice") and engine.kv_cache.num_free_blocks == free
+            engine.step(StepRequest(released=released, preempted=preempted))
+        assert engine.has_request("twice") and engine.kv.num_free_blocks == free
     engine.release("twice")
     assert_still_serves(engine)
 
@@ -253,25 +253,25 @@ def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anythin
     """The released request's cached blocks count as freed and, reused by the hit, as taken
     again: counting only the first made the plan pass validation and fail half-applied."""
     probe = Engine(EngineConfig(model=str(tiny_path_256), kv_cache_bytes=1 << 20))
-    bytes_per_block = probe.kv_cache.tensor.nbytes // (probe.kv_cache.num_usable_blocks + 1)
+    bytes_per_block = probe.kv.cache.tensor.nbytes // (probe.kv.num_usable_blocks + 1)
     engine = Engine(EngineConfig(model=str(tiny_path_256), kv_cache_bytes=8 * bytes_per_block))
-    block = engine.kv_cache.block_size
-    assert engine.kv_cache.num_usable_blocks == 7
+    block = engine.kv.block_size
+    assert engine.kv.num_usable_blocks == 7
     owner = list(range(40, 40 + 2 * block + 1))  # 2 full blocks (cached) + 1 token: 3 blocks
     filler = [200] * (3 * block)  # 3 blocks
     engine.step(
-        StepPlan(
+        StepRequest(
             new_requests=[NewRequest("owner", owner, max_new_tokens=4), NewRequest("filler", filler, max_new_tokens=4)],
             scheduled=[ScheduledRequest("owner", len(owner)), ScheduledRequest("filler", len(filler))],
         )
     )
-    assert engine.kv_cache.num_free_blocks == 1
+    assert engine.kv.num_free_blocks == 1
     # Reuses owner's 2 cached blocks and needs 3 more: after owner's 3 go back, 4 are free, 5 are taken.
     reuser = NewRequest("reuser", owner[: 2 * block] + [100] * (2 * block + 8), max_new_tokens=4)
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepPlan(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
+        engine.step(StepRequest(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
     assert engine.has_request("owner") and not engine.has_request("reuser")
-    assert engine.kv_cache.num_free_blocks == 1
+    assert engine.kv.num_free_blocks == 1
 
 
 def test_a_resubmitted_request_must_have_something_left_to_generate(engine):

@@ -136,7 +136,7 @@ def test_batched_with_unrelated_requests_joining_and_leaving(engine_fp32, prompt
         assert run.tokens[r.request_id] == solo_runs[r.request_id][0], r.request_id
     for n in noise:
         assert len(run.tokens[n.request_id]) == n.max_new_tokens
-    assert engine_fp32.kv_cache.num_free_blocks == engine_fp32.kv_cache.num_usable_blocks
+    assert engine_fp32.kv.num_free_blocks == engine_fp32.kv.num_usable_blocks
 
 
 def all_position_logits(model, token_ids: list[int], dtype) -> torch.Tensor:

@@ -143,7 +143,7 @@ def test_fuzzed_generate_requests_get_defined_codes_and_leak_nothing(servers):
         channel.close()
     assert not step_loop.stopped_reason and step_loop.is_connected
     deadline = time.monotonic() + 10
-    while num_held_requests(engine) or engine.kv_cache.num_free_blocks != engine.kv_cache.num_usable_blocks:
+    while num_held_requests(engine) or engine.kv.num_free_blocks != engine.kv.num_usable_blocks:
         assert time.monotonic() < deadline, "requests or KV blocks are still held after going idle"
         time.sleep(0.05)
     assert seen.get(grpc.StatusCode.OK, 0) > 0 and seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 0, seen

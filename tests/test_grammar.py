@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from executor_svc.engine import ScheduledRequest, StepPlan
+from executor_svc.engine import ScheduledRequest, StepRequest
 from service_common.errors import InvalidRequestError
 from executor_svc.gguf_file import open_gguf
 from executor_svc.grammar import GrammarCompiler, GrammarSpec, _apply_masks_numpy, _apply_masks_torch, fill_masks
@@ -211,12 +211,12 @@ def test_speculation_under_a_grammar_gives_the_tokens_of_plain_decoding(engine, 
 def test_drafts_are_cut_at_the_first_token_the_grammar_forbids(engine, monkeypatch):
     encode = engine.tokenizer.tokenizer.encode
     new = request(engine, "d", COMPACT_SPEC)
-    first = engine.step(StepPlan(scheduled=[ScheduledRequest("d", len(new.token_ids))], new_requests=[new])).outputs[0]
+    first = engine.step(StepRequest(scheduled=[ScheduledRequest("d", len(new.token_ids))], new_requests=[new])).outputs[0]
     assert text_of(engine, first.new_token_ids) == "{"
     allowed = encode('"word":"in",').ids
     monkeypatch.setattr(engine.drafter, "propose", lambda request_id, room: allowed + encode("x }").ids)
     try:
-        out = engine.step(StepPlan(scheduled=[ScheduledRequest("d", 1, 16)])).outputs[0]
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest("d", 1, 16)])).outputs[0]
         assert out.num_drafted_tokens == len(allowed)
     finally:
         engine.release("d")
@@ -237,14 +237,14 @@ def test_a_resubmitted_request_replays_its_output_through_a_fresh_matcher(engine
 def test_a_preempted_request_keeps_its_place_in_the_grammar(engine):
     expected = drive(engine, [request(engine, "p", JSON_SPEC, temperature=1.0, seed=9)]).tokens["p"]
     new = request(engine, "p", JSON_SPEC, temperature=1.0, seed=9)
-    out = engine.step(StepPlan(scheduled=[ScheduledRequest("p", len(new.token_ids))], new_requests=[new])).outputs[0]
+    out = engine.step(StepRequest(scheduled=[ScheduledRequest("p", len(new.token_ids))], new_requests=[new])).outputs[0]
     tokens = list(out.new_token_ids)
     for _ in range(4):
-        tokens += engine.step(StepPlan(scheduled=[ScheduledRequest("p", 1)])).outputs[0].new_token_ids
-    engine.step(StepPlan(preempted=["p"]))
+        tokens += engine.step(StepRequest(scheduled=[ScheduledRequest("p", 1)])).outputs[0].new_token_ids
+    engine.step(StepRequest(preempted=["p"]))
     while True:
         state = engine.get_request("p")
-        out = engine.step(StepPlan(scheduled=[ScheduledRequest("p", state.num_uncomputed_tokens)])).outputs[0]
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest("p", state.num_uncomputed_tokens)])).outputs[0]
         tokens += out.new_token_ids
         if out.finish_reason is not None:
             break

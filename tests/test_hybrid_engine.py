@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor_svc import gated_delta_net
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def test_batching_and_chunking_change_no_token(engine, baseline, chunk_size):
     run = drive(engine, reqs, chunk_size=chunk_size, arrival_steps=arrivals)
     assert run.max_batch_size >= 4
     assert run.tokens == baseline
-    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+    assert engine.kv.state_pool.num_free_slots == engine.kv.state_pool.num_slots
 
 
 @pytest.mark.parametrize("mode", ["full", "partial", "none"])
@@ -129,9 +129,9 @@ def test_preemption_and_recompute_change_no_token(engine, baseline):
         scheduled = [
             ScheduledRequest(rid, min(known[rid] - computed[rid], 4)) for rid in known if rid not in preempted
         ]
-        result = engine.step(StepPlan(scheduled=scheduled, new_requests=new, preempted=preempted))
+        result = engine.step(StepRequest(scheduled=scheduled, new_requests=new, preempted=preempted))
         if preempted:
-            assert engine.get_request("r1").state_slot == -1
+            assert engine.kv.state_slot("r1") == -1
         new, preempted = [], []
         for out in result.outputs:
             tokens[out.request_id] += out.new_token_ids
@@ -141,7 +141,7 @@ def test_preemption_and_recompute_change_no_token(engine, baseline):
                 del known[out.request_id]
         step += 1
     assert tokens == {r.request_id: baseline[r.request_id] for r in reqs}
-    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+    assert engine.kv.state_pool.num_free_slots == engine.kv.state_pool.num_slots
 
 
 # ------------------------------------------------------------------ back-pressure
@@ -151,33 +151,33 @@ def test_running_out_of_state_slots_refuses_the_plan_and_changes_nothing(models)
     engine = make_engine(models["qwen35"][1], num_state_slots=2)
     a, b, c = greedy_requests(3)
     with pytest.raises(OutOfStateSlotsError, match="recurrent-state slots"):
-        engine.step(StepPlan(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
-    assert engine.request_ids == [] and engine.state_pool.num_free_slots == 2
-    engine.step(StepPlan(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
-    assert engine.state_pool.num_free_slots == 0
+        engine.step(StepRequest(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
+    assert engine.request_ids == [] and engine.kv.state_pool.num_free_slots == 2
+    engine.step(StepRequest(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
+    assert engine.kv.state_pool.num_free_slots == 0
     with pytest.raises(OutOfKVBlocksError):  # the same back-pressure class: RESOURCE_EXHAUSTED
-        engine.step(StepPlan(new_requests=[c], scheduled=[ScheduledRequest(c.request_id, 5)]))
+        engine.step(StepRequest(new_requests=[c], scheduled=[ScheduledRequest(c.request_id, 5)]))
     assert engine.request_ids == ["r0", "r1"]
     # Preempting one in the same plan frees the slot the newcomer takes.
-    engine.step(StepPlan(new_requests=[c], preempted=["r1"], scheduled=[ScheduledRequest(c.request_id, 5)]))
-    assert engine.get_request("r2").state_slot >= 0 and engine.get_request("r1").state_slot == -1
+    engine.step(StepRequest(new_requests=[c], preempted=["r1"], scheduled=[ScheduledRequest(c.request_id, 5)]))
+    assert engine.kv.state_slot("r2") >= 0 and engine.kv.state_slot("r1") == -1
 
 
 def test_state_memory_comes_out_of_the_kv_budget(models):
     small = make_engine(models["qwen35"][1], num_state_slots=2)
     large = make_engine(models["qwen35"][1], num_state_slots=32)
-    per_slot = small.state_pool.bytes_per_slot
+    per_slot = small.kv.state_pool.bytes_per_slot
     # 3 DeltaNet layers × (conv 3 × 128 floats + state 4 heads × 16 × 16 floats)
     assert per_slot == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
-    assert large.kv_cache.num_usable_blocks < small.kv_cache.num_usable_blocks
+    assert large.kv.num_usable_blocks < small.kv.num_usable_blocks
     # KV only for the one full-attention layer of four.
-    assert small.kv_cache.tensor.shape[0] == 1
+    assert small.kv.cache.tensor.shape[0] == 1
 
 
 def test_calibration_runs_on_a_hybrid_model(engine):
     samples = engine.calibrate(token_counts=(1, 4), context_lens=(0,), batch_sizes=(2,))
     assert samples and all(s.forward_s > 0 for s in samples)
-    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots
+    assert engine.kv.state_pool.num_free_slots == engine.kv.state_pool.num_slots
 
 
 def test_long_prefills_take_the_chunked_delta_rule_when_batch_invariance_is_off(models, engine, monkeypatch):
@@ -241,6 +241,6 @@ def test_services_run_more_requests_than_state_slots_without_refusals(models):
 
     info, completions = asyncio.run(main())
     assert (info.num_state_slots, info.num_free_state_slots) == (2, 2)
-    assert info.state_bytes_per_request == engine.state_pool.bytes_per_slot
-    assert info.kv_bytes_per_block == engine.kv_cache.tensor[0].numel() // engine.kv_cache.allocator.num_blocks * 4
+    assert info.state_bytes_per_request == engine.kv.state_pool.bytes_per_slot
+    assert info.kv_bytes_per_block == engine.kv.cache.tensor[0].numel() // engine.kv.cache.allocator.num_blocks * 4
     assert [list(c.token_ids) for c in completions] == [alone[r.request_id] for r in reqs]

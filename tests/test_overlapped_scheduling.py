@@ -19,11 +19,11 @@ from collections import deque
 
 import pytest
 
-from executor_svc.engine import Engine, ScheduledRequest, StepPlan
+from executor_svc.engine import Engine, ScheduledRequest, StepRequest
 from executor_svc.errors import UnknownRequestError
 from executor_svc.request_state import NewRequest
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
@@ -35,8 +35,8 @@ def engine(make_tiny_engine):
     return make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=4 << 20, max_draft_tokens=8)
 
 
-def to_engine_plan(plan: Plan) -> StepPlan:
-    return StepPlan(
+def to_engine_plan(plan: Plan) -> StepRequest:
+    return StepRequest(
         scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in plan.scheduled],
         new_requests=[
             NewRequest(r.executor_request_id, list(r.prompt_token_ids), r.sampling, r.max_new_tokens, r.stop_token_ids, r.ignore_eos)
@@ -48,9 +48,9 @@ def to_engine_plan(plan: Plan) -> StepPlan:
     )
 
 
-def results_of(output) -> list[StepResultView]:
+def results_of(output) -> list[RequestResult]:
     return [
-        StepResultView(
+        RequestResult(
             request_id=o.request_id,
             new_token_ids=list(o.new_token_ids),
             finish_reason=o.finish_reason.value if o.finish_reason else None,
@@ -89,10 +89,10 @@ def run(
     `stop_after`: request id -> the output length at which the scheduler ends it (as a stop string would).
     """
     config = SchedulerConfig(max_running_requests=8, max_num_batched_tokens=budget, spec=spec, kv_watermark=0.0)
-    num_blocks = num_kv_blocks or engine.kv_cache.num_free_blocks
-    planner = Planner(config, engine.kv_cache.block_size, num_blocks, 8192, max_draft_tokens=engine.config.max_draft_tokens)
-    planner.num_free_blocks = min(num_blocks, engine.kv_cache.num_free_blocks)
-    reserve = engine.kv_cache.num_free_blocks - planner.num_free_blocks  # blocks the planner must not know about
+    num_blocks = num_kv_blocks or engine.kv.num_free_blocks
+    planner = Planner(config, engine.kv.block_size, num_blocks, 8192, max_draft_tokens=engine.config.max_draft_tokens)
+    planner.num_free_blocks = min(num_blocks, engine.kv.num_free_blocks)
+    reserve = engine.kv.num_free_blocks - planner.num_free_blocks  # blocks the planner must not know about
     stop_after = stop_after or {}
     for r in requests:
         planner.add(r)
@@ -128,7 +128,7 @@ def run(
                 planner.finish(request)
         counters["drafted"] += sum(o.num_drafted_tokens for o in output.outputs)
     # The last releases go out with one more (empty) step.
-    engine.step(StepPlan(released=planner.schedule().released))
+    engine.step(StepRequest(released=planner.schedule().released))
     assert not engine.request_ids, "the executor still holds requests"
     return tokens, counters
 
@@ -173,32 +173,32 @@ def test_kv_pressure_falls_back_to_planning_after_the_result(engine):
 
 def test_a_plan_built_ahead_skips_a_request_the_previous_step_finished(engine):
     new = NewRequest("done", [5, 6, 7], max_new_tokens=1, ignore_eos=True)
-    first = engine.step(StepPlan(scheduled=[ScheduledRequest("done", 3)], new_requests=[new]))
+    first = engine.step(StepRequest(scheduled=[ScheduledRequest("done", 3)], new_requests=[new]))
     assert first.outputs[0].finish_reason is not None and not engine.has_request("done")
     # Built before that result was known: "done" was expected to decode once more.
-    ahead = StepPlan(scheduled=[ScheduledRequest("done", 1, draft_budget=2)], planned_after_step_id=1)
+    ahead = StepRequest(scheduled=[ScheduledRequest("done", 1, draft_budget=2)], planned_after_step_id=1)
     output = engine.step(ahead)
     assert output.outputs == [] and output.num_computed_tokens == 0
-    assert engine.step(StepPlan(preempted=["done"], planned_after_step_id=2)).outputs == []
+    assert engine.step(StepRequest(preempted=["done"], planned_after_step_id=2)).outputs == []
     # A plan not built ahead that names it is a scheduler bug, and says so.
     with pytest.raises(UnknownRequestError):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("done", 1)]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("done", 1)]))
     with pytest.raises(UnknownRequestError):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("never-seen", 1)], planned_after_step_id=3))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("never-seen", 1)], planned_after_step_id=3))
 
 
 def test_a_plan_built_ahead_computes_at_most_what_is_left(engine):
     prompt = list(range(3, 3 + 40))
-    engine.step(StepPlan(scheduled=[ScheduledRequest("a", 32)], new_requests=[NewRequest("a", prompt, max_new_tokens=4)]))
+    engine.step(StepRequest(scheduled=[ScheduledRequest("a", 32)], new_requests=[NewRequest("a", prompt, max_new_tokens=4)]))
     # 8 prompt tokens are left; a plan built ahead may ask for more (a prefix hit went further than planned).
-    output = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 16)], planned_after_step_id=1))
+    output = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 16)], planned_after_step_id=1))
     assert output.num_computed_tokens == 8 and len(output.outputs[0].new_token_ids) == 1
     # ... and a decode planned ahead is one token: the one the previous step sampled.
-    output = engine.step(StepPlan(scheduled=[ScheduledRequest("a", 3)], planned_after_step_id=2))
+    output = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 3)], planned_after_step_id=2))
     assert output.num_computed_tokens == 1
     with pytest.raises(InvalidRequestError, match="not yet in KV"):
-        engine.step(StepPlan(scheduled=[ScheduledRequest("a", 3)]))
-    engine.step(StepPlan(released=["a"]))
+        engine.step(StepRequest(scheduled=[ScheduledRequest("a", 3)]))
+    engine.step(StepRequest(released=["a"]))
 
 
 # ------------------------------------------------------------------ the executor's servicer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.planner import Plan, Planner, StepResultView
+from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request, RequestStatus
 from service_common.sampling_params import SamplingParams
 
@@ -37,7 +37,7 @@ class FakeExecutor:
         self.lengths = lengths or {}  # request id -> output length at which it finishes
         self.plans: list[Plan] = []
 
-    def step(self, plan: Plan) -> list[StepResultView]:
+    def step(self, plan: Plan) -> list[RequestResult]:
         self.plans.append(plan)
         for rid in plan.released:
             self._free(rid)
@@ -65,7 +65,7 @@ class FakeExecutor:
                 self.outputs[rid] += 1
                 if self.outputs[rid] >= self.lengths.get(rid, 10**9):
                     finish = "length"
-            results.append(StepResultView(rid, new, finish, self.computed[rid], num_exclusive_blocks=self.blocks[rid]))
+            results.append(RequestResult(rid, new, finish, self.computed[rid], num_exclusive_blocks=self.blocks[rid]))
             if finish:
                 self._free(rid)
                 self.known.pop(rid)

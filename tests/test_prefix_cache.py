@@ -62,16 +62,16 @@ def test_cache_off_reuses_nothing(engine_without_cache):
 
 
 def test_a_preempted_request_resumes_from_its_cached_blocks(engine_fp32):
-    from executor_svc.engine import ScheduledRequest, StepPlan
+    from executor_svc.engine import ScheduledRequest, StepRequest
 
     prompt = list(range(1000, 1050))
     engine_fp32.add_request(NewRequest("p", prompt, SamplingParams(), 30, ignore_eos=True))
-    out = engine_fp32.step(StepPlan(scheduled=[ScheduledRequest("p", 50)]))
+    out = engine_fp32.step(StepRequest(scheduled=[ScheduledRequest("p", 50)]))
     for _ in range(20):
-        out = engine_fp32.step(StepPlan(scheduled=[ScheduledRequest("p", 1)]))
-    engine_fp32.step(StepPlan(preempted=["p"]))
+        out = engine_fp32.step(StepRequest(scheduled=[ScheduledRequest("p", 1)]))
+    engine_fp32.step(StepRequest(preempted=["p"]))
     state = engine_fp32.get_request("p")
-    out = engine_fp32.step(StepPlan(scheduled=[ScheduledRequest("p", len(state.token_ids))]))
+    out = engine_fp32.step(StepRequest(scheduled=[ScheduledRequest("p", len(state.token_ids))]))
     # 70 known tokens: 4 full blocks were cached before the preemption and come back.
     assert out.outputs[0].num_cached_tokens == 64
     engine_fp32.release("p")

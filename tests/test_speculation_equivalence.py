@@ -109,7 +109,7 @@ def test_batch_of_one_with_long_drafts(engine_default, prompts, baseline):
         run = drive(engine_default, [r], draft_budget=16)
         assert run.tokens[r.request_id] == baseline[r.request_id]
         assert run.num_steps < NUM_NEW_TOKENS, "copying should take fewer steps than tokens"
-    assert engine_default.kv_cache.num_free_blocks == engine_default.kv_cache.num_usable_blocks
+    assert engine_default.kv.num_free_blocks == engine_default.kv.num_usable_blocks
 
 
 def test_drafts_never_overrun_max_new_tokens_or_stop_tokens(engine_default, prompts, baseline):

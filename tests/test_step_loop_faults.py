@@ -155,7 +155,7 @@ def test_a_step_that_raises_ends_only_its_own_requests(engine, where, async_sche
             queued = asyncio.create_task(client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="B"))
             await wait_until(lambda: loop.planner.num_waiting == 1, "B to queue")
             planner = loop.planner
-            target, name = (loop, "_plan_to_pb") if where == "before_send" else (planner, "apply")
+            target, name = (loop.link, "step") if where == "before_send" else (planner, "apply")
             original = getattr(target, name)
 
             def fail_once(*args, **kwargs):

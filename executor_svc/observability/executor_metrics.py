@@ -52,7 +52,7 @@ class ExecutorMetrics:
     def watch(self, engine) -> None:
         """Read what is not in a step's response from the engine."""
         self.running_requests.set_function(lambda: len(engine.request_ids))
-        free, total = engine.kv_cache.num_free_blocks, engine.kv_cache.num_usable_blocks
+        free, total = engine.kv.num_free_blocks, engine.kv.num_usable_blocks
         self.kv_blocks_free.set(free)
         self.kv_blocks_used.set(total - free)
 

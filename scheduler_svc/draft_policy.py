@@ -46,6 +46,7 @@ class DraftCandidate:
     num_draftable_tokens: int  # d_i: what the executor's index can propose next step (0 = none)
     acceptance: float  # α_i: probability a draft token is accepted given the previous one was
     num_context_tokens: int  # KV tokens the request reads this step
+    num_decodes_since_draft: int = 0  # its decode steps in a row that verified no draft (goodput's probe)
 
     def __post_init__(self) -> None:
         if self.num_draftable_tokens < 0:
@@ -244,14 +245,25 @@ class GoodputPolicy(DraftPolicy):
     never grows past the largest step the cost model has measured (it would
     extrapolate), and no draft token with gain below `min_gain` is proposed (a
     flat model prices it at zero, but verification and its KV slot are not free).
+
+    One guard against never gathering evidence: α is learned only from drafts,
+    so a request whose estimate says drafting does not pay (say it started from a
+    low swarm-wide rate, then began to copy) would never draft again. A request
+    that could draft but has gone `probe_every` decode steps without a draft gets
+    one draft token (a probe, about 1/probe_every of a verify row per step at
+    worst): accepted, its α rises and goodput takes over; rejected, it waits
+    another `probe_every` steps.
     """
 
     min_gain: float = 0.02
+    probe_every: int = 8  # 0: never probe
     name: ClassVar[str] = "goodput"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain <= 1.0:
             raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
+        if self.probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0, got {self.probe_every}")
 
     def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
         budgets = {c.request_id: 0 for c in candidates}
@@ -284,7 +296,14 @@ class GoodputPolicy(DraftPolicy):
             room -= 1
             if k + 1 < c.num_draftable_tokens:
                 heapq.heappush(heap, (-gain * c.acceptance, request_id, c))
+        for c in candidates:  # probes, from what room is left
+            if room > 0 and self._is_probe_due(c) and budgets[c.request_id] == 0:
+                budgets[c.request_id] = 1
+                room -= 1
         return budgets
+
+    def _is_probe_due(self, c: DraftCandidate) -> bool:
+        return self.probe_every > 0 and c.num_draftable_tokens > 0 and c.num_decodes_since_draft >= self.probe_every
 
 
 def parse_draft_policy(text: str) -> DraftPolicy:

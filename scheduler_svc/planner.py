@@ -444,6 +444,7 @@ class Planner:
                 ),
                 acceptance=self.acceptance.estimate(r.executor_request_id),
                 num_context_tokens=r.num_expected_computed_tokens + 1,
+                num_decodes_since_draft=r.num_decodes_since_draft,
             )
             for r in decoding
         ]
@@ -469,6 +470,7 @@ class Planner:
             if k:
                 drafts[r.executor_request_id] = k
                 free -= r.num_new_blocks(1 + k, self.block_size) - base
+            r.num_decodes_since_draft = 0 if k else r.num_decodes_since_draft + 1
         return drafts, free
 
     def _preempt(self, request: Request) -> None:

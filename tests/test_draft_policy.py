@@ -400,3 +400,22 @@ def test_tracked_acceptance_steers_goodput():
     cands = [DraftCandidate(r, 16, tracker.estimate(r), CONTEXT) for r in ("copying", "reasoning", "newcomer")]
     budgets = allocate(GoodputPolicy(), cands, LINEAR).draft_budgets
     assert budgets["copying"] > budgets["newcomer"] > budgets["reasoning"]
+
+
+def test_goodput_probes_a_request_that_has_gone_without_drafts_for_a_while():
+    """α is learned only from drafts: a request whose estimate says drafting does not pay would
+    never draft again, even once it starts copying. After `probe_every` decodes without a draft,
+    one draft token (if the index has one and the step has room) tests it."""
+
+    def cand(since, draftable=16, acceptance=0.01):  # below min_gain: goodput alone never drafts it
+        return DraftCandidate("a", draftable, acceptance, CONTEXT, num_decodes_since_draft=since)
+
+    assert allocate(GoodputPolicy(), [cand(7)], LINEAR).draft_budgets["a"] == 0
+    assert allocate(GoodputPolicy(), [cand(8)], LINEAR).draft_budgets["a"] == 1
+    assert allocate(GoodputPolicy(), [cand(50, draftable=0)], LINEAR).draft_budgets["a"] == 0
+    assert allocate(GoodputPolicy(probe_every=0), [cand(50)], LINEAR).draft_budgets["a"] == 0
+    assert allocate(GoodputPolicy(), [cand(50)], LINEAR, max_num_draft_tokens=0).draft_budgets["a"] == 0
+    # A request goodput already drafts for is not probed on top.
+    assert allocate(GoodputPolicy(), [cand(50, acceptance=0.9)], WIDE_SLACK).draft_budgets["a"] > 1
+    with pytest.raises(ValueError, match="probe_every"):
+        GoodputPolicy(probe_every=-1)

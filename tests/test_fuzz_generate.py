@@ -8,7 +8,6 @@ servers stay up, and once idle no request and no KV block is held.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import threading
 import time

@@ -7,7 +7,7 @@ import math
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.planner import Plan, Planner, RequestResult
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import Request
 from service_common.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -30,7 +30,6 @@ import math
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

@@ -37,6 +37,7 @@ Imports only torch, triton, numpy and this repository (the model modules import 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -365,7 +366,7 @@ def section_env(report: Report, device: torch.device) -> None:
 def section_roofline(report: Report, bench: Bench, sizes: Sizes, device: torch.device) -> None:
     src = torch.empty(sizes.copy_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = bench.ms(lambda: dst.copy_(src))
+    ms = bench.ms(functools.partial(dst.copy_, src))
     gbps = 2 * sizes.copy_bytes / ms / 1e6  # read + write
     report.yardsticks["copy_gbps"] = gbps
     size = f"{sizes.copy_bytes >> 20} MiB"

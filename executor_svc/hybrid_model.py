@@ -29,19 +29,18 @@ import torch.nn.functional as F
 from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow
 from executor_svc.invariant_elementwise import invariant_map
 from executor_svc.kv_cache import KVCache
-from executor_svc.model import embed, ffn, lm_head, rope_tables
+from executor_svc.model import Decoder, embed, ffn, lm_head
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.recurrent_state import RecurrentStatePool
-from executor_svc.torch_ops import TorchOps
 from executor_svc.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
 MIN_CHUNKED_PREFILL_TOKENS = 64
 
 
-class HybridTransformer:
+class HybridTransformer(Decoder):
     def __init__(
         self,
         config: ModelConfig,
@@ -51,13 +50,7 @@ class HybridTransformer:
         dtype: torch.dtype | None = None,
         batch_invariant: bool = True,
     ) -> None:
-        self.ops = ops or TorchOps()
-        self.dtype = dtype or weights.final_norm.dtype
-        self.config = config
-        self.weights = weights
-        self.device = device
-        self.rope_cos, self.rope_sin = rope_tables(config, None, device)
-        self.scale = config.head_dim**-0.5
+        super().__init__(config, weights, device, ops, dtype)
         # Off: long prefills use the chunked delta rule (faster; rounding then depends on chunk boundaries).
         self.batch_invariant = batch_invariant
 

@@ -59,7 +59,9 @@ def lm_head(x: torch.Tensor, batch: RaggedBatch, weights: ModelWeights) -> torch
     return logits[: batch.num_logits]
 
 
-class Transformer:
+class Decoder:
+    """What every decoder here holds: its ops, compute dtype, weights, RoPE tables and attention scale."""
+
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype | None = None
     ) -> None:
@@ -72,6 +74,8 @@ class Transformer:
         self.rope_cos, self.rope_sin = rope_tables(config, weights.rope_freq_factors, device)
         self.scale = config.head_dim**-0.5
 
+
+class Transformer(Decoder):
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, kv_cache: KVCache, state_pool=None) -> torch.Tensor:
         """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab].

@@ -222,12 +222,11 @@ class CostModel:
             return True
         if self._num_unfitted < c.refit_every:
             return False
-        recent = list(self.errors)[-c.level_window :]
-        return float(np.median(recent)) > c.refit_error
+        return float(np.median(_newest(self.errors, c.level_window))) > c.refit_error
 
     def _update_level(self) -> None:
         """Scale the fit to the median actual/fitted ratio of the last `level_window` steps."""
-        recent = list(self._online)[-self.config.level_window :]
+        recent = _newest(self._online, self.config.level_window)
         if len(recent) >= self.config.min_level_samples:
             ratios = [
                 s.step_s / max(self.fitted.predict(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests), 1e-12)
@@ -418,6 +417,11 @@ def fit_step_cost(
     a, b, c, e, f, d = (float(x) for x in coefficients)
     b, c, e, f = (float(prior_slopes[j]) if held_columns[j] else value for j, value in enumerate((b, c, e, f)))
     return StepCost(a, b, c, d, knee if d > 0 else 0.0, e, f)
+
+
+def _newest(window: deque, n: int) -> list:
+    """The newest n items of a window, oldest first, without copying the whole window (once per step)."""
+    return list(itertools.islice(reversed(window), n))[::-1]
 
 
 def _knee_candidates(distinct_tokens: np.ndarray) -> np.ndarray:

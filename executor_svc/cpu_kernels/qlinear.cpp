@@ -538,7 +538,6 @@ void x4_row(const uint8_t* wp, const X4Layout& l, int64_t row_bytes, int64_t nb,
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_INT16_DOT = true;
 
-inline bool has_int16_dot_type(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
 // Activation rows [M, K] quantized per 32-value block.
 struct QuantizedRows {
@@ -547,12 +546,6 @@ struct QuantizedRows {
   std::vector<float> d;    // [M, nb] dx
   std::vector<float> s;    // [M, nb] dx · Σ xq (the min term's activation factor)
 };
-
-SS_INLINE float hsum8(__m256 v) {  // fixed tree: (l, l+4), (l, l+2), (l, l+1)
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 
 SS_INLINE int32_t hsum8_epi32(__m256i v) {
   const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -695,10 +688,10 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
   for (int64_t g = g0; g < g1; g++) {
     const uint8_t* group = wp + g * group_bytes;
     const int64_t n = 4 * g, num_valid = std::min<int64_t>(4, N - n);
-    if (xq.M < INT_TILE_NR || xq.M == 1) {
+    if (xq.M == 1) {
       __m256 acc[1];
       __m128 acc_m[1];
-      for (int64_t r = 0; r < xq.M; r++) dot_int_rows<TYPE, 1>(group, num_valid, xq, r, r + 1, y + r * N + n, N, acc, acc_m);
+      dot_int_rows<TYPE, 1>(group, num_valid, xq, 0, 1, y + n, N, acc, acc_m);
       continue;
     }
     if (xq.M == INT_TILE_NR) {
@@ -717,7 +710,6 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
 }
 #else
 constexpr bool HAS_INT16_DOT = false;
-inline bool has_int16_dot_type(int64_t) { return false; }
 #endif
 
 }  // namespace

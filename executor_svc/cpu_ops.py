@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.cpu_kernels import load
+from executor_svc.model_config import ModelConfig
 from executor_svc.ragged_batch import RaggedBatch
 from executor_svc.torch_ops import TorchOps
+from executor_svc.weight_format import cpu_matmul_parts
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,52 @@ class CpuAttentionMetadata:
     block_tables: torch.Tensor  # [R, max_blocks] int32
 
 
+class CpuLayerStack:
+    """A dense model's decoder layers run by one C++ call per step (`DenseStack`, decoder.cpp):
+    the same kernels as the layer loop in model.py, in the same order, so the same bits, without
+    nine Python calls per layer."""
+
+    def __init__(self, stack) -> None:
+        self._stack = stack
+
+    @classmethod
+    def build(cls, kernels, config: ModelConfig, weights, scale: float) -> "CpuLayerStack | None":
+        """The stack for these weights, or None where a layer is not a plain dense one (MoE
+        experts, DeltaNet mixers, an output-gated attention) or a weight lives off the CPU."""
+        if config.is_hybrid or config.num_experts:
+            return None
+        stack = kernels.DenseStack(config.num_heads, config.num_kv_heads, config.rms_norm_eps, scale)
+        for i, layer in enumerate(weights.layers):
+            matmuls = [cpu_matmul_parts(w) if w is not None else None for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            if layer.moe is not None or any(m is None for m in matmuls):
+                return None
+            next_norm = weights.layers[i + 1].attn_norm if i + 1 < len(weights.layers) else weights.final_norm
+            qkv, o_proj, gate_up, down = matmuls
+            stack.add_layer(qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, o_proj, layer.ffn_norm, gate_up, down, next_norm)
+        return cls(stack)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, metadata: "CpuAttentionMetadata",
+        kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """x, residual [T, hidden] from the embedding → the last layer's output after the final
+        norm (residual is updated in place); kv: the whole cache tensor, one [2, ...] per layer."""
+        m = metadata
+        return self._stack.forward(
+            x, residual, kv, cos_table, sin_table, batch.positions, batch.slot_mapping,
+            m.query_starts, m.query_lens, m.context_lens, m.block_tables,
+        )
+
+
 class CpuOps:
     name = "cpu"
 
     def __init__(self) -> None:
-        self._k = load("layer_ops")
+        self._k = load()
+
+    def layer_stack(self, config: ModelConfig, weights, scale: float) -> CpuLayerStack | None:
+        """All of a dense model's layers in one C++ call, or None where the model needs the layer loop."""
+        return CpuLayerStack.build(self._k, config, weights, scale)
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> CpuAttentionMetadata:
         """Per-step attention metadata: one tensor built from the batch's lists, three views of it."""

@@ -76,6 +76,11 @@ class Decoder:
 
 
 class Transformer(Decoder):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The layer loop below in one native call, where the ops have one (CpuOps): same bits.
+        self.layer_stack = self.ops.layer_stack(self.config, self.weights, self.scale)
+
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, kv_cache: KVCache, state_pool=None) -> torch.Tensor:
         """Run the batch, writing its KV; returns float32 logits [batch.num_logits, vocab].
@@ -88,6 +93,9 @@ class Transformer(Decoder):
         reads, which is what a captured graph replays (decode_graphs.py)."""
         c, w, ops = self.config, self.weights, self.ops
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
+        if self.layer_stack is not None:
+            x = self.layer_stack.forward(x, residual, batch, metadata, kv_cache.tensor, self.rope_cos, self.rope_sin)
+            return lm_head(x, batch, w)
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache.layer(layer_index)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, (heads + 2 * kv_heads) * head_dim]

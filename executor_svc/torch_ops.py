@@ -20,6 +20,10 @@ from executor_svc.ragged_batch import RaggedBatch
 class TorchOps:
     name = "torch"
 
+    def layer_stack(self, config, weights, scale: float) -> None:
+        """No fused layer stack here: the model runs its layer loop on these ops (see CpuOps')."""
+        return None
+
     def prepare(self, batch: RaggedBatch, block_size: int) -> Any:
         """Per-step attention metadata, built once and passed to every layer's `attention`."""
         return attention.build_attention_plan(batch, block_size)

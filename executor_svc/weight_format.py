@@ -9,7 +9,7 @@ format. A weight is one of:
   (`cpu_kernels/qlinear.cpp`) dequantizes a few rows at a time into float32 with
   gguf-py's exact arithmetic and accumulates in float32 in a fixed order, so a
   row's result never depends on how many rows share the matmul.
-- the same `PackedWeight` with `triton=True` (the GPU path): the plain GGUF rows on
+- the same `PackedWeight` with `kernel=Kernel.TRITON` (the GPU path): the plain GGUF rows on
   the device, multiplied by the Triton dequant-matmul (`kernels/qmatmul.py`), which
   decodes the blocks in registers; resident memory is again the file's.
 - a dense `torch.Tensor` (`--kernels torch` on a GPU): dequantized once at load to the
@@ -23,6 +23,7 @@ packed bytes without dequantizing anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
@@ -55,12 +56,12 @@ _qlinear_module = None
 
 
 def _kernels():
-    """The compiled qlinear module, looked up once (this is on every matmul's path)."""
+    """The compiled kernels module, looked up once (this is on every matmul's path)."""
     global _qlinear_module
     if _qlinear_module is None:
         from executor_svc.cpu_kernels import load
 
-        _qlinear_module = load("qlinear")
+        _qlinear_module = load()
     return _qlinear_module
 
 
@@ -74,6 +75,20 @@ def has_int16_dot() -> bool:
         return False
 
 
+class Kernel(IntEnum):
+    """The kernel that multiplies a weight (the values are the C++ layer stack's, decoder.cpp)."""
+
+    DENSE = 0  # a float tensor: F.linear
+    # GGUF rows [rows, row_bytes] dequantized in float32 on the CPU (qlinear.cpp): the exact path.
+    EXACT = 1
+    # Activations quantized to int16 per 32-value block (qlinear.cpp, "integer dot products").
+    # Only INT16_DOT_TYPES; `data` is uint8 [ceil(rows / 4), 4 · row_bytes] (qlinear.cpp, "the
+    # integer matmul's weight layout"; with_int16_dot repacks).
+    INT16 = 2
+    # The Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
+    TRITON = 3
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes],
@@ -82,13 +97,7 @@ class PackedWeight:
     data: torch.Tensor
     tensor_type: int
     shape: tuple[int, int]
-    # Multiply with activations quantized to int16 per 32-value block (see qlinear.cpp,
-    # "integer dot products") instead of the exact float32 path. Only INT16_DOT_TYPES; `data`
-    # is then uint8 [ceil(rows / 4), 4 · row_bytes] (qlinear.cpp, "the integer matmul's
-    # weight layout"; with_int16_dot repacks).
-    int16_dot: bool = False
-    # Multiplied by the Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
-    triton: bool = False
+    kernel: Kernel = Kernel.EXACT
 
     def __post_init__(self) -> None:
         if self.tensor_type not in PACKED_TYPES:
@@ -97,14 +106,14 @@ class PackedWeight:
         rows, cols = self.shape
         if cols % block_elems:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
-        if self.int16_dot and self.tensor_type not in INT16_DOT_TYPES:
+        if self.kernel == Kernel.DENSE:
+            raise ModelLoadError("a packed weight is multiplied by a packed-weight kernel, not the dense one")
+        if self.kernel == Kernel.INT16 and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
         row_bytes = cols // block_elems * block_bytes
-        expected = ((rows + 3) // 4, 4 * row_bytes) if self.int16_dot else (rows, row_bytes)
+        expected = ((rows + 3) // 4, 4 * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
-        if self.int16_dot and self.triton:
-            raise ModelLoadError("a weight runs either the integer CPU matmul or the Triton kernel, not both")
 
     @classmethod
     def from_gguf(cls, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> "PackedWeight":
@@ -127,7 +136,7 @@ class PackedWeight:
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
         """Rows of several weights stacked into one matmul when they share a type; else kept apart.
         (Stack before with_int16_dot: interleaved weights do not stack.)"""
-        if any(p.int16_dot for p in parts):
+        if any(p.kernel == Kernel.INT16 for p in parts):
             raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
             return tuple(parts)
@@ -136,14 +145,14 @@ class PackedWeight:
 
     def with_int16_dot(self) -> "PackedWeight":
         """This weight repacked for the integer matmul where its type allows, else unchanged."""
-        if self.tensor_type not in INT16_DOT_TYPES or self.int16_dot:
+        if self.tensor_type not in INT16_DOT_TYPES or self.kernel == Kernel.INT16:
             return self
         data = _kernels().repack_x4(self.data, self.tensor_type, self.shape[1])
-        return PackedWeight(data, self.tensor_type, self.shape, int16_dot=True)
+        return PackedWeight(data, self.tensor_type, self.shape, Kernel.INT16)
 
     def on_triton(self, device: torch.device) -> "PackedWeight":
         """This weight's GGUF rows on `device`, multiplied by the Triton kernel."""
-        return PackedWeight(self.data.to(device), self.tensor_type, self.shape, triton=True)
+        return PackedWeight(self.data.to(device), self.tensor_type, self.shape, Kernel.TRITON)
 
     @property
     def nbytes(self) -> int:
@@ -159,11 +168,11 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), cols] (an embedding lookup)."""
-        if self.triton:  # on the device: gathered, then dequantized in torch
+        if self.kernel == Kernel.TRITON:  # on the device: gathered, then dequantized in torch
             from executor_svc.kernels.qmatmul import dequantize
 
             return dequantize(self.data[ids], self.tensor_type, self.shape[1])
-        interleaved_rows = self.shape[0] if self.int16_dot else 0
+        interleaved_rows = self.shape[0] if self.kernel == Kernel.INT16 else 0
         return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, interleaved_rows)
 
 
@@ -177,15 +186,30 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if isinstance(w, tuple):
         y = torch.cat([linear(x, part) for part in w], dim=-1)
-    elif w.triton:
+    elif w.kernel == Kernel.INT16:
+        y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
+    elif w.kernel == Kernel.EXACT:
+        y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
+    else:
         from executor_svc.kernels.qmatmul import qmatmul
 
         y = qmatmul(x, w.data, w.tensor_type, w.shape[1])
-    elif w.int16_dot:
-        y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
-    else:
-        y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
     return y if bias is None else y + bias
+
+
+def cpu_matmul_parts(w: Weight) -> list[tuple[torch.Tensor, int, int, int, int]] | None:
+    """w as the C++ layer stack takes a matmul weight (decoder.cpp): a (data, kernel, type,
+    cols, rows) tuple per part; None when a part runs on another device's kernel."""
+    parts = w if isinstance(w, tuple) else (w,)
+    specs = []
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            specs.append((p, int(Kernel.DENSE), 0, p.shape[1], p.shape[0]))
+        elif p.kernel in (Kernel.EXACT, Kernel.INT16) and p.data.device.type == "cpu":
+            specs.append((p.data, int(p.kernel), p.tensor_type, p.shape[1], p.shape[0]))
+        else:
+            return None
+    return specs
 
 
 def embedding(token_ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:

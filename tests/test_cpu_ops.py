@@ -247,3 +247,71 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
         logits.append(torch.cat(out))
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)
     torch.testing.assert_close(logits[1], logits[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "architecture,tensor_type,int16_dot",
+    [("llama", "Q4_1", True), ("llama", "Q8_0", False), ("qwen2", "Q4_0", True), ("qwen3", "Q8_0", True), ("qwen3", "F16", False)],
+)
+def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, int16_dot, dtype):
+    """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
+    writes are bit-identical to model.py's loop, for each matmul kernel, with qwen2's QKV bias and
+    qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
+    from gguf import GGMLQuantizationType
+
+    from executor_svc.gguf_file import open_gguf
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.model import Transformer
+    from executor_svc.model_config import ModelConfig
+    from executor_svc.model_weights import load_weights
+    from executor_svc.weight_format import has_int16_dot
+    from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+
+    if int16_dot and not has_int16_dot():
+        pytest.skip("this CPU has no integer matmul")
+    spec = TinyModelSpec(architecture, GGMLQuantizationType[tensor_type], hidden_size=128, num_heads=4, num_kv_heads=2,
+                         intermediate_size=256, num_layers=3)
+    gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"), int16_dot=int16_dot)
+    model = Transformer(config, weights, torch.device("cpu"), ops=OPS, dtype=dtype)
+    stack = model.layer_stack
+    assert stack is not None
+    prompts = [[3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 40], [5, 6, 7], [9] * 37]
+    results = []
+    for layer_stack in (None, stack):
+        model.layer_stack = layer_stack
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        tables = [[] for _ in prompts]
+        for table, prompt in zip(tables, prompts):
+            cache.grow(table, len(prompt) + 1)
+        step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
+        step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
+        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu")), cache) for s in (step1, step2)]
+        results.append((torch.cat(out), cache.tensor.clone()))
+    (loop_logits, loop_kv), (stack_logits, stack_kv) = results
+    assert torch.equal(stack_logits, loop_logits)
+    assert torch.equal(stack_kv, loop_kv)
+
+
+def test_models_the_layer_stack_does_not_run_keep_the_layer_loop(tmp_path):
+    """MoE experts are not in the C++ stack: a qwen3moe model keeps the layer loop, as every
+    model does on TorchOps; a dense one on CpuOps gets the stack."""
+    from executor_svc.gguf_file import open_gguf
+    from executor_svc.model import Transformer
+    from executor_svc.model_config import ModelConfig
+    from executor_svc.model_weights import load_weights
+    from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+    from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+    def model(path, ops):
+        gguf = open_gguf(path)
+        config = ModelConfig.from_gguf(gguf)
+        return Transformer(config, load_weights(gguf, config, torch.float32, torch.device("cpu")), torch.device("cpu"), ops=ops)
+
+    dense = write_tiny_model(tmp_path / "dense.gguf", TinyModelSpec("llama"))
+    _, moe = write_tiny_hybrid_model(tmp_path / "moe.gguf", TinyHybridSpec("qwen3moe"))
+    assert model(dense, OPS).layer_stack is not None
+    assert model(dense, REF).layer_stack is None
+    assert model(moe, OPS).layer_stack is None

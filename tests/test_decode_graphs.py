@@ -25,7 +25,7 @@ from executor_svc.kv_cache import KVCache  # noqa: E402
 from executor_svc.model import Transformer  # noqa: E402
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
 from executor_svc.torch_ops import TorchOps  # noqa: E402
-from executor_svc.weight_format import PackedWeight  # noqa: E402
+from executor_svc.weight_format import Kernel, PackedWeight  # noqa: E402
 
 BLOCK_SIZE = 16
 DEVICE = torch.device("cpu")
@@ -54,7 +54,7 @@ def as_triton_weights(weights):
     (the CPU's dense GEMM is not: it would make padding rows change real rows' bits)."""
 
     def packed(w: torch.Tensor) -> PackedWeight:
-        return PackedWeight(w.contiguous().view(torch.uint8).reshape(w.shape[0], -1), 0, tuple(w.shape), triton=True)
+        return PackedWeight(w.contiguous().view(torch.uint8).reshape(w.shape[0], -1), 0, tuple(w.shape), Kernel.TRITON)
 
     layers = [replace(l, qkv=packed(l.qkv), o_proj=packed(l.o_proj), gate_up=packed(l.gate_up), down=packed(l.down)) for l in weights.layers]
     return replace(weights, embed=packed(weights.embed), lm_head=packed(weights.lm_head), layers=layers)

@@ -13,7 +13,7 @@ from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.request_state import NewRequest  # noqa: E402
 from executor_svc.torch_ops import TorchOps  # noqa: E402
 from tests.engine_driver import drive  # noqa: E402
-from executor_svc.weight_format import PackedWeight  # noqa: E402
+from executor_svc.weight_format import Kernel, PackedWeight  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from tests.tiny_gguf import TinyModelSpec, qwen3_spec  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tok
         for kernels in ("cpu", "triton")
     }
     qkv = engines["triton"].model.weights.layers[0].qkv
-    assert isinstance(qkv, PackedWeight) and qkv.triton and qkv.type_name == spec.tensor_type.name
+    assert isinstance(qkv, PackedWeight) and qkv.kernel == Kernel.TRITON and qkv.type_name == spec.tensor_type.name
     assert engines["triton"].weight_bytes == engines["cpu"].weight_bytes
     tokens = {k: drive(e, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens for k, e in engines.items()}
     assert tokens["triton"] == tokens["cpu"]

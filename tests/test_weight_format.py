@@ -16,7 +16,7 @@ from gguf import quants
 
 from executor_svc.errors import ModelLoadError
 from executor_svc.gguf_file import GGUFTensor
-from executor_svc.weight_format import INT16_DOT_TYPES, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
+from executor_svc.weight_format import INT16_DOT_TYPES, Kernel, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
 from tests.tiny_gguf import random_k_quant_blocks
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -84,7 +84,7 @@ def test_integer_matmul_matches_dequantize_then_matmul(qtype, num_rows):
     exact product (relative to its largest value), with outliers in the activations too."""
     w, reference = packed(qtype, rows=37)  # odd N: a one-row tile at the end
     w16 = w.with_int16_dot()
-    assert w16.int16_dot and int(qtype) in INT16_DOT_TYPES
+    assert w16.kernel == Kernel.INT16 and int(qtype) in INT16_DOT_TYPES
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
     x[:, 7] *= 50  # an outlier in the first block
     y = linear(x, w16)
@@ -134,7 +134,7 @@ def test_the_integer_matmul_leaves_other_types_exact():
         assert w.with_int16_dot() is w
     w, _ = packed(Q.Q6_K)
     with pytest.raises(ModelLoadError, match="integer matmul does not run Q6_K"):
-        PackedWeight(w.data, w.tensor_type, w.shape, int16_dot=True)
+        PackedWeight(w.data, w.tensor_type, w.shape, Kernel.INT16)
 
 
 def test_odd_row_lengths_of_unquantized_types_take_the_masked_tail():

@@ -1,7 +1,8 @@
 """C++ kernels for the CPU hot path, compiled once per machine and loaded on demand.
 
-Each `*.cpp` file beside this one is its own small extension module (pybind11 over
-ATen), built with torch's JIT extension builder the first time it is asked for.
+The `*.cpp` files beside this one are one extension module (pybind11 over ATen; each
+file registers its own functions, `kernels.h` is what they share), built with
+torch's JIT extension builder the first time it is asked for.
 `make venv` builds them ahead of time (`python -m executor_svc.cpu_kernels`), so a
 service start only loads them.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parent
-MODULES = ("qlinear", "layer_ops")
+SOURCES = ("qlinear.cpp", "layer_ops.cpp", "decoder.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 STALE_LOCK_S = 600
 
@@ -58,14 +59,14 @@ def build_root() -> Path:
     return Path(base) / _cpu_signature()
 
 
-def _source_signature(name: str) -> str:
-    """The source, its folder, the flags and torch's version: a build folder is never shared by two
-    of them (torch's build file holds the source's absolute path, so two checkouts with the same
-    source would otherwise rebuild over each other)."""
+def _source_signature() -> str:
+    """The sources, their folder, the flags and torch's version: a build folder is never shared by
+    two of them (torch's build file holds the sources' absolute paths, so two checkouts with the
+    same sources would otherwise rebuild over each other)."""
     import torch
 
-    text = (SOURCE_DIR / f"{name}.cpp").read_bytes()
-    for header in sorted(SOURCE_DIR.glob("*.h")):  # shared by the modules: any change rebuilds them all
+    text = b"".join((SOURCE_DIR / name).read_bytes() for name in SOURCES)
+    for header in sorted(SOURCE_DIR.glob("*.h")):
         text += header.read_bytes()
     text += repr((str(SOURCE_DIR), CFLAGS, torch.__version__)).encode()
     return hashlib.blake2b(text, digest_size=6).hexdigest()
@@ -90,20 +91,18 @@ def _find_ninja() -> None:
 
 
 @functools.cache
-def load(name: str) -> ModuleType:
-    """The compiled module `name` (a file `name.cpp` here), built if it is not yet."""
-    if name not in MODULES:
-        raise ValueError(f"unknown CPU kernel module {name!r}; known: {MODULES}")
+def load() -> ModuleType:
+    """The compiled kernels module, built if it is not yet."""
     from torch.utils import cpp_extension
 
     _find_ninja()
-    build_dir = build_root() / f"{name}-{_source_signature(name)}"
+    build_dir = build_root() / f"kernels-{_source_signature()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:
         return cpp_extension.load(
-            name=f"swarmserve_{name}",
-            sources=[str(SOURCE_DIR / f"{name}.cpp")],
+            name="swarmserve_cpu",
+            sources=[str(SOURCE_DIR / name) for name in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -111,11 +110,10 @@ def load(name: str) -> ModuleType:
         )
     except Exception as exc:  # compiler missing, build error, ABI mismatch
         raise CpuKernelsUnavailable(
-            f"the CPU kernels ({name}.cpp) could not be built or loaded: {exc}. They need a C++17 compiler "
+            f"the CPU kernels could not be built or loaded: {exc}. They need a C++17 compiler "
             f"(g++) and ninja; see the README. Build log folder: {build_dir}"
         ) from exc
 
 
 def build_all() -> None:
-    for name in MODULES:
-        load(name)
+    load()

@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd16.h"
 
 namespace {
@@ -283,12 +284,30 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
   const float* kp[KV_CHUNK];
   const float* vp[KV_CHUNK];
   alignas(64) float s[KV_CHUNK];
+  // Element offset of `key`'s row (this KV head) in the caches; the table is checked by the caller.
+  auto row_offset = [&](int64_t key) { return ((table[key / block_size] * block_size + key % block_size) * Hkv + it.kv_head) * D; };
+  // The keys' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
+  // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
+  // rows while this one is computed (it does not change any value).
+  constexpr int64_t kLine = 64;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  auto prefetch_chunk = [&](int64_t c) {
+    for (int64_t key = c; key < std::min(c + KV_CHUNK, max_keys); key++) {
+      const int64_t offset = row_offset(key);
+      const char* kr = reinterpret_cast<const char*>(k_cache + offset);
+      const char* vr = reinterpret_cast<const char*>(v_cache + offset);
+      for (int64_t b = 0; b < row_bytes; b += kLine) {
+        __builtin_prefetch(kr + b);
+        __builtin_prefetch(vr + b);
+      }
+    }
+  };
+  prefetch_chunk(0);
   for (int64_t c0 = 0; c0 < max_keys; c0 += KV_CHUNK) {
     const int64_t nc = std::min(KV_CHUNK, max_keys - c0);
+    if (c0 + KV_CHUNK < max_keys) prefetch_chunk(c0 + KV_CHUNK);
     for (int64_t j = 0; j < nc; j++) {
-      const int64_t key = c0 + j;
-      const int64_t block = table[key / block_size];  // checked by the caller
-      const int64_t offset = ((block * block_size + key % block_size) * Hkv + it.kv_head) * D;
+      const int64_t offset = row_offset(c0 + j);
       if constexpr (kFloat) {
         kp[j] = reinterpret_cast<const float*>(k_cache + offset);
         vp[j] = reinterpret_cast<const float*>(v_cache + offset);
@@ -829,7 +848,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_layer_ops(pybind11::module_& m) {
   m.def("paged_attention", &paged_attention,
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),

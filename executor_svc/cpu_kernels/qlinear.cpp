@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "simd16.h"
 
 namespace {
@@ -821,7 +822,7 @@ at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_qlinear(pybind11::module_& m) {
   m.def("qlinear", &qlinear, "y = x · dequant(W)ᵀ for a GGUF-typed weight (float32 accumulation, batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("qlinear_int16", &qlinear_int16,

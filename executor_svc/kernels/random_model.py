@@ -128,14 +128,14 @@ def random_packed_weights(
 ) -> ModelWeights:
     """`random_weights` with every matmul weight (embedding and LM head too) as random GGUF rows of
     `tensor_type` on `device`, for the Triton dequant-matmul."""
-    from executor_svc.weight_format import PackedWeight
+    from executor_svc.weight_format import Kernel, PackedWeight
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dense = random_weights(config, dtype, device, seed)
 
     def packed(w: torch.Tensor) -> PackedWeight:
         rows, cols = w.shape
-        return PackedWeight(random_gguf_rows(rows, cols, tensor_type, gen, device), tensor_type, (rows, cols), triton=True)
+        return PackedWeight(random_gguf_rows(rows, cols, tensor_type, gen, device), tensor_type, (rows, cols), Kernel.TRITON)
 
     layers = [
         LayerWeights(

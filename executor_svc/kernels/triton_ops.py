@@ -39,6 +39,10 @@ class TritonOps:
         self.query_tile_tokens = query_tile_tokens
         self.kv_tile_keys = kv_tile_keys
 
+    def layer_stack(self, config, weights, scale: float) -> None:
+        """No fused layer stack here: the model runs its layer loop on these ops (see CpuOps')."""
+        return None
+
     def prepare(self, batch: RaggedBatch, block_size: int) -> AttentionMetadata:
         """Per-step attention metadata (the query tiles), built once and passed to every layer's `attention`."""
         return build_attention_metadata(batch, block_size, self.query_tile_tokens)

@@ -1,0 +1,30 @@
+// What the kernel files export to each other and to the Python module (bindings.cpp).
+// Each *.cpp is one translation unit of the single extension module `swarmserve_cpu`;
+// their helpers stay in anonymous namespaces, only these are shared.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+// qlinear.cpp: matmuls over GGUF-typed weights.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K);
+at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N);
+
+// layer_ops.cpp: everything in a decoder layer except the matmuls.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
+                           const at::Tensor& block_tables, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                                                double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor qkv_rope_write(const at::Tensor& qkv, int64_t H, int64_t Hkv, const c10::optional<at::Tensor>& q_norm,
+                          const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                          at::Tensor& k_cache, at::Tensor& v_cache, bool interleaved);
+
+// Each file's Python functions and classes, added to the one module.
+void register_qlinear(pybind11::module_& m);
+void register_layer_ops(pybind11::module_& m);
+void register_decoder(pybind11::module_& m);

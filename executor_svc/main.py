@@ -12,6 +12,7 @@ from executor_svc.engine import Engine
 from executor_svc.flags import build_parser, config_from_args
 from executor_svc.observability.executor_metrics import ExecutorMetrics
 from executor_svc.server import engine_thread_pool, serve
+from service_common.heap import freeze_startup_heap
 from service_common.observability.logs import configure_logging
 from service_common.observability.service_telemetry import start_service_telemetry
 
@@ -37,6 +38,7 @@ async def run(args: argparse.Namespace) -> None:
         tls_key=args.tls_key,
         engine_thread=engine_thread,
     )
+    freeze_startup_heap()
     log.info(
         "executor_listening",
         address=args.listen,

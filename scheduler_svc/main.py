@@ -12,6 +12,7 @@ from scheduler_svc.config import BATCHING_MODES, DEFAULT_HTTP_LISTEN, TOOL_CALL_
 from scheduler_svc.draft_policy import parse_draft_policy
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import serve
+from service_common.heap import freeze_startup_heap
 from service_common.observability.flags import add_observability_flags
 from service_common.observability.logs import LOG_FORMATS, configure_logging
 from service_common.observability.service_telemetry import start_service_telemetry
@@ -210,6 +211,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
     # The HTTP API serves /metrics itself, so it gets the metrics without --metrics-port too.
     metrics = telemetry.metrics or (SchedulerMetrics() if config.http_listen else None)
     server, loop, tasks = await serve(config, tracer=telemetry.tracer, metrics=metrics)
+    freeze_startup_heap()
     log.info(
         "scheduler_listening",
         address=config.listen,

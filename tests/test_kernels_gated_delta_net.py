@@ -362,3 +362,36 @@ def test_triton_kernels_in_the_hybrid_engine_give_the_torch_tokens(tmp_path):
     run = drive(engine, requests, chunk_size=4, arrival_steps={"r1": 1}, draft_budget=3)
     assert 0 < run.num_accepted < run.num_drafted
     assert run.tokens == expected
+
+
+def test_triton_chunked_prefills_in_the_hybrid_engine_give_the_torch_tokens(tmp_path, monkeypatch):
+    """Batch invariance off: prefills of ≥ 64 tokens take the chunked kernel. A 100-token prompt
+    prefilled in one step (a whole chunk and a partial one), then in steps of 64 (one chunk, then a
+    36-token recurrent step), while
+    another request decodes with partly kept drafts beside it: the tokens of the torch engine in
+    its batch-invariant (recurrent) mode. Equal tokens are what the tolerance buys on this model,
+    not a bitwise promise (the chunked form rounds differently from the recurrent one)."""
+    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.kernels import gated_delta_rule as triton_delta_rule
+    from executor_svc.request_state import NewRequest
+    from service_common.sampling_params import SamplingParams
+    from tests.engine_driver import ScriptedDrafter, drive
+    from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+    _, path = write_tiny_hybrid_model(tmp_path / "qwen35.gguf", TinyHybridSpec("qwen35"))
+    long_prompt = [(7 * i) % 250 + 3 for i in range(100)]
+    prompts = [long_prompt, [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85]]
+    requests = [NewRequest(f"r{i}", p, SamplingParams(), 5, ignore_eos=True) for i, p in enumerate(prompts)]
+    config = dict(model=str(path), kv_cache_bytes=4 << 20, num_state_slots=4)
+    expected = drive(Engine(EngineConfig(**config, kernels="torch")), requests).tokens
+    engine = Engine(EngineConfig(**config, kernels="triton", batch_invariant=False))
+    launches = []
+    launch_chunked = triton_delta_rule.launch_chunked
+    monkeypatch.setattr(triton_delta_rule, "launch_chunked", lambda *a: launches.append(a[9]) or launch_chunked(*a))
+    for chunk_size in (None, 64):
+        launches.clear()
+        engine.drafter = ScriptedDrafter(expected, "partial", engine.model_config.vocab_size)
+        run = drive(engine, requests, chunk_size=chunk_size, arrival_steps={"r0": 1}, draft_budget=3)
+        assert launches == [1, 1, 1], chunk_size  # one chunked request, in each of the 3 DeltaNet layers, once
+        assert 0 < run.num_accepted < run.num_drafted
+        assert run.tokens == expected, chunk_size

@@ -26,10 +26,11 @@ prefill in the batch-invariant mode) take this kernel, its chunked ones (prefill
 least `min_chunked_tokens`, given only when batch invariance is off) the chunked kernel of
 `chunk_gated_delta_rule.py`, in the same step. The chunked form is batch-invariant too, but its
 rounding depends on where its chunks start, i.e. on the engine's prefill chunking: a prompt
-prefilled in one step and in several gives the same state only up to rounding (bit-identical
-when every engine chunk but the last is a multiple of its C tokens). That is why it is not taken
-in the batch-invariant mode, whose promise covers chunking, prefix hits and recompute after
-preemption as well as the batch.
+prefilled in one step and in several gives the same bits only when every step but the last is a
+multiple of C tokens and every step takes the chunked form; otherwise the same values up to
+rounding (and a prefix hit or a recompute after preemption runs tokens in the chunked form that
+were decoded in the recurrent one). That is why it is not taken in the batch-invariant mode,
+whose promise covers chunking, prefix hits and preemption as well as the batch.
 """
 
 from __future__ import annotations

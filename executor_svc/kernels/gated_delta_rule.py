@@ -158,8 +158,9 @@ def gated_delta_rule(
             num_warps=4 if block_k * value_tile >= 2048 else 2,
         )
     if num_chunked:
+        chunked_lens = [n for n, chunked in zip(plan.query_lens, plan.chunked) if chunked]
         launch_chunked(
-            mixed, alpha, beta, a, dt_bias, states, out, plan.kernel_table, num_requests, num_recurrent, num_chunked,
+            mixed, alpha, beta, a, dt_bias, states, out, plan.kernel_table, chunked_lens, num_recurrent, num_chunked,
             key_heads, chunk_tokens,
         )
     return out, window_starts

@@ -241,10 +241,11 @@ def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
         elif section == "greedy":
             result = "  |  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
         elif section == "kernel" and name == "delta_rule_prefill":
-            r = records[-1]
-            times = (f"triton recurrent {r['triton_us']:.0f}us chunked {r['triton_chunked_us']:.0f}us "
-                     f"torch (chunked) {r['torch_us']:.0f}us")
-            result = f"{r['size']}: {times}; {r['tokens_per_s']:.0f} / {r['chunked_tokens_per_s']:.0f} tokens/s"
+            result = "  |  ".join(
+                f"{r['size']}: triton recurrent {r['triton_us']:.0f}us chunked {r['triton_chunked_us']:.0f}us "
+                f"torch (chunked) {r['torch_us']:.0f}us; {r['tokens_per_s']:.0f} / {r['chunked_tokens_per_s']:.0f} tokens/s"
+                for r in records
+            )
         elif section == "kernel" and name != "attention_prefill":
             cells = [f"B{r['batch']}: {r['triton_us']:.1f}/{r['torch_us']:.1f}" for r in records]
             last = records[-1]
@@ -932,16 +933,19 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
             report.run("kernel", f"{name} B={b}", record, name, b, f"B={b}", triton_fn, torch_fn, bytes_moved)
     if report.over_budget():
         return
-    n, m = sizes.prefill_requests, sizes.delta_net_prefill_len
-    inputs = DeltaNetInputs(shape, [m] * n, dtype, device, gen)
-    args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
-    plan, chunked_plan = inputs.plan([1] * n), inputs.plan([1] * n, min_chunked_tokens=1)
-    triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
-    triton_chunked_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, chunked_plan))
-    torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
-    report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
-               triton_chunked_us=1e3 * triton_chunked_ms, torch_us=1e3 * torch_ms,
-               tokens_per_s=n * m / triton_ms * 1e3, chunked_tokens_per_s=n * m / triton_chunked_ms * 1e3)
+    # Several prefills, then one long prompt (where the recurrent kernel has only heads × value tiles programs).
+    for n, m in ((sizes.prefill_requests, sizes.delta_net_prefill_len), (1, 8 * sizes.delta_net_prefill_len)):
+        if report.over_budget():
+            return
+        inputs = DeltaNetInputs(shape, [m] * n, dtype, device, gen)
+        args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
+        plan, chunked_plan = inputs.plan([1] * n), inputs.plan([1] * n, min_chunked_tokens=1)
+        triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
+        triton_chunked_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, chunked_plan))
+        torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
+        report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
+                   triton_chunked_us=1e3 * triton_chunked_ms, torch_us=1e3 * torch_ms,
+                   tokens_per_s=n * m / triton_ms * 1e3, chunked_tokens_per_s=n * m / triton_chunked_ms * 1e3)
 
 
 # ----------------------------------------------------------------------------- GGUF dequant-matmul and the decode floor

@@ -70,8 +70,9 @@ class DeltaNetPlan:
     chunked: tuple[bool, ...]  # [R]: the request's rows take the chunked delta rule
     state_slots: list[int]  # [R]: each request's row in the layers' state pools
     slots: torch.Tensor  # [R] int64: the same, on the device
-    # [5, R] int32 on the device, for the kernels: query starts, query lens, the row where the
-    # verify window starts (-1: none), the request's index among the windows (-1: none), slots
+    # [6, R] int32 on the device, for the kernels: query starts, query lens, the row where the
+    # verify window starts (-1: none), the request's index among the windows (-1: none), slots,
+    # and the requests in launch order: those taking the recurrent delta rule, then the chunked ones
     kernel_table: torch.Tensor
     token_requests: torch.Tensor  # [num_tokens] int32: the request of each row
     conv: ConvPlan | None  # the torch conv's gather rows (None: a plan for the kernels or a replay)
@@ -84,6 +85,10 @@ class DeltaNetPlan:
     @property
     def max_window(self) -> int:
         return max(self.window_lens, default=0)
+
+    @property
+    def num_chunked(self) -> int:
+        return sum(self.chunked)
 
 
 def build_delta_net_plan(
@@ -110,7 +115,10 @@ def build_delta_net_plan(
     for w in window_lens:
         window_index.append(num_windows if w else -1)
         num_windows += bool(w)
-    table = torch.tensor([query_starts, query_lens, window_starts, window_index, state_slots], dtype=torch.int32)
+    launch_order = [r for r, c in enumerate(chunked) if not c] + [r for r, c in enumerate(chunked) if c]
+    table = torch.tensor(
+        [query_starts, query_lens, window_starts, window_index, state_slots, launch_order], dtype=torch.int32
+    )
     lens = torch.tensor(query_lens, dtype=torch.int64)
     token_requests = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), lens)
     return DeltaNetPlan(
@@ -120,7 +128,7 @@ def build_delta_net_plan(
         chunked=chunked,
         state_slots=list(state_slots),
         slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
-        kernel_table=table.reshape(5, -1).to(device),
+        kernel_table=table.reshape(6, -1).to(device),
         token_requests=token_requests.to(device),
         conv=None if conv_kernel is None else _conv_rows(query_starts, query_lens, window_lens, conv_kernel, device),
     )

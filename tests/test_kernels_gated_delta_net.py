@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from executor_svc import gated_delta_net  # noqa: E402
 from executor_svc.gated_delta_net import DeltaRuleWindow, build_delta_net_plan  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.torch_ops import TorchOps  # noqa: E402
@@ -129,6 +130,141 @@ def test_extreme_gates_match_torch():
     torch.testing.assert_close(ours, ref, **DELTA_TOLERANCE)
 
 
+# ---------------------------------------------------------------- the chunked (WY) delta rule
+
+# The chunked kernel's tolerance, every input dtype alike (it computes in float32, its dots in IEEE
+# float32): against torch's chunked form at the same C and against the recurrent form. Measured
+# max abs differences here are ~2e-7 on outputs of ~0.6 and ~8e-7 on states of ~4.
+CHUNKED_TOLERANCE = dict(rtol=2e-5, atol=2e-5)
+# Rows of 37 (three chunks of 16, the last partial), 16 (one whole chunk), 20 and two of one token in
+# the chunked form, beside a verify run of 4 in the recurrent one.
+CHUNKED_LENS = [37, 1, 16, 5, 1, 20]
+CHUNKED_LOGITS = [1, 1, 0, 4, 0, 1]
+CHUNKED_SLOTS = [5, 0, 3, 7, 2, 6]
+C = 16  # the kernel's chunk here: small, so tiny prefills span several chunks
+
+
+def chunked_plan_of(lens, logits_counts, slots, min_chunked_tokens=1):
+    """min_chunked_tokens=1: every row without a verify window takes the chunked form, one-token rows too."""
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return build_delta_net_plan(starts, lens, logits_counts, slots, CPU, min_chunked_tokens=min_chunked_tokens)
+
+
+def torch_chunked(mixed, alpha, beta, a, dt_bias, states, plan, chunk_tokens):
+    """TorchOps' gated_delta_rule with its chunked form at C = chunk_tokens."""
+    reference = gated_delta_net.chunked_gated_delta_rule
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gated_delta_net, "chunked_gated_delta_rule", lambda *args: reference(*args, chunk_size=chunk_tokens))
+        return TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("key_heads,heads,dk,dv", [(2, 4, 16, 16), (1, 3, 12, 40)])  # tiled heads; odd dk, two value tiles
+def test_chunked_delta_rule_matches_torch_chunked_and_recurrent_forms(dtype, key_heads, heads, dk, dv):
+    mixed, alpha, beta, a, dt_bias, states = delta_inputs(sum(CHUNKED_LENS), key_heads, heads, dk, dv, dtype)
+    plan = chunked_plan_of(CHUNKED_LENS, CHUNKED_LOGITS, CHUNKED_SLOTS)
+    assert plan.chunked == (True, True, True, False, True, True)
+    ours, chunked_ref, recurrent_ref = states.clone(), states.clone(), states.clone()
+    out, window_starts = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, plan)
+    ref_out, ref_window_starts = torch_chunked(mixed, alpha, beta, a, dt_bias, chunked_ref, plan, C)
+    recurrent_out, _ = TorchOps().gated_delta_rule(
+        mixed, alpha, beta, a, dt_bias, recurrent_ref, plan_of(CHUNKED_LENS, CHUNKED_LOGITS, CHUNKED_SLOTS)
+    )
+    torch.testing.assert_close(out, ref_out, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(ours, chunked_ref, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(out, recurrent_out, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(ours, recurrent_ref, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(window_starts, ref_window_starts, **DELTA_TOLERANCE)
+    untouched = [s for s in range(NUM_SLOTS) if s not in CHUNKED_SLOTS]
+    assert torch.equal(ours[untouched], states[untouched])
+
+
+def test_chunked_delta_rule_at_the_default_chunk_over_several_chunks():
+    """C = 64 (the engine's), a 150-token prefill (two whole chunks and a partial one), with
+    strong decays and strengths (the unit-triangular inverse's entries grow with both)."""
+    mixed, alpha, beta, a, dt_bias, states = delta_inputs(151, 1, 2, 16, 16)
+    beta[:150] = 3 * beta[:150].abs()
+    plan = chunked_plan_of([150, 1], [1, 1], [4, 1], min_chunked_tokens=64)
+    assert plan.chunked == (True, False)
+    ours, recurrent_ref = states.clone(), states.clone()
+    out, _ = TritonOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, plan)
+    recurrent_out, _ = TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, recurrent_ref, plan_of([150, 1], [1, 1], [4, 1]))
+    torch.testing.assert_close(out, recurrent_out, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(ours, recurrent_ref, **CHUNKED_TOLERANCE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp of a masked-off branch
+def test_chunked_delta_rule_with_extreme_gates():
+    """Decays of 0 and 1 and strengths of 0 and 1 inside one chunk."""
+    mixed, alpha, beta, a, dt_bias, states = delta_inputs(6, 1, 2, 8, 8)
+    alpha[:, 0] = torch.tensor([60.0, -60.0, 19.5, 20.5, 60.0, -60.0])
+    beta[:, 1] = torch.tensor([80.0, -80.0, 0.0, 30.0, -30.0, 80.0])
+    ours, ref = states.clone(), states.clone()
+    out, _ = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, chunked_plan_of([6], [1], [1]))
+    ref_out, _ = TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, ref, plan_of([6], [1], [1]))
+    assert torch.isfinite(out).all() and torch.isfinite(ours).all()
+    torch.testing.assert_close(out, ref_out, **CHUNKED_TOLERANCE)
+    torch.testing.assert_close(ours, ref, **CHUNKED_TOLERANCE)
+
+
+def test_chunked_requests_bits_do_not_depend_on_the_batch():
+    """Each chunked request alone, and in batches of other compositions and orders: the same bits."""
+    ops = TritonOps(delta_rule_chunk_tokens=C)
+    mixed, alpha, beta, a, dt_bias, states = delta_inputs(sum(CHUNKED_LENS), 2, 4, 16, 16)
+    starts = [sum(CHUNKED_LENS[:i]) for i in range(len(CHUNKED_LENS))]
+    rows = [slice(s, s + n) for s, n in zip(starts, CHUNKED_LENS)]
+
+    def run(requests):
+        """The requests (indices into CHUNKED_*) in this order in one launch → (per request: out, state)."""
+        pool = states.clone()
+        pick = lambda t: torch.cat([t[rows[r]] for r in requests])  # noqa: E731
+        plan = chunked_plan_of([CHUNKED_LENS[r] for r in requests], [CHUNKED_LOGITS[r] for r in requests],
+                               [CHUNKED_SLOTS[r] for r in requests])
+        out, _ = ops.gated_delta_rule(pick(mixed), pick(alpha), pick(beta), a, dt_bias, pool, plan)
+        offsets = [sum(CHUNKED_LENS[q] for q in requests[:i]) for i in range(len(requests))]
+        return {r: (out[o : o + CHUNKED_LENS[r]], pool[CHUNKED_SLOTS[r]]) for r, o in zip(requests, offsets)}
+
+    batch = run(list(range(len(CHUNKED_LENS))))
+    others = [run([5, 0, 3]), run([2, 4, 1, 0])]
+    for r in (0, 2, 4, 5):
+        alone = run([r])[r]
+        for result in [batch, *others]:
+            if r in result:
+                assert torch.equal(alone[0], result[r][0]) and torch.equal(alone[1], result[r][1]), r
+
+
+def test_chunked_prefill_split_at_a_chunk_multiple_gives_the_same_bits():
+    """What holds for the engine's prefill chunking: a prompt prefilled in one step and in two split
+    at a multiple of C gives the same bits; split elsewhere, the same values up to rounding."""
+    ops = TritonOps(delta_rule_chunk_tokens=C)
+    n = 45
+    mixed, alpha, beta, a, dt_bias, states = delta_inputs(n, 2, 4, 16, 16)
+
+    def run(cuts):
+        pool, outs = states.clone(), []
+        for start, end in zip([0, *cuts], [*cuts, n]):
+            rows = slice(start, end)
+            out, _ = ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], a, dt_bias, pool,
+                                          chunked_plan_of([end - start], [1], [2]))
+            outs.append(out)
+        return torch.cat(outs), pool[2]
+
+    whole = run([])
+    for cuts in ([16], [32], [16, 32]):
+        split = run(cuts)
+        assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1]), cuts
+    for cuts in ([7], [20, 33]):
+        split = run(cuts)
+        torch.testing.assert_close(split[0], whole[0], **CHUNKED_TOLERANCE)
+        torch.testing.assert_close(split[1], whole[1], **CHUNKED_TOLERANCE)
+
+
+def test_bad_chunk_sizes_are_refused():
+    for chunk_tokens in (8, 48):
+        with pytest.raises(ValueError, match="delta_rule_chunk_tokens must be a power of two >= 16"):
+            TritonOps(delta_rule_chunk_tokens=chunk_tokens)
+
+
 # ---------------------------------------------------------------- batch invariance, replay
 
 
@@ -226,3 +362,37 @@ def test_triton_kernels_in_the_hybrid_engine_give_the_torch_tokens(tmp_path):
     run = drive(engine, requests, chunk_size=4, arrival_steps={"r1": 1}, draft_budget=3)
     assert 0 < run.num_accepted < run.num_drafted
     assert run.tokens == expected
+
+
+def test_triton_chunked_prefills_in_the_hybrid_engine_give_the_torch_tokens(tmp_path, monkeypatch):
+    """Batch invariance off: prefills of ≥ 64 tokens take the chunked kernel. A 100-token prompt
+    prefilled in one step (a whole chunk and a partial one), then in steps of 64 (one chunk, then a
+    36-token recurrent step), while
+    another request decodes with partly kept drafts beside it: the tokens of the torch engine in
+    its batch-invariant (recurrent) mode. Equal tokens are what the tolerance buys on this model,
+    not a bitwise promise (the chunked form rounds differently from the recurrent one)."""
+    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.kernels import gated_delta_rule as triton_delta_rule
+    from executor_svc.request_state import NewRequest
+    from service_common.sampling_params import SamplingParams
+    from tests.engine_driver import ScriptedDrafter, drive
+    from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+    _, path = write_tiny_hybrid_model(tmp_path / "qwen35.gguf", TinyHybridSpec("qwen35"))
+    long_prompt = [(7 * i) % 250 + 3 for i in range(100)]
+    prompts = [long_prompt, [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85]]
+    requests = [NewRequest(f"r{i}", p, SamplingParams(), 5, ignore_eos=True) for i, p in enumerate(prompts)]
+    config = dict(model=str(path), kv_cache_bytes=4 << 20, num_state_slots=4)
+    expected = drive(Engine(EngineConfig(**config, kernels="torch")), requests).tokens
+    engine = Engine(EngineConfig(**config, kernels="triton", batch_invariant=False))
+    launches = []
+    launch_chunked = triton_delta_rule.launch_chunked
+    monkeypatch.setattr(triton_delta_rule, "launch_chunked", lambda *a: launches.append(a[8]) or launch_chunked(*a))
+    for chunk_size in (None, 64):
+        launches.clear()
+        engine.drafter = ScriptedDrafter(expected, "partial", engine.model_config.vocab_size)
+        run = drive(engine, requests, chunk_size=chunk_size, arrival_steps={"r0": 1}, draft_budget=3)
+        # The long prompt's one chunked step, in each of the 3 DeltaNet layers.
+        assert launches == [[chunk_size or len(long_prompt)]] * 3, launches
+        assert 0 < run.num_accepted < run.num_drafted
+        assert run.tokens == expected, chunk_size

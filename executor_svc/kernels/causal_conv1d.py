@@ -51,7 +51,7 @@ def _conv_kernel(
     states_ptr,  # [num_slots, WIDTH, C] contiguous
     weight_ptr,  # [C, KERNEL] contiguous
     out_ptr,  # [T, C] contiguous, x's dtype
-    table_ptr,  # [5, R] int32: query starts, lens, window starts, window index, slots
+    table_ptr,  # [6, R] int32: query starts, lens, window starts, window index, slots, launch order
     token_requests_ptr,  # [T] int32
     num_requests,
     stride_x,
@@ -88,7 +88,7 @@ def _state_kernel(
     x_ptr,  # [T, C] rows strided
     states_ptr,  # [num_slots, WIDTH, C] contiguous: read, then the request's slot rewritten
     windows_ptr,  # [num_windows, max_window, WIDTH, C] contiguous (unused without windows)
-    table_ptr,  # [5, R] int32
+    table_ptr,  # [6, R] int32 (`DeltaNetPlan.kernel_table`)
     num_requests,
     max_window,
     stride_x,

@@ -20,6 +20,17 @@ A request verifying drafts gets its state before the verify window stored as wel
 pool replays the window with this same kernel (`DeltaRuleWindow.state_after`), so a
 partial acceptance restores exactly the state plain decoding has.
 The torch reference is `gated_delta_net.gated_delta_rule`.
+
+`gated_delta_rule` is the op: the plan's recurrent requests (decode, verify, and every
+prefill in the batch-invariant mode) take this kernel, its chunked ones (prefills of at
+least `min_chunked_tokens`, given only when batch invariance is off) the chunked kernel of
+`chunk_gated_delta_rule.py`, in the same step. The chunked form is batch-invariant too, but its
+rounding depends on where its chunks start, i.e. on the engine's prefill chunking: a prompt
+prefilled in one step and in several gives the same bits only when every step but the last is a
+multiple of C tokens and every step takes the chunked form; otherwise the same values up to
+rounding (and a prefix hit or a recompute after preemption runs tokens in the chunked form that
+were decoded in the recurrent one). That is why it is not taken in the batch-invariant mode,
+whose promise covers chunking, prefix hits and preemption as well as the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import triton.language as tl
 
 from executor_svc.gated_delta_net import DeltaNetPlan, num_key_heads_of
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
+from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS, launch_chunked, log_decay, write_strength
 
 MAX_VALUE_TILE = 32  # value columns per program: registers hold dk × this many float32
 
@@ -44,8 +56,8 @@ def _gated_delta_rule_kernel(
     states_ptr,  # [num_slots, HEADS, DK, DV] float32 contiguous
     out_ptr,  # [T, HEADS, DV] float32 contiguous
     window_starts_ptr,  # [num_windows, HEADS, DK, DV] float32 (unused without windows)
-    table_ptr,  # [5, R] int32: query starts, lens, window starts, window index, slots
-    num_requests,
+    table_ptr,  # [6, R] int32 (`DeltaNetPlan.kernel_table`)
+    num_requests,  # this launch's requests are the first of the launch order
     stride_mixed,
     stride_alpha,
     stride_beta,
@@ -58,7 +70,7 @@ def _gated_delta_rule_kernel(
     BV: tl.constexpr,
 ):
     value_tile = tl.program_id(0)
-    r = tl.program_id(1) // HEADS
+    r = tl.load(table_ptr + 5 * num_requests + tl.program_id(1) // HEADS)
     h = tl.program_id(1) % HEADS
     key_head = h % KEY_HEADS  # value heads are tiled over key heads
     query_start = tl.load(table_ptr + r)
@@ -84,11 +96,8 @@ def _gated_delta_rule_kernel(
         v = tl.load(row + 2 * KEY_HEADS * DK + h * DV + vs, mask=v_mask, other=0.0).to(tl.float32)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * q_scale
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
-        x = tl.load(alpha_ptr + t * stride_alpha + h).to(tl.float32) + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
-        decay = tl.exp(a * softplus)
-        b = tl.load(beta_ptr + t * stride_beta + h).to(tl.float32)
-        strength = 1.0 / (1.0 + tl.exp(-b))
+        decay = tl.exp(log_decay(tl.load(alpha_ptr + t * stride_alpha + h).to(tl.float32), dt_bias, a))
+        strength = write_strength(tl.load(beta_ptr + t * stride_beta + h).to(tl.float32))
         s = s * decay
         predicted = tl.sum(s * k[:, None], axis=0)  # [BV]: what S already returns for k
         s = s + k[:, None] * ((v - predicted) * strength)[None, :]
@@ -105,9 +114,11 @@ def gated_delta_rule(
     dt_bias: torch.Tensor,  # [H]
     states: torch.Tensor,  # [num_slots, H, dk, dv] float32: the plan's slots updated IN PLACE
     plan: DeltaNetPlan,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """→ (o [T, H, dv] float32, the states before the verify windows [num_windows, H, dk, dv] or None),
-    as `gated_delta_net.gated_delta_rule` (every request in the recurrent form)."""
+    as `gated_delta_net.gated_delta_rule`: the plan's chunked requests in the chunked form, C =
+    `chunk_tokens` (a power of two ≥ 16), the others in the recurrent form."""
     check_tensor("mixed", mixed, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("alpha", alpha, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("beta", beta, ndim=2, dtypes=FLOAT_DTYPES)
@@ -127,19 +138,29 @@ def gated_delta_rule(
         raise ValueError(f"mixed has {num_tokens} rows but the plan schedules {plan.token_requests.shape[0]} tokens")
     if not states.is_contiguous():
         raise ValueError("states must be contiguous")
+    if chunk_tokens < 16 or chunk_tokens & (chunk_tokens - 1):
+        raise ValueError(f"chunk_tokens must be a power of two >= 16, got {chunk_tokens}")
     out = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=mixed.device)
     windows = plan.window_requests
     window_starts = torch.empty(len(windows), heads, dk, dv, dtype=torch.float32, device=mixed.device) if windows else None
     if num_tokens == 0:
         return out, window_starts
-    value_tile = min(MAX_VALUE_TILE, triton.next_power_of_2(dv))
-    num_requests = len(plan.query_lens)
-    block_k = triton.next_power_of_2(dk)
-    _gated_delta_rule_kernel[(triton.cdiv(dv, value_tile), num_requests * heads)](
-        mixed, alpha, beta, a, dt_bias, states, out,
-        window_starts if window_starts is not None else out,
-        plan.kernel_table, num_requests, mixed.stride(0), alpha.stride(0), beta.stride(0), dk**-0.5,
-        HEADS=heads, KEY_HEADS=key_heads, DK=dk, DV=dv, BK=block_k, BV=value_tile,
-        num_warps=4 if block_k * value_tile >= 2048 else 2,
-    )
+    num_requests, num_chunked = len(plan.query_lens), plan.num_chunked
+    num_recurrent = num_requests - num_chunked
+    if num_recurrent:
+        value_tile = min(MAX_VALUE_TILE, triton.next_power_of_2(dv))
+        block_k = triton.next_power_of_2(dk)
+        _gated_delta_rule_kernel[(triton.cdiv(dv, value_tile), num_recurrent * heads)](
+            mixed, alpha, beta, a, dt_bias, states, out,
+            window_starts if window_starts is not None else out,
+            plan.kernel_table, num_requests, mixed.stride(0), alpha.stride(0), beta.stride(0), dk**-0.5,
+            HEADS=heads, KEY_HEADS=key_heads, DK=dk, DV=dv, BK=block_k, BV=value_tile,
+            num_warps=4 if block_k * value_tile >= 2048 else 2,
+        )
+    if num_chunked:
+        chunked_lens = [n for n, chunked in zip(plan.query_lens, plan.chunked) if chunked]
+        launch_chunked(
+            mixed, alpha, beta, a, dt_bias, states, out, plan.kernel_table, chunked_lens, num_recurrent, num_chunked,
+            key_heads, chunk_tokens,
+        )
     return out, window_starts

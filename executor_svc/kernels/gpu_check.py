@@ -11,8 +11,9 @@ rest; a time budget skips whatever is left when it runs out):
 - roofline   device-to-device copy bandwidth and bf16 matmul rate: the yardsticks.
 - correct    every kernel against the torch reference (`TorchOps`) on fresh random
              inputs at both model shapes: ‖out − ref‖ / ‖ref‖ per dtype; the Gated
-             DeltaNet kernels (causal conv, delta rule, verify-window states) on a ragged
-             batch at Qwen3.5-9B's DeltaNet shape, with the max abs error too.
+             DeltaNet kernels (causal conv, delta rule, verify-window states, the chunked
+             delta rule against torch's chunked and recurrent forms) on a ragged batch at
+             Qwen3.5-9B's DeltaNet shape, with the max abs error too.
 - invariant  the attention kernel's batch invariance, bit for bit, on the device; the
              DeltaNet kernels' too (a request alone, in a batch, in two chunks).
 - greedy     a random-weight model of the small shape decoding a ragged batch for
@@ -23,7 +24,8 @@ rest; a time budget skips whatever is left when it runs out):
              512 (bytes moved / time against the copy bandwidth); attention prefill
              (flops / time against the matmul rate); the DeltaNet kernels the same way
              (their bytes are the recurrent/conv states read and written) and the delta
-             rule over prefills (tokens/s; torch runs its chunked form there).
+             rule over prefills (tokens/s of the recurrent and the chunked Triton kernel; torch
+             runs its chunked form there).
 - step       a whole decode step (`Transformer.forward`), TritonOps vs TorchOps.
 
 Progress goes to stderr with timestamps, ONE compact table to stdout at the end, and
@@ -239,9 +241,11 @@ def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
         elif section == "greedy":
             result = "  |  ".join(f"{r['dtype']}: {r['summary']}" for r in records)
         elif section == "kernel" and name == "delta_rule_prefill":
-            r = records[-1]
-            times = f"triton {r['triton_us']:.0f}us torch (chunked) {r['torch_us']:.0f}us"
-            result = f"{r['size']}: {times}, {r['tokens_per_s']:.0f} tokens/s"
+            result = "  |  ".join(
+                f"{r['size']}: triton recurrent {r['triton_us']:.0f}us chunked {r['triton_chunked_us']:.0f}us "
+                f"torch (chunked) {r['torch_us']:.0f}us; {r['tokens_per_s']:.0f} / {r['chunked_tokens_per_s']:.0f} tokens/s"
+                for r in records
+            )
         elif section == "kernel" and name != "attention_prefill":
             cells = [f"B{r['batch']}: {r['triton_us']:.1f}/{r['torch_us']:.1f}" for r in records]
             last = records[-1]
@@ -822,10 +826,20 @@ def section_correct_delta_net(report: Report, dtype_name: str, device, sizes: Si
     record("delta_rule_states", torch.cat([ours.flatten(), window_starts.flatten()]),
            torch.cat([ref.flatten(), ref_window_starts.flatten()]), 1e-5)
 
+    # The prefill rows in the chunked form (C = 64), against torch's chunked form and its recurrent one.
+    ours, ref = inputs.states.clone(), inputs.states.clone()
+    out, _ = triton_ops.gated_delta_rule(*args, ours, inputs.plan(counts, min_chunked_tokens=2))
+    ref_out, _ = torch_ops.gated_delta_rule(*args, ref, inputs.plan(counts, min_chunked_tokens=2))
+    record("chunk_gated_delta_rule", torch.cat([out.flatten(), ours.flatten()]), torch.cat([ref_out.flatten(), ref.flatten()]), 1e-5)
+    ref = inputs.states.clone()
+    ref_out, _ = torch_ops.gated_delta_rule(*args, ref, plan)
+    record("chunk_vs_recurrent", torch.cat([out.flatten(), ours.flatten()]), torch.cat([ref_out.flatten(), ref.flatten()]), 1e-5)
+
 
 def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
     """One request's conv and delta-rule outputs and states, bit for bit: alone, in the ragged batch,
-    and prefilled in two chunks beside a decode."""
+    and prefilled in two chunks beside a decode; then its delta rule in the chunked form, alone and
+    in the batch (and in two steps split at a multiple of the kernel's chunk, where it is long enough)."""
     dtype, shape = DTYPES[dtype_name], sizes.delta_net
     gen = torch.Generator(device=device).manual_seed(18)
     lens, counts = _delta_net_batch(sizes)
@@ -835,18 +849,25 @@ def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes:
     start, n = sum(lens[:target]), lens[target]
     slot = inputs.slots[target]
 
-    def run(parts, query_lens, logits_counts, slots, conv_states, states):
+    def run(parts, query_lens, logits_counts, slots, conv_states, states, min_chunked_tokens=None):
         """parts: row ranges laid end to end → (conv out, delta out, the target slot's conv state and state)."""
         from executor_svc.gated_delta_net import build_delta_net_plan
 
         pick = lambda t: torch.cat([t[p] for p in parts])  # noqa: E731
         starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-        plan = build_delta_net_plan(starts, query_lens, logits_counts, slots, device)
+        plan = build_delta_net_plan(starts, query_lens, logits_counts, slots, device, min_chunked_tokens=min_chunked_tokens)
         conv_out, _ = ops.causal_conv1d(pick(inputs.x), conv_states, inputs.weight, plan)
         delta_out, _ = ops.gated_delta_rule(
             pick(inputs.mixed), pick(inputs.alpha), pick(inputs.beta), inputs.a, inputs.dt_bias, states, plan
         )
         return conv_out, delta_out, conv_states[slot].clone(), states[slot].clone()
+
+    def max_diff(runs, batch):
+        return max(float((a.float() - b.float()).abs().max()) for run_ in runs for a, b in zip(run_, batch))
+
+    def add(name, size, diff):
+        summary = "bitwise equal" if diff == 0.0 else f"FAIL max diff {diff:.1e}"
+        report.add("invariant", name, shape["name"], dtype_name, size, ok=diff == 0.0, max_diff=diff, summary=summary)
 
     rows = slice(start, start + n)
     batch = run([slice(0, sum(lens))], lens, counts, inputs.slots, inputs.conv_states.clone(), inputs.states.clone())
@@ -859,11 +880,23 @@ def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes:
     second = run([slice(sum(lens[:1]), sum(lens[:1]) + 1), slice(start + half, start + n)], [1, n - half], [1, 0],
                  [other, slot], conv_states, states)
     chunked = (torch.cat([first[0], second[0][1:]]), torch.cat([first[1], second[1][1:]]), second[2], second[3])
-    max_diff = max(float((a.float() - b.float()).abs().max()) for run_ in (alone, chunked) for a, b in zip(run_, batch))
-    ok = max_diff == 0.0
-    summary = "bitwise equal" if ok else f"FAIL max diff {max_diff:.1e}"
-    report.add("invariant", "delta_net_request", shape["name"], dtype_name, "alone/batch/2 chunks", ok=ok,
-               max_diff=max_diff, summary=summary)
+    add("delta_net_request", "alone/batch/2 chunks", max_diff((alone, chunked), batch))
+
+    # The chunked form: every prefill row of the batch takes it, decode and verify rows stay recurrent.
+    from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS
+
+    batch = run([slice(0, sum(lens))], lens, counts, inputs.slots, inputs.conv_states.clone(), inputs.states.clone(), 2)
+    batch = (batch[0][rows], batch[1][rows], batch[2], batch[3])
+    alone = run([rows], [n], [0], [slot], inputs.conv_states.clone(), inputs.states.clone(), 2)
+    runs, size = [alone], "alone/batch"
+    split = n - n % CHUNK_TOKENS if n > CHUNK_TOKENS else 0
+    if split:
+        conv_states, states = inputs.conv_states.clone(), inputs.states.clone()
+        first = run([slice(start, start + split)], [split], [0], [slot], conv_states, states, 2)
+        second = run([slice(start + split, start + n)], [n - split], [0], [slot], conv_states, states, 1)
+        runs.append((torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]), second[2], second[3]))
+        size += f"/2 chunks at {split}"
+    add("delta_net_chunked_request", size, max_diff(runs, batch))
 
 
 def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes) -> None:
@@ -900,14 +933,19 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
             report.run("kernel", f"{name} B={b}", record, name, b, f"B={b}", triton_fn, torch_fn, bytes_moved)
     if report.over_budget():
         return
-    n, m = sizes.prefill_requests, sizes.delta_net_prefill_len
-    inputs = DeltaNetInputs(shape, [m] * n, dtype, device, gen)
-    args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
-    plan, chunked_plan = inputs.plan([1] * n), inputs.plan([1] * n, min_chunked_tokens=1)
-    triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
-    torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
-    report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
-               torch_us=1e3 * torch_ms, tokens_per_s=n * m / triton_ms * 1e3)
+    # Several prefills, then one long prompt (where the recurrent kernel has only heads × value tiles programs).
+    for n, m in ((sizes.prefill_requests, sizes.delta_net_prefill_len), (1, 8 * sizes.delta_net_prefill_len)):
+        if report.over_budget():
+            return
+        inputs = DeltaNetInputs(shape, [m] * n, dtype, device, gen)
+        args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
+        plan, chunked_plan = inputs.plan([1] * n), inputs.plan([1] * n, min_chunked_tokens=1)
+        triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
+        triton_chunked_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, chunked_plan))
+        torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
+        report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
+                   triton_chunked_us=1e3 * triton_chunked_ms, torch_us=1e3 * torch_ms,
+                   tokens_per_s=n * m / triton_ms * 1e3, chunked_tokens_per_s=n * m / triton_chunked_ms * 1e3)
 
 
 # ----------------------------------------------------------------------------- GGUF dequant-matmul and the decode floor

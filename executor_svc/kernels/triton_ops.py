@@ -15,6 +15,7 @@ import torch
 
 from executor_svc.gated_delta_net import DeltaNetPlan, build_delta_net_plan
 from executor_svc.kernels.causal_conv1d import causal_conv1d
+from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS
 from executor_svc.kernels.gated_delta_rule import gated_delta_rule
 from executor_svc.kernels.kv_store import write_kv
 from executor_svc.kernels.paged_attention import AttentionMetadata, build_attention_metadata, paged_attention
@@ -28,16 +29,22 @@ from executor_svc.torch_ops import qkv_rope_write
 class TritonOps:
     name = "triton"
 
-    def __init__(self, query_tile_tokens: int = 16, kv_tile_keys: int | None = None) -> None:
+    def __init__(
+        self, query_tile_tokens: int = 16, kv_tile_keys: int | None = None, delta_rule_chunk_tokens: int = CHUNK_TOKENS
+    ) -> None:
         """query_tile_tokens: tokens of one request per attention program (times the GQA group
         gives its rows); kv_tile_keys: keys per step of the online softmax (None: chosen from
-        the dtype and head_dim, see `default_kv_tile_keys`). Powers of two."""
+        the dtype and head_dim, see `default_kv_tile_keys`); delta_rule_chunk_tokens: the chunk C
+        of the chunked delta rule (its rounding depends on it). Powers of two."""
         if query_tile_tokens < 1 or query_tile_tokens & (query_tile_tokens - 1):
             raise ValueError(f"query_tile_tokens must be a power of two, got {query_tile_tokens}")
         if kv_tile_keys is not None and (kv_tile_keys < 16 or kv_tile_keys & (kv_tile_keys - 1)):
             raise ValueError(f"kv_tile_keys must be a power of two >= 16, got {kv_tile_keys}")
+        if delta_rule_chunk_tokens < 16 or delta_rule_chunk_tokens & (delta_rule_chunk_tokens - 1):
+            raise ValueError(f"delta_rule_chunk_tokens must be a power of two >= 16, got {delta_rule_chunk_tokens}")
         self.query_tile_tokens = query_tile_tokens
         self.kv_tile_keys = kv_tile_keys
+        self.delta_rule_chunk_tokens = delta_rule_chunk_tokens
 
     def layer_stack(self, config, weights, scale: float) -> None:
         """No fused layer stack here: the model runs its layer loop on these ops (see CpuOps')."""
@@ -95,10 +102,13 @@ class TritonOps:
     # ----------------------------------------------------------- Gated DeltaNet (hybrid models)
 
     def prepare_delta_net(self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None) -> DeltaNetPlan:
-        """Per-step DeltaNet metadata. Every request takes the recurrent kernel (there is no chunked
-        Triton kernel yet), so `min_chunked_tokens` changes nothing: the result stays batch-invariant."""
+        """Per-step DeltaNet metadata, built once and passed to every DeltaNet layer; prefills of at
+        least `min_chunked_tokens` take the chunked kernel (None: none, the batch-invariant way).
+        Decode and verify rows always take the recurrent kernel: a verify window's rollback replays
+        its positions with it (`DeltaRuleWindow`)."""
         return build_delta_net_plan(
-            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots), batch.token_ids.device
+            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots),
+            batch.token_ids.device, min_chunked_tokens=min_chunked_tokens,
         )
 
     def causal_conv1d(
@@ -110,4 +120,4 @@ class TritonOps:
 
     def gated_delta_rule(self, mixed, alpha, beta, a, dt_bias, states, plan: DeltaNetPlan):
         """(o [T, H, dv] float32, states before the verify windows or None); states updated in place."""
-        return gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan)
+        return gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan, self.delta_rule_chunk_tokens)

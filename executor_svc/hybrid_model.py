@@ -23,21 +23,61 @@ the same RMSNorm as the dense model's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow
+from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow, build_delta_net_plan
 from executor_svc.invariant_elementwise import invariant_map
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import Decoder, embed, ffn, lm_head
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
 from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.recurrent_state import RecurrentStatePool
+from executor_svc.recurrent_state import RecurrentStatePool, StepCapture
 from executor_svc.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
 MIN_CHUNKED_PREFILL_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """The step's state snapshots inside prefill chunks (see `RecurrentStatePool.capture_in_step`),
+    built once per step and used by every DeltaNet layer."""
+
+    source_slots: torch.Tensor  # [C] int64: the capturing requests' slots (their state before the step)
+    rows: torch.Tensor  # [C] int64: the snapshot rows written
+    conv_rows: torch.Tensor  # [C, kernel − 1] int64: rows of cat(source conv states, step inputs) that are the conv state at the boundary
+    token_rows: torch.Tensor  # [Σ num_tokens] int64: the step rows before each boundary, capture after capture
+    replay: DeltaNetPlan  # the delta rule over token_rows, onto the snapshot rows
+
+    @classmethod
+    def build(cls, captures: list[StepCapture], batch: RaggedBatch, conv_kernel: int, device) -> "CapturePlan | None":
+        if not captures:
+            return None
+        request_of = {slot: r for r, slot in enumerate(batch.state_slots)}
+        width, base = conv_kernel - 1, len(captures) * (conv_kernel - 1)  # step inputs follow the stacked conv states
+        conv_rows, token_rows, replay_starts = [], [], []
+        for c, capture in enumerate(captures):
+            r = request_of[capture.slot]
+            start, n = batch.query_starts[r], capture.num_tokens
+            if n >= batch.query_lens[r]:
+                raise ValueError(f"slot {capture.slot}: a capture after {n} of the step's {batch.query_lens[r]} tokens is not inside it")
+            # As the causal conv's next state: offsets below `width` are the old state, the rest step inputs.
+            conv_rows.append([c * width + o if o < width else base + start + o - width for o in range(n, n + width)])
+            replay_starts.append(len(token_rows))
+            token_rows.extend(range(start, start + n))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        rows = [c.row for c in captures]
+        return cls(
+            source_slots=as_tensor([c.slot for c in captures]),
+            rows=as_tensor(rows),
+            conv_rows=as_tensor(conv_rows).reshape(len(captures), width),
+            token_rows=as_tensor(token_rows),
+            replay=build_delta_net_plan(replay_starts, [c.num_tokens for c in captures], [1] * len(captures), rows, device),
+        )
 
 
 class HybridTransformer(Decoder):
@@ -65,11 +105,11 @@ class HybridTransformer(Decoder):
         # Off: long prefills take the chunked delta rule (where the ops have it).
         min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
         delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
-        state_pool.begin_step()
+        capture_plan = CapturePlan.build(state_pool.begin_step(), batch, c.conv_kernel, self.device)
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         for layer_index, layer in enumerate(w.layers):
             if layer.delta_net is not None:
-                mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool)
+                mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool, capture_plan)
             else:
                 mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
             x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
@@ -95,13 +135,22 @@ class HybridTransformer(Decoder):
         attn = ops.attention(q.contiguous(), k_cache, v_cache, metadata, self.scale)  # [T, heads, head_dim]
         return linear(attn.reshape(t, heads * d) * invariant_map(torch.sigmoid, gate), layer.o_proj)
 
-    def _delta_net(self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool):
+    def _delta_net(
+        self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool, captures: CapturePlan | None
+    ):
         c, ops = self.config, self.ops
         n, heads, dv = plan.token_requests.shape[0], c.num_linear_value_heads, c.linear_value_head_dim
         proj = linear(x[:n], dn.in_proj)  # [n, conv_dim + value_dim + 2 * heads]: padding rows skipped
         mixed, z, beta, alpha = proj.split([c.conv_dim, c.linear_value_dim, heads, heads], dim=-1)
         conv_states, recurrent_states = pool.layer(layer_index)
+        if captures is not None:  # before the step's ops move the slots past the boundaries
+            stacked = torch.cat([conv_states[captures.source_slots].flatten(0, 1), mixed.to(conv_states.dtype)])
+            conv_states[captures.rows] = stacked[captures.conv_rows]
+            recurrent_states[captures.rows] = recurrent_states[captures.source_slots]
         mixed, conv_windows = ops.causal_conv1d(mixed, conv_states, dn.conv, plan)
+        if captures is not None:  # the updates before each boundary again, onto the snapshot rows
+            rows = captures.token_rows
+            ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], dn.a, dn.dt_bias, recurrent_states, captures.replay)
         o, window_starts = ops.gated_delta_rule(mixed, alpha, beta, dn.a, dn.dt_bias, recurrent_states, plan)
         for i, r in enumerate(plan.window_requests):  # keep what restores the state after any kept draft
             # Copies, not views: a view would keep the whole step's tensors alive until the next step.

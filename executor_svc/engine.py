@@ -504,11 +504,12 @@ class Engine:
         state = w.state
         emitted, num_accepted, logprobs = self._sample(w, logits, argmax_ids, raw_rows, row)
         # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
-        state.num_computed_tokens += w.num_tokens + min(num_accepted, len(emitted))
-        if self.kv.state_pool is not None and num_accepted < len(w.draft_ids):
+        num_kept = min(num_accepted, len(emitted))  # fewer than accepted when an accepted draft finished the request
+        state.num_computed_tokens += w.num_tokens + num_kept
+        if self.kv.state_pool is not None and num_kept < len(w.draft_ids):
             # The recurrent state went through every draft: put back the one after the last kept token
             # (a finishing request too: commit may snapshot it).
-            self.kv.restore_state(state.request_id, num_accepted)
+            self.kv.restore_state(state.request_id, num_kept)
         self.kv.commit(state.request_id, state.token_ids, state.num_computed_tokens)
         if emitted:
             self.drafter.append(state.request_id, emitted)

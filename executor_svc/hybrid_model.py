@@ -23,7 +23,7 @@ the same RMSNorm as the dense model's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,38 +45,65 @@ MIN_CHUNKED_PREFILL_TOKENS = 64
 @dataclass(frozen=True)
 class CapturePlan:
     """The step's state snapshots inside prefill chunks (see `RecurrentStatePool.capture_in_step`),
-    built once per step and used by every DeltaNet layer."""
+    built once per step and used by every DeltaNet layer.
+
+    The conv state at a boundary is just the inputs before it. The delta-rule state there is had
+    for free when the request's rows take the recurrent form: the step's plan gives it a window
+    starting at the boundary, and the ops hand back the state before a window (as for a verify
+    window, but nothing else of it is kept). A request taking the chunked form (long prefills
+    without batch invariance) or whose boundary is its last row (a window needs two) has the
+    updates before the boundary replayed onto a copy of its state before the step instead.
+    """
 
     source_slots: torch.Tensor  # [C] int64: the capturing requests' slots (their state before the step)
     rows: torch.Tensor  # [C] int64: the snapshot rows written
     conv_rows: torch.Tensor  # [C, kernel − 1] int64: rows of cat(source conv states, step inputs) that are the conv state at the boundary
-    token_rows: torch.Tensor  # [Σ num_tokens] int64: the step rows before each boundary, capture after capture
-    replay: DeltaNetPlan  # the delta rule over token_rows, onto the snapshot rows
+    window_rows: dict[int, int]  # request index → snapshot row, for requests whose window starts at the boundary
+    window_counts: tuple[int, ...]  # [R]: the verify windows, and the capture windows
+    replay: DeltaNetPlan | None  # the delta rule over token_rows, onto replay_rows (None: no replays)
+    replay_source_slots: torch.Tensor
+    replay_rows: torch.Tensor
+    token_rows: torch.Tensor  # [Σ num_tokens] int64: the step rows before each replayed boundary
 
     @classmethod
-    def build(cls, captures: list[StepCapture], batch: RaggedBatch, conv_kernel: int, device) -> "CapturePlan | None":
+    def build(
+        cls, captures: list[StepCapture], batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None, device
+    ) -> "CapturePlan | None":
         if not captures:
             return None
         request_of = {slot: r for r, slot in enumerate(batch.state_slots)}
         width, base = conv_kernel - 1, len(captures) * (conv_kernel - 1)  # step inputs follow the stacked conv states
-        conv_rows, token_rows, replay_starts = [], [], []
+        conv_rows, window_rows, window_counts = [], {}, list(batch.logits_counts)
+        replayed, token_rows, replay_starts = [], [], []
         for c, capture in enumerate(captures):
             r = request_of[capture.slot]
-            start, n = batch.query_starts[r], capture.num_tokens
-            if n >= batch.query_lens[r]:
-                raise ValueError(f"slot {capture.slot}: a capture after {n} of the step's {batch.query_lens[r]} tokens is not inside it")
+            start, n, m = batch.query_starts[r], batch.query_lens[r], capture.num_tokens
+            if m >= n or window_counts[r] > 1:
+                raise ValueError(f"slot {capture.slot}: a capture after {m} of a prefill chunk of {n} tokens is not inside it")
             # As the causal conv's next state: offsets below `width` are the old state, the rest step inputs.
-            conv_rows.append([c * width + o if o < width else base + start + o - width for o in range(n, n + width)])
-            replay_starts.append(len(token_rows))
-            token_rows.extend(range(start, start + n))
+            conv_rows.append([c * width + o if o < width else base + start + o - width for o in range(m, m + width)])
+            is_chunked = min_chunked_tokens is not None and n >= min_chunked_tokens
+            if n - m > 1 and not is_chunked:
+                window_rows[r], window_counts[r] = capture.row, n - m
+            else:
+                replayed.append(capture)
+                replay_starts.append(len(token_rows))
+                token_rows.extend(range(start, start + m))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        rows = [c.row for c in captures]
+        replay_rows = [c.row for c in replayed]
+        replay = None
+        if replayed:
+            replay = build_delta_net_plan(replay_starts, [c.num_tokens for c in replayed], [1] * len(replayed), replay_rows, device)
         return cls(
             source_slots=as_tensor([c.slot for c in captures]),
-            rows=as_tensor(rows),
+            rows=as_tensor([c.row for c in captures]),
             conv_rows=as_tensor(conv_rows).reshape(len(captures), width),
+            window_rows=window_rows,
+            window_counts=tuple(window_counts),
+            replay=replay,
+            replay_source_slots=as_tensor([c.slot for c in replayed]),
+            replay_rows=as_tensor(replay_rows),
             token_rows=as_tensor(token_rows),
-            replay=build_delta_net_plan(replay_starts, [c.num_tokens for c in captures], [1] * len(captures), rows, device),
         )
 
 
@@ -104,8 +131,11 @@ class HybridTransformer(Decoder):
         metadata = ops.prepare(batch, kv_cache.block_size)
         # Off: long prefills take the chunked delta rule (where the ops have it).
         min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
-        delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
-        capture_plan = CapturePlan.build(state_pool.begin_step(), batch, c.conv_kernel, self.device)
+        capture_plan = CapturePlan.build(state_pool.begin_step(), batch, c.conv_kernel, min_chunked_tokens, self.device)
+        if capture_plan is not None:  # the ops read windows off the logits counts: add the capture windows
+            delta_net_plan = ops.prepare_delta_net(replace(batch, logits_counts=capture_plan.window_counts), c.conv_kernel, min_chunked_tokens)
+        else:
+            delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         for layer_index, layer in enumerate(w.layers):
             if layer.delta_net is not None:
@@ -146,13 +176,16 @@ class HybridTransformer(Decoder):
         if captures is not None:  # before the step's ops move the slots past the boundaries
             stacked = torch.cat([conv_states[captures.source_slots].flatten(0, 1), mixed.to(conv_states.dtype)])
             conv_states[captures.rows] = stacked[captures.conv_rows]
-            recurrent_states[captures.rows] = recurrent_states[captures.source_slots]
         mixed, conv_windows = ops.causal_conv1d(mixed, conv_states, dn.conv, plan)
-        if captures is not None:  # the updates before each boundary again, onto the snapshot rows
+        if captures is not None and captures.replay is not None:  # the updates before each boundary again
+            recurrent_states[captures.replay_rows] = recurrent_states[captures.replay_source_slots]
             rows = captures.token_rows
             ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], dn.a, dn.dt_bias, recurrent_states, captures.replay)
         o, window_starts = ops.gated_delta_rule(mixed, alpha, beta, dn.a, dn.dt_bias, recurrent_states, plan)
         for i, r in enumerate(plan.window_requests):  # keep what restores the state after any kept draft
+            if captures is not None and r in captures.window_rows:  # a capture window: only its start is wanted
+                recurrent_states[captures.window_rows[r]] = window_starts[i]
+                continue
             # Copies, not views: a view would keep the whole step's tensors alive until the next step.
             count, end = plan.window_lens[r], plan.query_starts[r] + plan.query_lens[r]
             rows = slice(end - count, end)

@@ -288,8 +288,8 @@ class KVManager:
             return
         held = self._held[request_id]
         self._drop_pending_snapshot(held)
-        boundary = (len(token_ids) - 1) // self.block_size * self.block_size
-        if not start < boundary < end:
+        boundary = len(token_ids) // self.block_size * self.block_size
+        if not start < boundary < end:  # not inside (a step ending on it leaves the state in the slot: commit copies it)
             return
         num_blocks = boundary // self.block_size
         block_hash_ = self._extend_hashes(token_ids, held.block_hashes, num_blocks)[num_blocks - 1]
@@ -341,11 +341,9 @@ class KVManager:
         boundary = num_computed_tokens // self.block_size * self.block_size
         pending, held.pending_snapshot = held.pending_snapshot, None
         latest = None
-        if pending is not None and pending.boundary <= num_computed_tokens:
+        if pending is not None:  # the forward pass wrote it
             self.snapshots.publish(pending.entry, pending.block_hash)
             latest = pending.block_hash
-        elif pending is not None:
-            self.snapshots.discard(pending.entry)
         if held.num_computed_tokens < boundary and (pending is None or pending.boundary < boundary):
             latest = self._snapshot_at(held, boundary, num_computed_tokens) or latest
         if latest is not None:

@@ -75,11 +75,12 @@ def main() -> None:
         dense_s, _ = time_step(engines["dense"], 4, args.context, k + 1, args.reps)
         hybrid_s, window = time_step(engines["hybrid"], 4, args.context, k + 1, args.reps)
         print(f"  K={k}: dense {1000 * dense_s:7.2f}  hybrid {1000 * hybrid_s:7.2f}  window {window}")
-    print(f"agent turn 2 on the hybrid: turn 1 = {args.context} prompt tokens + 40 generated, turn 2 adds 24:")
+    prompt_len = args.context - 6  # its last block boundary falls inside the prefill: captured by the forward pass
+    print(f"agent turn 2 on the hybrid: turn 1 = {prompt_len} prompt tokens + 40 generated, turn 2 adds 24:")
     for caching in (False, True):
         engine = Engine(EngineConfig(model=str(hybrid_path), kv_cache_bytes=64 << 20, kernels=args.kernels,
                                      num_state_slots=16, enable_prefix_caching=caching))
-        turn1_s, computed, ttft_s = agent_turns(engine, args.context, 40, 24)
+        turn1_s, computed, ttft_s = agent_turns(engine, prompt_len, 40, 24)
         snapshots = engine.kv.state_pool.num_snapshots
         print(f"  prefix cache {'on ' if caching else 'off'}: turn-1 prefill {1000 * turn1_s:6.1f} ms; turn 2 computes "
               f"{computed} prompt tokens, first token after {1000 * ttft_s:6.1f} ms; {snapshots} snapshots of "
@@ -87,16 +88,19 @@ def main() -> None:
 
 
 def agent_turns(engine: Engine, prompt_len: int, num_generated: int, num_added: int) -> tuple[float, int, float]:
-    """Two turns of one agent, each prompt in one chunk: (turn 1's prefill step seconds, the prompt
-    tokens turn 2 computes, turn 2's time to its first token)."""
-    prompt = [(7 * i) % 200 + 3 for i in range(prompt_len)]
-    first, turn1_s = run_turn(engine, "t1", prompt, num_generated)
+    """Two turns of one agent, each prompt in one chunk: (turn 1's prefill step seconds, best of
+    three agents with different prompts; the prompt tokens turn 2 computes; its time to first token)."""
+    turn1_times = []
+    for agent in range(3):
+        prompt = [(7 * i + agent) % 200 + 3 for i in range(prompt_len)]
+        first, turn1_s = run_turn(engine, f"t1-{agent}", prompt, num_generated)
+        turn1_times.append(turn1_s)
     second = prompt + first + [(11 * i) % 200 + 3 for i in range(num_added)]
     t0 = time.perf_counter()
     out = engine.step(StepRequest(new_requests=[NewRequest("t2", second, SamplingParams(), 1, ignore_eos=True)],
                                   scheduled=[ScheduledRequest("t2", len(second))])).outputs[0]
     ttft_s = time.perf_counter() - t0
-    return turn1_s, len(second) - out.num_cached_tokens, ttft_s
+    return min(turn1_times), len(second) - out.num_cached_tokens, ttft_s
 
 
 def run_turn(engine: Engine, request_id: str, prompt: list[int], num_new_tokens: int) -> tuple[list[int], float]:

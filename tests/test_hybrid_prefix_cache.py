@@ -200,6 +200,20 @@ def test_a_full_snapshot_pool_reuses_the_oldest_and_the_next_turn_just_misses(mo
     assert run_b.tokens["b2"] == drive(uncached, [b2]).tokens["b2"]
 
 
+def test_more_captures_in_one_step_than_snapshots_is_no_error(model_path, uncached):
+    """Four prompts each capture their last boundary in the same step, with room for one snapshot:
+    one is kept, the others are simply not, and every next turn gets the uncached tokens."""
+    engine = make_engine(model_path, num_state_snapshots=1)
+    firsts = [greedy(f"q{i}", prompt(20 + i), 2) for i in range(4)]
+    run = drive(engine, firsts)
+    assert run.max_batch_size == 4 and engine.kv.snapshots.num_published == 1
+    assert engine.kv.snapshots.num_reserved == 0
+    seconds = [greedy(f"q{i}b", r.prompt_token_ids + run.tokens[r.request_id] + [1], 4) for i, r in enumerate(firsts)]
+    hits = drive(engine, seconds)
+    assert sorted(hits.cached_tokens.values()) == [0, 0, 0, 32]
+    assert hits.tokens == drive(uncached, seconds).tokens
+
+
 def test_a_snapshot_whose_blocks_were_evicted_is_never_used(model_path, uncached):
     probe = make_engine(model_path)
     per_row, per_block = probe.kv.state_pool.bytes_per_slot, probe.kv.cache.tensor[:, :, 0].numel() * 4

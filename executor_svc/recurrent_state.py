@@ -29,10 +29,11 @@ copies a slot into one (the step ended on the boundary), `save_window` writes th
 after a verify position into one (the boundary fell inside a verify window), `load` copies
 one into a fresh slot (a prefix hit). A boundary inside a prefill chunk is captured by
 the forward pass itself: `capture_in_step(slot, num_tokens, snapshot)` asks it to write
-the state after the slot's first `num_tokens` tokens of the step into the snapshot, which
-it does by replaying those tokens' delta-rule updates on a copy of the state before the
-step (the conv state is just the inputs before the boundary), with the very ops and
-per-token arithmetic of the step, so the same bits.
+the state after the slot's first `num_tokens` tokens of the step into the snapshot (see
+`hybrid_model.CapturePlan`: the state before a window starting at the boundary, or those
+tokens' updates replayed onto a copy of the state before the step; the conv state is just
+the inputs before the boundary), with the very ops and per-token arithmetic of the step,
+so the same bits.
 """
 
 from __future__ import annotations
@@ -144,11 +145,7 @@ class RecurrentStatePool:
 
     def save_window(self, slot: int, position: int, snapshot: int) -> None:
         """Write the state after the slot's verify position `position` (as `restore_window`) into the snapshot."""
-        window = self._kept_window(slot, position)
-        row = self.snapshot_row(snapshot)
-        for i, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent)):
-            conv[row].copy_(window.conv[i][position])
-            recurrent[row].copy_(window.delta_rule[i].state_after(position + 1))
+        self._write_window_state(slot, position, self.snapshot_row(snapshot))
 
     def capture_in_step(self, slot: int, num_tokens: int, snapshot: int) -> None:
         """Ask the next forward pass to write the state after the slot's first `num_tokens` tokens
@@ -190,16 +187,16 @@ class RecurrentStatePool:
 
     def restore_window(self, slot: int, position: int) -> None:
         """Make the slot hold the state after verify position `position` (0 = the first computed token)."""
-        window = self._kept_window(slot, position)
-        for i, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent)):
-            conv[slot].copy_(window.conv[i][position])
-            recurrent[slot].copy_(window.delta_rule[i].state_after(position + 1))
+        self._write_window_state(slot, position, slot)
 
-    def _kept_window(self, slot: int, position: int) -> _Window:
+    def _write_window_state(self, slot: int, position: int, row: int) -> None:
+        """Row `row` gets the state after the slot's verify position `position`, replayed from its window."""
         window = self._windows.get(slot)
         if window is None or len(window.conv) != len(self.conv) or not 0 <= position < window.conv[0].shape[0]:
             raise ValueError(f"slot {slot} has no kept state for verify position {position}")
-        return window
+        for i, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent)):
+            conv[row].copy_(window.conv[i][position])
+            recurrent[row].copy_(window.delta_rule[i].state_after(position + 1))
 
     @property
     def window_bytes(self) -> int:

@@ -29,6 +29,9 @@ class EngineConfig:
     # Hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; their
     # memory comes out of kv_cache_bytes. Ignored for models without recurrent layers.
     num_state_slots: int = 16
+    # Hybrid models' prefix cache: recurrent-state snapshots at block boundaries (see kv_manager.py), each
+    # the size of a slot, out of kv_cache_bytes. None: one per slot, within a quarter of what the slots leave.
+    num_state_snapshots: int | None = None
     # Replay plain decode steps from captured CUDA/HIP graphs (Triton kernels on a GPU, models without
     # recurrent state; see decode_graphs.py). Ignored elsewhere.
     decode_graphs: bool = True
@@ -52,3 +55,5 @@ class EngineConfig:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {self.num_state_slots}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")

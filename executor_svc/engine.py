@@ -216,6 +216,7 @@ class Engine:
             self.device,
             prefix_root=root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}"),
             enable_prefix_caching=config.enable_prefix_caching,
+            num_state_snapshots=config.num_state_snapshots,
         )
         self.decode_graphs = None
         if config.decode_graphs and self.device.type == "cuda" and is_triton and self.kv.state_pool is None:
@@ -472,6 +473,8 @@ class Engine:
         start = state.num_computed_tokens
         end = start + num_tokens
         self.kv.allocate_slots(s.request_id, end + len(draft_ids))
+        if not draft_ids:  # a prefill chunk may hold the prompt's last block boundary: where a hybrid's next turn resumes
+            self.kv.plan_state_snapshot(s.request_id, state.token_ids, start, end)
         num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
         piece = RequestSlice(
             state.token_ids[start:end] + draft_ids, start, self.kv.block_ids(s.request_id), num_logits, self.kv.state_slot(s.request_id)
@@ -501,11 +504,13 @@ class Engine:
         state = w.state
         emitted, num_accepted, logprobs = self._sample(w, logits, argmax_ids, raw_rows, row)
         # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
-        state.num_computed_tokens += w.num_tokens + min(num_accepted, len(emitted))
+        num_kept = min(num_accepted, len(emitted))  # fewer than accepted when an accepted draft finished the request
+        state.num_computed_tokens += w.num_tokens + num_kept
+        if self.kv.state_pool is not None and num_kept < len(w.draft_ids):
+            # The recurrent state went through every draft: put back the one after the last kept token
+            # (a finishing request too: commit may snapshot it).
+            self.kv.restore_state(state.request_id, num_kept)
         self.kv.commit(state.request_id, state.token_ids, state.num_computed_tokens)
-        if self.kv.state_pool is not None and num_accepted < len(w.draft_ids) and state.finish_reason is None:
-            # The recurrent state went through every draft: put back the one after the last kept token.
-            self.kv.restore_state(state.request_id, num_accepted)
         if emitted:
             self.drafter.append(state.request_id, emitted)
         output = RequestResult(

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; "
         "their memory comes out of the KV budget (default %(default)s)",
     )
+    p.add_argument(
+        "--num-state-snapshots", type=int, default=defaults.num_state_snapshots,
+        help="hybrid models: recurrent-state snapshots at block boundaries, what their prefix cache resumes from "
+        "(each the size of a slot, out of the KV budget; default: one per slot, within a quarter of what the slots leave)",
+    )
     p.add_argument("--swarm-index", action="store_true", default=defaults.use_swarm_index, help="also draft from other requests' outputs")
     p.add_argument(
         "--no-prefix-caching",
@@ -107,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         max_draft_tokens=args.max_draft_tokens,
         num_state_slots=args.num_state_slots,
+        num_state_snapshots=args.num_state_snapshots,
         use_swarm_index=args.swarm_index,
         enable_prefix_caching=not args.no_prefix_caching,
         decode_graphs=not args.no_decode_graphs,

@@ -23,21 +23,88 @@ the same RMSNorm as the dense model's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
-from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow
+from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow, build_delta_net_plan
 from executor_svc.invariant_elementwise import invariant_map
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import Decoder, embed, ffn, lm_head
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
 from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.recurrent_state import RecurrentStatePool
+from executor_svc.recurrent_state import RecurrentStatePool, StepCapture
 from executor_svc.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
 MIN_CHUNKED_PREFILL_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """The step's state snapshots inside prefill chunks (see `RecurrentStatePool.capture_in_step`),
+    built once per step and used by every DeltaNet layer.
+
+    The conv state at a boundary is just the inputs before it. The delta-rule state there is had
+    for free when the request's rows take the recurrent form: the step's plan gives it a window
+    starting at the boundary, and the ops hand back the state before a window (as for a verify
+    window, but nothing else of it is kept). A request taking the chunked form (long prefills
+    without batch invariance) or whose boundary is its last row (a window needs two) has the
+    updates before the boundary replayed onto a copy of its state before the step instead.
+    """
+
+    source_slots: torch.Tensor  # [C] int64: the capturing requests' slots (their state before the step)
+    rows: torch.Tensor  # [C] int64: the snapshot rows written
+    conv_rows: torch.Tensor  # [C, kernel − 1] int64: rows of cat(source conv states, step inputs) that are the conv state at the boundary
+    window_rows: dict[int, int]  # request index → snapshot row, for requests whose window starts at the boundary
+    window_counts: tuple[int, ...]  # [R]: the verify windows, and the capture windows
+    replay: DeltaNetPlan | None  # the delta rule over token_rows, onto replay_rows (None: no replays)
+    replay_source_slots: torch.Tensor
+    replay_rows: torch.Tensor
+    token_rows: torch.Tensor  # [Σ num_tokens] int64: the step rows before each replayed boundary
+
+    @classmethod
+    def build(
+        cls, captures: list[StepCapture], batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None, device
+    ) -> "CapturePlan | None":
+        if not captures:
+            return None
+        request_of = {slot: r for r, slot in enumerate(batch.state_slots)}
+        width, base = conv_kernel - 1, len(captures) * (conv_kernel - 1)  # step inputs follow the stacked conv states
+        conv_rows, window_rows, window_counts = [], {}, list(batch.logits_counts)
+        replayed, token_rows, replay_starts = [], [], []
+        for c, capture in enumerate(captures):
+            r = request_of[capture.slot]
+            start, n, m = batch.query_starts[r], batch.query_lens[r], capture.num_tokens
+            if m >= n or window_counts[r] > 1:
+                raise ValueError(f"slot {capture.slot}: a capture after {m} of a prefill chunk of {n} tokens is not inside it")
+            # As the causal conv's next state: offsets below `width` are the old state, the rest step inputs.
+            conv_rows.append([c * width + o if o < width else base + start + o - width for o in range(m, m + width)])
+            is_chunked = min_chunked_tokens is not None and n >= min_chunked_tokens
+            if n - m > 1 and not is_chunked:
+                window_rows[r], window_counts[r] = capture.row, n - m
+            else:
+                replayed.append(capture)
+                replay_starts.append(len(token_rows))
+                token_rows.extend(range(start, start + m))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        replay_rows = [c.row for c in replayed]
+        replay = None
+        if replayed:
+            replay = build_delta_net_plan(replay_starts, [c.num_tokens for c in replayed], [1] * len(replayed), replay_rows, device)
+        return cls(
+            source_slots=as_tensor([c.slot for c in captures]),
+            rows=as_tensor([c.row for c in captures]),
+            conv_rows=as_tensor(conv_rows).reshape(len(captures), width),
+            window_rows=window_rows,
+            window_counts=tuple(window_counts),
+            replay=replay,
+            replay_source_slots=as_tensor([c.slot for c in replayed]),
+            replay_rows=as_tensor(replay_rows),
+            token_rows=as_tensor(token_rows),
+        )
 
 
 class HybridTransformer(Decoder):
@@ -64,12 +131,15 @@ class HybridTransformer(Decoder):
         metadata = ops.prepare(batch, kv_cache.block_size)
         # Off: long prefills take the chunked delta rule (where the ops have it).
         min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
-        delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
-        state_pool.begin_step()
+        capture_plan = CapturePlan.build(state_pool.begin_step(), batch, c.conv_kernel, min_chunked_tokens, self.device)
+        if capture_plan is not None:  # the ops read windows off the logits counts: add the capture windows
+            delta_net_plan = ops.prepare_delta_net(replace(batch, logits_counts=capture_plan.window_counts), c.conv_kernel, min_chunked_tokens)
+        else:
+            delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         for layer_index, layer in enumerate(w.layers):
             if layer.delta_net is not None:
-                mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool)
+                mixed = self._delta_net(layer_index, layer.delta_net, x, delta_net_plan, state_pool, capture_plan)
             else:
                 mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
             x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
@@ -95,15 +165,27 @@ class HybridTransformer(Decoder):
         attn = ops.attention(q.contiguous(), k_cache, v_cache, metadata, self.scale)  # [T, heads, head_dim]
         return linear(attn.reshape(t, heads * d) * invariant_map(torch.sigmoid, gate), layer.o_proj)
 
-    def _delta_net(self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool):
+    def _delta_net(
+        self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool, captures: CapturePlan | None
+    ):
         c, ops = self.config, self.ops
         n, heads, dv = plan.token_requests.shape[0], c.num_linear_value_heads, c.linear_value_head_dim
         proj = linear(x[:n], dn.in_proj)  # [n, conv_dim + value_dim + 2 * heads]: padding rows skipped
         mixed, z, beta, alpha = proj.split([c.conv_dim, c.linear_value_dim, heads, heads], dim=-1)
         conv_states, recurrent_states = pool.layer(layer_index)
+        if captures is not None:  # before the step's ops move the slots past the boundaries
+            stacked = torch.cat([conv_states[captures.source_slots].flatten(0, 1), mixed.to(conv_states.dtype)])
+            conv_states[captures.rows] = stacked[captures.conv_rows]
         mixed, conv_windows = ops.causal_conv1d(mixed, conv_states, dn.conv, plan)
+        if captures is not None and captures.replay is not None:  # the updates before each boundary again
+            recurrent_states[captures.replay_rows] = recurrent_states[captures.replay_source_slots]
+            rows = captures.token_rows
+            ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], dn.a, dn.dt_bias, recurrent_states, captures.replay)
         o, window_starts = ops.gated_delta_rule(mixed, alpha, beta, dn.a, dn.dt_bias, recurrent_states, plan)
         for i, r in enumerate(plan.window_requests):  # keep what restores the state after any kept draft
+            if captures is not None and r in captures.window_rows:  # a capture window: only its start is wanted
+                recurrent_states[captures.window_rows[r]] = window_starts[i]
+                continue
             # Copies, not views: a view would keep the whole step's tensors alive until the next step.
             count, end = plan.window_lens[r], plan.query_starts[r] + plan.query_lens[r]
             rows = slice(end - count, end)

@@ -7,8 +7,9 @@ The engine speaks to it in a few verbs, in the order a step uses them (vLLM's KV
   so a plan that does not is refused with nothing changed;
 - `take_computed_blocks`: share the reusable blocks (before anyone grows, so no growth evicts them);
 - `allocate_slots(request_id, num_tokens)`: blocks to hold that many tokens, and a state slot;
-- `commit(request_id, token_ids, num_computed_tokens)`: give back the blocks of rejected drafts and
-  cache every newly full block;
+  `plan_state_snapshot`: (hybrid models) a snapshot for the forward pass to take;
+- `commit(request_id, token_ids, num_computed_tokens)`: give back the blocks of rejected drafts,
+  cache every newly full block (and, hybrid models, snapshot the state at the last boundary reached);
 - `free(request_id)`: everything the request holds (cached blocks stay reusable).
 
 Invariants: a request holds blocks and a state slot only through these verbs; a block it holds is
@@ -16,12 +17,27 @@ either its own (count 1) or shared read-only (a cached full block, never written
 `num_cached_blocks` blocks are registered in the prefix cache.
 
 **Hybrid models.** A DeltaNet layer's state at token i depends on every token before it, so a
-cached block is only reusable together with the recurrent state at its end. The prefix cache is
-therefore off for hybrids today (`computed_blocks` finds nothing). Adding it touches only this
-file: `commit` snapshots the slot's state at each newly cached block boundary (keyed by that
-block's hash, in a pool beside the slots, evicted with the block), `computed_blocks` stops at the
-last hit that has a snapshot, and `take_computed_blocks` copies that snapshot into the request's
-fresh slot.
+cached block is only reusable together with the recurrent state at its end. Such states are kept
+as *snapshots* in rows of the state pool beside the slots (`recurrent_state.py`), at most
+`num_snapshots` of them, keyed by the hash of the block that ends at their boundary
+(`state_snapshots.py`): the hash chains the whole prefix, so a snapshot found is always the
+state of exactly the prefix the lookup asked about. `computed_blocks` stops at the last cached
+block that has a snapshot; `take_computed_blocks` copies that snapshot into the request's fresh
+slot. A snapshot whose earlier blocks were evicted is never reached and is the first reused.
+
+Which boundaries are snapshotted (the policy): every request keeps one at the **last block
+boundary it reached** (an agent's next turn is this turn's tokens plus more, so that is where it
+resumes), moved forward as it computes; its previous one is then superseded (reused before
+unrelated snapshots). The state sits at `num_computed_tokens`, usually not a boundary, so:
+- a step that ends on a boundary copies the slot (`commit`: decode reaches every boundary so);
+- a boundary inside a verify window is replayed from the window (`commit`, as a rollback);
+- the last boundary of the prompt (of all the request's known tokens), when it falls inside a
+  prefill chunk, is written by the forward pass itself (`plan_state_snapshot` before it,
+  published in `commit`): it replays the chunk's updates up to the boundary onto a copy of the
+  state before the chunk, so at most one chunk of extra delta-rule updates per prompt. Other
+  boundaries inside prefill chunks are skipped (the prompt's last one supersedes them anyway).
+Capturing never fails: with every entry taken, the least useful published one is reused; with
+none at all, a request simply gets no hit.
 """
 
 from __future__ import annotations
@@ -38,7 +54,11 @@ from executor_svc.block_allocator import BlockAllocator, block_hash
 from executor_svc.errors import OutOfStateSlotsError
 from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
-from executor_svc.recurrent_state import RecurrentStatePool
+from executor_svc.recurrent_state import RecurrentStatePool, bytes_per_slot
+from executor_svc.state_snapshots import StateSnapshots
+
+# The default number of state snapshots: one per slot, within this share of what the slots leave of the budget.
+MAX_SNAPSHOT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -47,9 +67,19 @@ class ComputedBlocks:
 
     block_ids: list[int]
     block_hashes: list[bytes]  # the hash chain of the request's full blocks (at least one per block id)
+    snapshot: int = -1  # hybrid models: the recurrent-state snapshot at the end of the last block
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks([], [])
+
+
+@dataclass(frozen=True)
+class _PendingSnapshot:
+    """A snapshot the next forward pass writes inside a request's prefill chunk."""
+
+    entry: int
+    block_hash: bytes
+    boundary: int  # tokens before it
 
 
 @dataclass
@@ -60,6 +90,9 @@ class _RequestKV:
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks, as far as computed
     num_cached_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache
     state_slot: int = -1  # recurrent-state slot (hybrid models); -1: none
+    num_computed_tokens: int = 0  # as of the last commit (or the prefix hit)
+    pending_snapshot: _PendingSnapshot | None = None
+    latest_snapshot: bytes | None = None  # hash of the last boundary it snapshotted
 
 
 class KVManager:
@@ -73,8 +106,9 @@ class KVManager:
         self.cache = cache
         self.state_pool = state_pool
         self._prefix_root = prefix_root
-        # A hybrid's prefix would also need its recurrent state at the block boundary (see the module docstring).
-        self.caches_prefixes = enable_prefix_caching and state_pool is None
+        # A hybrid's prefix also needs its recurrent state at the block boundary (see the module docstring).
+        self.snapshots = StateSnapshots(state_pool.num_snapshots) if state_pool is not None and enable_prefix_caching else None
+        self.caches_prefixes = enable_prefix_caching and (state_pool is None or state_pool.num_snapshots > 0)
         self._held: dict[str, _RequestKV] = {}
 
     @classmethod
@@ -88,18 +122,27 @@ class KVManager:
         device: torch.device,
         prefix_root: bytes,
         enable_prefix_caching: bool = True,
+        num_state_snapshots: int | None = None,
     ) -> "KVManager":
-        """Hybrid models take their recurrent-state slots out of the budget first; the KV blocks get the rest."""
+        """Hybrid models take their recurrent-state slots and snapshots out of the budget first; the KV
+        blocks get the rest. `num_state_snapshots` None: one per slot, as many as fit in a quarter of
+        what the slots leave (none without prefix caching)."""
         state_pool = None
         if config.is_hybrid:
-            state_pool = RecurrentStatePool(config, num_state_slots, dtype, device)
-            budget_bytes -= num_state_slots * state_pool.bytes_per_slot
+            per_row = bytes_per_slot(config, dtype)
+            left = budget_bytes - num_state_slots * per_row
+            if num_state_snapshots is None:
+                num_state_snapshots = min(num_state_slots, max(0, int(left * MAX_SNAPSHOT_SHARE) // per_row))
+            if not enable_prefix_caching:
+                num_state_snapshots = 0
+            budget_bytes = left - num_state_snapshots * per_row
             if budget_bytes <= 0:
                 raise ValueError(
-                    f"kv_cache_bytes={budget_bytes + num_state_slots * state_pool.bytes_per_slot} does not even hold the "
-                    f"{num_state_slots} recurrent-state slots ({state_pool.bytes_per_slot} bytes each); "
-                    f"raise it or lower num_state_slots"
+                    f"kv_cache_bytes={budget_bytes + (num_state_slots + num_state_snapshots) * per_row} does not even hold "
+                    f"the {num_state_slots} recurrent-state slots and {num_state_snapshots} snapshots ({per_row} bytes "
+                    f"each); raise it or lower num_state_slots / num_state_snapshots"
                 )
+            state_pool = RecurrentStatePool(config, num_state_slots, dtype, device, num_state_snapshots)
         cache = KVCache.from_memory_budget(config, budget_bytes, block_size, dtype, device)
         return cls(cache, state_pool, prefix_root, enable_prefix_caching)
 
@@ -153,7 +196,14 @@ class KVManager:
             if block_id is None:
                 break
             found.append(block_id)
-        return ComputedBlocks(found, block_hashes) if found else NO_COMPUTED_BLOCKS
+        if self.snapshots is None:
+            return ComputedBlocks(found, block_hashes) if found else NO_COMPUTED_BLOCKS
+        # A hybrid resumes only where it finds the recurrent state too: at the last block with a snapshot.
+        for num_blocks in range(len(found), 0, -1):
+            snapshot = self.snapshots.lookup(block_hashes[num_blocks - 1])
+            if snapshot is not None:
+                return ComputedBlocks(found[:num_blocks], block_hashes, snapshot)
+        return NO_COMPUTED_BLOCKS
 
     def num_blocks_available(self, leaving: Iterable[str]) -> int:
         """Free blocks once the `leaving` requests (released or preempted) have freed theirs."""
@@ -214,7 +264,13 @@ class KVManager:
         held.block_ids = list(computed.block_ids)
         held.block_hashes = list(computed.block_hashes)
         held.num_cached_blocks = len(computed.block_ids)
-        return len(computed.block_ids) * self.block_size
+        held.num_computed_tokens = len(computed.block_ids) * self.block_size
+        if computed.snapshot >= 0:
+            if held.state_slot < 0:
+                held.state_slot = self.state_pool.allocate()
+            self.state_pool.load(computed.snapshot, held.state_slot)
+            self.snapshots.touch(computed.block_hashes[len(computed.block_ids) - 1])
+        return held.num_computed_tokens
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> None:
         """Grow the request's block table to hold `num_tokens` tokens, and give it a zeroed
@@ -224,20 +280,41 @@ class KVManager:
             held.state_slot = self.state_pool.allocate()
         self.cache.grow(held.block_ids, num_tokens)
 
+    def plan_state_snapshot(self, request_id: str, token_ids: list[int], start: int, end: int) -> None:
+        """Hybrid models: the step computes the request's known tokens [start, end); if the last block
+        boundary of all its known tokens lies strictly inside, have the forward pass snapshot the
+        state there, unless one is kept there already (see the module docstring)."""
+        if self.snapshots is None:
+            return
+        held = self._held[request_id]
+        self._drop_pending_snapshot(held)
+        boundary = len(token_ids) // self.block_size * self.block_size
+        if not start < boundary < end:  # not inside (a step ending on it leaves the state in the slot: commit copies it)
+            return
+        num_blocks = boundary // self.block_size
+        block_hash_ = self._extend_hashes(token_ids, held.block_hashes, num_blocks)[num_blocks - 1]
+        if self.snapshots.lookup(block_hash_) is not None:
+            return
+        entry = self.snapshots.reserve(self._is_stale)
+        if entry is not None:
+            self.state_pool.capture_in_step(held.state_slot, boundary - start, entry)
+            held.pending_snapshot = _PendingSnapshot(entry, block_hash_, boundary)
+
     def commit(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """The request's KV now holds its first `num_computed_tokens` tokens: give back blocks
-        beyond them (rejected drafts roll back) and cache every newly full block."""
+        """The request's KV now holds its first `num_computed_tokens` tokens (and a hybrid's slot the
+        state after them): give back blocks beyond them (rejected drafts roll back), cache every
+        newly full block, and snapshot the state at the last boundary the step reached."""
         held = self._held[request_id]
         self.cache.truncate(held.block_ids, num_computed_tokens)
-        if not self.caches_prefixes:
-            return
-        num_full = num_computed_tokens // self.block_size
-        if num_full <= held.num_cached_blocks:
-            return
-        self._extend_hashes(token_ids, held.block_hashes, num_full)
-        for i in range(held.num_cached_blocks, num_full):
-            self._allocator.register(held.block_ids[i], held.block_hashes[i])
-        held.num_cached_blocks = num_full
+        if self.caches_prefixes:
+            num_full = num_computed_tokens // self.block_size
+            self._extend_hashes(token_ids, held.block_hashes, num_full)
+            for i in range(held.num_cached_blocks, num_full):
+                self._allocator.register(held.block_ids[i], held.block_hashes[i])
+            held.num_cached_blocks = max(held.num_cached_blocks, num_full)
+            if self.snapshots is not None:
+                self._snapshot_last_boundary(held, num_computed_tokens)
+        held.num_computed_tokens = num_computed_tokens
 
     def restore_state(self, request_id: str, position: int) -> None:
         """Put back the recurrent state after verify position `position` (0 = the decode token,
@@ -246,14 +323,66 @@ class KVManager:
 
     def free(self, request_id: str, retain_s: float = 0.0) -> None:
         """Give back everything the request holds (a no-op if it holds nothing). Its cached blocks
-        stay reusable, preferred over others for `retain_s` seconds when memory is needed."""
+        (and state snapshots) stay reusable, preferred over others for `retain_s` seconds when memory is needed."""
         held = self._held.pop(request_id, None)
         if held is None:
             return
+        self._drop_pending_snapshot(held)
         retain_until = time.monotonic() + retain_s if retain_s > 0 else None
         self.cache.release(held.block_ids, retain_until)
         if held.state_slot >= 0:
             self.state_pool.free(held.state_slot)
+
+    # ------------------------------------------------------------- snapshots
+
+    def _snapshot_last_boundary(self, held: _RequestKV, num_computed_tokens: int) -> None:
+        """Keep the state at the last block boundary the step reached (after `held.num_computed_tokens`),
+        from wherever it is at hand: the forward pass's capture, the slot, or the verify window."""
+        boundary = num_computed_tokens // self.block_size * self.block_size
+        pending, held.pending_snapshot = held.pending_snapshot, None
+        latest = None
+        if pending is not None:  # the forward pass wrote it
+            self.snapshots.publish(pending.entry, pending.block_hash)
+            latest = pending.block_hash
+        if held.num_computed_tokens < boundary and (pending is None or pending.boundary < boundary):
+            latest = self._snapshot_at(held, boundary, num_computed_tokens) or latest
+        if latest is not None:
+            if held.latest_snapshot not in (None, latest):
+                self.snapshots.supersede(held.latest_snapshot)
+            held.latest_snapshot = latest
+
+    def _snapshot_at(self, held: _RequestKV, boundary: int, num_computed_tokens: int) -> bytes | None:
+        """Snapshot the state at `boundary`, reached this step; its hash, or None when the state there is not at hand."""
+        block_hash_ = held.block_hashes[boundary // self.block_size - 1]
+        if self.snapshots.lookup(block_hash_) is not None:
+            self.snapshots.touch(block_hash_)
+            return block_hash_
+        # A verify window starts at the step's first token: its position p is the state after token start + p.
+        window_position = boundary - 1 - held.num_computed_tokens
+        in_window = window_position < self.state_pool.window_size(held.state_slot)
+        if boundary != num_computed_tokens and not in_window:
+            return None  # inside a prefill chunk that asked for no capture
+        entry = self.snapshots.reserve(self._is_stale)
+        if entry is None:
+            return None
+        if boundary == num_computed_tokens:
+            self.state_pool.save(held.state_slot, entry)
+        else:
+            self.state_pool.save_window(held.state_slot, window_position, entry)
+        self.snapshots.publish(entry, block_hash_)
+        return block_hash_
+
+    def _drop_pending_snapshot(self, held: _RequestKV) -> None:
+        """Forget a capture the forward pass did not make (the request left, or its step never ran)."""
+        if held.pending_snapshot is not None:
+            if held.state_slot >= 0:
+                self.state_pool.cancel_captures(held.state_slot)
+            self.snapshots.discard(held.pending_snapshot.entry)
+            held.pending_snapshot = None
+
+    def _is_stale(self, block_hash_: bytes) -> bool:
+        """A snapshot whose block is no longer cached: no lookup reaches it any more."""
+        return self._allocator.lookup(block_hash_) is None
 
     # ------------------------------------------------------------- calibration
 

@@ -22,6 +22,18 @@ replays the j + 1 updates from the window start with the ops that ran the forwar
 same tokens. That keeps
 one recurrent state per verifying request instead of K + 1 (for Qwen3.5-9B, 51 MB
 against 51 MB × (K + 1)). The window lives only until the next step.
+
+**Snapshots** (the prefix cache of a hybrid model, see `kv_manager.py`): `num_snapshots`
+more rows after the slots, each the state of some request at a block boundary. `save`
+copies a slot into one (the step ended on the boundary), `save_window` writes the state
+after a verify position into one (the boundary fell inside a verify window), `load` copies
+one into a fresh slot (a prefix hit). A boundary inside a prefill chunk is captured by
+the forward pass itself: `capture_in_step(slot, num_tokens, snapshot)` asks it to write
+the state after the slot's first `num_tokens` tokens of the step into the snapshot (see
+`hybrid_model.CapturePlan`: the state before a window starting at the boundary, or those
+tokens' updates replayed onto a copy of the state before the step; the conv state is just
+the inputs before the boundary), with the very ops and per-token arithmetic of the step,
+so the same bits.
 """
 
 from __future__ import annotations
@@ -51,20 +63,36 @@ class _Window:
     delta_rule: list[DeltaRuleWindow]  # per layer: the recurrent state before the window, and its inputs
 
 
+@dataclass(frozen=True)
+class StepCapture:
+    """A snapshot the forward pass writes: the state after the slot's first `num_tokens` tokens of the step."""
+
+    slot: int
+    num_tokens: int
+    row: int  # the snapshot's row in the layers' tensors
+
+
 class RecurrentStatePool:
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, num_snapshots: int = 0
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"a hybrid model needs at least one recurrent-state slot, got {num_slots}")
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
         self.num_slots = num_slots
-        self.bytes_per_slot = bytes_per_slot(config, dtype)
+        self.num_snapshots = num_snapshots
+        self.bytes_per_slot = bytes_per_slot(config, dtype)  # a snapshot takes as much
         layers = config.recurrent_layer_indices
         self._layer_index = {layer: i for i, layer in enumerate(layers)}
-        conv_shape = (num_slots, config.conv_kernel - 1, config.conv_dim)
-        recurrent_shape = (num_slots, config.num_linear_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        num_rows = num_slots + num_snapshots  # the slots, then the snapshots
+        conv_shape = (num_rows, config.conv_kernel - 1, config.conv_dim)
+        recurrent_shape = (num_rows, config.num_linear_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in layers]
         self.recurrent = [torch.zeros(recurrent_shape, dtype=torch.float32, device=device) for _ in layers]
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._windows: dict[int, _Window] = {}
+        self._captures: list[StepCapture] = []
 
     # ---------------------------------------------------------------- slots
 
@@ -89,20 +117,59 @@ class RecurrentStatePool:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"recurrent-state slot {slot} is not allocated")
         self._windows.pop(slot, None)
+        self.cancel_captures(slot)
         self._free.append(slot)
 
     # ------------------------------------------------------- layer access
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv states [slots, kernel − 1, conv_dim], recurrent states [slots, heads, dk, dv]) of a DeltaNet layer."""
+        """(conv states [rows, kernel − 1, conv_dim], recurrent states [rows, heads, dk, dv]) of a DeltaNet
+        layer; rows are the slots, then the snapshots."""
         i = self._layer_index[layer_index]
         return self.conv[i], self.recurrent[i]
 
+    # ------------------------------------------------------------ snapshots
+
+    def snapshot_row(self, snapshot: int) -> int:
+        if not 0 <= snapshot < self.num_snapshots:
+            raise ValueError(f"state snapshot {snapshot} outside [0, {self.num_snapshots})")
+        return self.num_slots + snapshot
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """Copy the slot's state into the snapshot."""
+        self._copy_rows(slot, self.snapshot_row(snapshot))
+
+    def load(self, snapshot: int, slot: int) -> None:
+        """Make the slot hold the snapshot's state (a prefix hit)."""
+        self._copy_rows(self.snapshot_row(snapshot), slot)
+
+    def save_window(self, slot: int, position: int, snapshot: int) -> None:
+        """Write the state after the slot's verify position `position` (as `restore_window`) into the snapshot."""
+        self._write_window_state(slot, position, self.snapshot_row(snapshot))
+
+    def capture_in_step(self, slot: int, num_tokens: int, snapshot: int) -> None:
+        """Ask the next forward pass to write the state after the slot's first `num_tokens` tokens
+        of the step (a boundary inside its prefill chunk) into the snapshot."""
+        if num_tokens < 1:
+            raise ValueError(f"a capture inside a step needs at least one token before it, got {num_tokens}")
+        self._captures.append(StepCapture(slot, num_tokens, self.snapshot_row(snapshot)))
+
+    def cancel_captures(self, slot: int) -> None:
+        """Drop the captures asked of the slot for the next forward pass."""
+        self._captures = [c for c in self._captures if c.slot != slot]
+
+    def _copy_rows(self, source: int, target: int) -> None:
+        for conv, recurrent in zip(self.conv, self.recurrent):
+            conv[target].copy_(conv[source])
+            recurrent[target].copy_(recurrent[source])
+
     # ------------------------------------------------------ verify windows
 
-    def begin_step(self) -> None:
-        """Forget the previous step's verify windows."""
+    def begin_step(self) -> list[StepCapture]:
+        """Forget the previous step's verify windows; hand the forward pass the captures asked of it (once)."""
         self._windows.clear()
+        captures, self._captures = self._captures, []
+        return captures
 
     def keep_window(self, layer_index: int, slot: int, conv: torch.Tensor, delta_rule: DeltaRuleWindow) -> None:
         """Keep one layer's verify window of the request in `slot`: conv states after each position
@@ -120,12 +187,16 @@ class RecurrentStatePool:
 
     def restore_window(self, slot: int, position: int) -> None:
         """Make the slot hold the state after verify position `position` (0 = the first computed token)."""
+        self._write_window_state(slot, position, slot)
+
+    def _write_window_state(self, slot: int, position: int, row: int) -> None:
+        """Row `row` gets the state after the slot's verify position `position`, replayed from its window."""
         window = self._windows.get(slot)
         if window is None or len(window.conv) != len(self.conv) or not 0 <= position < window.conv[0].shape[0]:
             raise ValueError(f"slot {slot} has no kept state for verify position {position}")
         for i, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent)):
-            conv[slot].copy_(window.conv[i][position])
-            recurrent[slot].copy_(window.delta_rule[i].state_after(position + 1))
+            conv[row].copy_(window.conv[i][position])
+            recurrent[row].copy_(window.delta_rule[i].state_after(position + 1))
 
     @property
     def window_bytes(self) -> int:

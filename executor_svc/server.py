@@ -142,6 +142,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             num_state_slots=engine.kv.state_pool.num_slots if engine.kv.state_pool else 0,
             num_free_state_slots=engine.kv.state_pool.num_free_slots if engine.kv.state_pool else 0,
             state_bytes_per_request=engine.kv.state_pool.bytes_per_slot if engine.kv.state_pool else 0,
+            num_state_snapshots=engine.kv.state_pool.num_snapshots if engine.kv.state_pool else 0,
             kv_bytes_per_block=bytes_per_block(config, engine.kv.block_size, engine.dtype),
             device=str(engine.device),
             executor_id=self.executor_id,

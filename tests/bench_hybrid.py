@@ -1,5 +1,6 @@
 """Dense vs hybrid on tiny models on this CPU: decode step time and memory per request, and
-what keeping the verify window's recurrent states costs against the draft length K.
+what keeping the verify window's recurrent states costs against the draft length K; and an
+agent's second turn on the hybrid with and without its prefix cache (recurrent-state snapshots).
 
     PYTHONPATH=$PWD/protos:$PWD python -m tests.bench_hybrid
 
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.engine import Engine, EngineConfig
+from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.kv_cache import bytes_per_block
 from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.request_state import NewRequest
+from service_common.sampling_params import SamplingParams
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 
@@ -72,6 +75,44 @@ def main() -> None:
         dense_s, _ = time_step(engines["dense"], 4, args.context, k + 1, args.reps)
         hybrid_s, window = time_step(engines["hybrid"], 4, args.context, k + 1, args.reps)
         print(f"  K={k}: dense {1000 * dense_s:7.2f}  hybrid {1000 * hybrid_s:7.2f}  window {window}")
+    prompt_len = args.context - 6  # its last block boundary falls inside the prefill: captured by the forward pass
+    print(f"agent turn 2 on the hybrid: turn 1 = {prompt_len} prompt tokens + 40 generated, turn 2 adds 24:")
+    for caching in (False, True):
+        engine = Engine(EngineConfig(model=str(hybrid_path), kv_cache_bytes=64 << 20, kernels=args.kernels,
+                                     num_state_slots=16, enable_prefix_caching=caching))
+        turn1_s, computed, ttft_s = agent_turns(engine, prompt_len, 40, 24)
+        snapshots = engine.kv.state_pool.num_snapshots
+        print(f"  prefix cache {'on ' if caching else 'off'}: turn-1 prefill {1000 * turn1_s:6.1f} ms; turn 2 computes "
+              f"{computed} prompt tokens, first token after {1000 * ttft_s:6.1f} ms; {snapshots} snapshots of "
+              f"{engine.kv.state_pool.bytes_per_slot} bytes")
+
+
+def agent_turns(engine: Engine, prompt_len: int, num_generated: int, num_added: int) -> tuple[float, int, float]:
+    """Two turns of one agent, each prompt in one chunk: (turn 1's prefill step seconds, best of
+    three agents with different prompts; the prompt tokens turn 2 computes; its time to first token)."""
+    turn1_times = []
+    for agent in range(3):
+        prompt = [(7 * i + agent) % 200 + 3 for i in range(prompt_len)]
+        first, turn1_s = run_turn(engine, f"t1-{agent}", prompt, num_generated)
+        turn1_times.append(turn1_s)
+    second = prompt + first + [(11 * i) % 200 + 3 for i in range(num_added)]
+    t0 = time.perf_counter()
+    out = engine.step(StepRequest(new_requests=[NewRequest("t2", second, SamplingParams(), 1, ignore_eos=True)],
+                                  scheduled=[ScheduledRequest("t2", len(second))])).outputs[0]
+    ttft_s = time.perf_counter() - t0
+    return min(turn1_times), len(second) - out.num_cached_tokens, ttft_s
+
+
+def run_turn(engine: Engine, request_id: str, prompt: list[int], num_new_tokens: int) -> tuple[list[int], float]:
+    """Greedy decode of a prompt given in one chunk: (its tokens, the prefill step's seconds)."""
+    t0 = time.perf_counter()
+    request = NewRequest(request_id, prompt, SamplingParams(), num_new_tokens, ignore_eos=True)
+    out = engine.step(StepRequest(new_requests=[request], scheduled=[ScheduledRequest(request_id, len(prompt))])).outputs[0]
+    prefill_s, tokens = time.perf_counter() - t0, list(out.new_token_ids)
+    while out.finish_reason is None:
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest(request_id, 1)])).outputs[0]
+        tokens += out.new_token_ids
+    return tokens, prefill_s
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.grammar import GrammarSpec
+from service_common.structured_output import StructuredOutput
 from executor_svc.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ SCHEMA = {
 PROMPT = "Describe a user as JSON: "
 
 
-def decode_steps(engine: Engine, batch_size: int, num_steps: int, spec: GrammarSpec | None) -> list[tuple[float, float]]:
+def decode_steps(engine: Engine, batch_size: int, num_steps: int, spec: StructuredOutput | None) -> list[tuple[float, float]]:
     """(step wall time, grammar mask time) of each decode step while all B requests run."""
     prompt = engine.tokenizer.tokenizer.encode(PROMPT).ids
     requests = [
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, kv_cache_bytes=256 << 20))
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     engine.grammars.matcher(spec)  # the token table and the compiled grammar are built once, not timed per step
     print(f"model {engine.model_config.name}, vocab {engine.model_config.vocab_size}, device {engine.device}")
     print("     B | mask ms/step (median, p90) | step ms with grammar | share | step ms without grammar")

@@ -12,11 +12,10 @@ engine carries on serving everyone else.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -37,10 +36,12 @@ from executor_svc.config import MATMULS, EngineConfig
 from executor_svc.drafter import Drafter
 from executor_svc.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
+from executor_svc.step_messages import CostSample, RequestResult, ScheduledRequest, StepRequest, StepResponse, StepTimings
 from executor_svc.tokenizer import load_tokenizer
 from executor_svc.torch_ops import TorchOps
 from executor_svc.verifier import verify
 from service_common.errors import InvalidRequestError
+from service_common.request_checks import check_new_request
 
 log = structlog.get_logger()
 
@@ -108,55 +109,6 @@ def resolve_ops(kernels: str, device: torch.device):
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    request_id: str
-    num_tokens: int  # tokens to compute this step: a prefill chunk, or 1 to decode
-    draft_budget: int = 0  # speculative tokens it may verify on top of a decode token
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)  # finished or aborted: free everything
-    preempted: list[str] = field(default_factory=list)  # free KV, keep tokens, recompute later
-    # Nonzero: built by an overlapped scheduler before that step's result was known (see Engine.rebase).
-    planned_after_step_id: int = 0
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    request_id: str
-    new_token_ids: list[int]  # empty mid-prefill
-    finish_reason: FinishReason | None
-    num_computed_tokens: int  # tokens in KV after this step
-    logprobs: list[SampledToken]  # one per new token when logprobs were asked for, else empty
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draftable_tokens: int = 0  # drafts the index could propose next step
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-    num_exclusive_blocks: int = 0  # blocks no other request shares: what a preemption would free
-
-
-@dataclass(frozen=True)
-class CostSample:
-    num_tokens: int  # tokens computed
-    num_kv_tokens: int  # KV tokens read
-    forward_s: float
-    num_logits_rows: int = 1  # rows the LM head and the sampler ran on
-    num_requests: int = 1
-    step_s: float = 0.0  # forward plus picking the tokens (argmax), as a real step's prepare + forward + sample
-
-
-@dataclass(frozen=True)
-class StepTimings:
-    prepare_s: float
-    forward_s: float
-    sample_s: float
-    grammar_s: float = 0.0  # of sample_s: computing and applying the grammar masks (0 without grammar requests)
-
-
-@dataclass(frozen=True)
 class _Work:
     """One scheduled request's part of a step, as the engine carries it from schedule to postprocess."""
 
@@ -164,18 +116,6 @@ class _Work:
     num_tokens: int  # known tokens computed this step
     draft_ids: list[int]  # speculative tokens verified on top of them
     piece: RequestSlice  # what the forward pass computes for it
-
-
-@dataclass(frozen=True)
-class StepResponse:
-    outputs: list[RequestResult]
-    num_computed_tokens: int
-    num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
-    num_free_blocks: int
-    num_total_blocks: int
-    timings: StepTimings
-    num_logits_rows: int = 0  # rows the LM head and the sampler ran on: for the cost model
-    num_requests: int = 0  # requests the step computed tokens for
 
 
 class Engine:
@@ -251,38 +191,17 @@ class Engine:
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
     def validate_new_request(self, new: NewRequest) -> None:
-        ctx, vocab = self.model_config.context_length, self.model_config.vocab_size
+        """The checks of its contents the scheduler's intake made too (service_common.request_checks,
+        worded alike, with the request's id in front), then what only the executor knows: the
+        requests in flight, and its grammar compiled against this model's tokens."""
         if not new.request_id:
             raise InvalidRequestError("request_id must not be empty")
         if new.request_id in self._requests:
             raise InvalidRequestError(f"request id {new.request_id!r} is already in flight")
-        if not new.prompt_token_ids:
-            raise InvalidRequestError(f"request {new.request_id!r}: prompt_token_ids is empty")
-        if len(new.prompt_token_ids) + len(new.output_token_ids) >= ctx:
-            already = f" (+ {len(new.output_token_ids)} already generated)" if new.output_token_ids else ""
-            raise InvalidRequestError(
-                f"request {new.request_id!r}: prompt of {len(new.prompt_token_ids)} tokens{already} leaves no room "
-                f"to generate in the model's context of {ctx} tokens"
-            )
-        if len(new.output_token_ids) >= new.max_new_tokens > 0:
-            raise InvalidRequestError(
-                f"request {new.request_id!r}: {len(new.output_token_ids)} tokens already generated, "
-                f"max_new_tokens={new.max_new_tokens}: nothing is left to generate"
-            )
-        bad = [t for t in (*new.prompt_token_ids, *new.output_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"request {new.request_id!r}: prompt_token_ids {bad[:5]} outside the vocabulary [0, {vocab})"
-            )
-        bad_stop = [t for t in new.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise InvalidRequestError(
-                f"request {new.request_id!r}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab})"
-            )
-        if not (math.isfinite(new.retention_s) and new.retention_s >= 0):
-            raise InvalidRequestError(f"request {new.request_id!r}: retention_s must be a finite number >= 0, got {new.retention_s}")
-        if new.max_new_tokens <= 0:
-            raise InvalidRequestError(f"request {new.request_id!r}: max_new_tokens must be > 0, got {new.max_new_tokens}")
+        try:
+            check_new_request(new, self.model_config.context_length, self.model_config.vocab_size)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"request {new.request_id!r}: {exc}") from None
         self._grammar_matcher(new)  # compiles it (then cached for _insert), or says what is wrong with it
 
     def _grammar_matcher(self, new: NewRequest) -> GrammarMatcher | None:

@@ -34,33 +34,16 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 import torch
 
 from service_common.errors import InvalidRequestError
-from service_common.grammar_source import GRAMMAR_KINDS, grammar_source
+from service_common.structured_output import StructuredOutput
 from executor_svc.tokenizer import TokenizerInfo
 
 MAX_CACHED_GRAMMARS = 64  # agents send the same tool and response schemas again and again
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request's output must match (proto StructuredOutput)."""
-
-    kind: str  # one of GRAMMAR_KINDS
-    text: str = ""  # the schema (JSON text), Lark grammar or regex; empty for json_object
-
-    def __post_init__(self) -> None:
-        if self.kind not in GRAMMAR_KINDS:
-            raise InvalidRequestError(f"structured_output kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
-
-    def to_llguidance(self) -> str:
-        """The llguidance grammar (its JSON form); InvalidRequestError if a schema is not a JSON object."""
-        return grammar_source(self.kind, self.text)
 
 
 class GrammarMatcher:
@@ -99,7 +82,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: TokenizerInfo, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     @functools.cached_property
@@ -111,7 +94,7 @@ class GrammarCompiler:
             self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=list(self._tokenizer.eos_token_ids)
         )
 
-    def matcher(self, spec: GrammarSpec, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
+    def matcher(self, spec: StructuredOutput, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher, advanced past `output_token_ids` (a resubmitted request's output).
 
         Raises InvalidRequestError naming the problem when the grammar does not compile
@@ -127,7 +110,7 @@ class GrammarCompiler:
                 )
         return GrammarMatcher(matcher)
 
-    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+    def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:

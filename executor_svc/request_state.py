@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from executor_svc.grammar import GrammarMatcher, GrammarSpec
+from swarmserve.executor.v1 import executor_pb2 as pb
+
+from executor_svc.grammar import GrammarMatcher
 from service_common.finish_reason import FinishReason
 from service_common.sampling_params import SamplingParams
+from service_common.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,23 @@ class NewRequest:
     session_id: str = ""  # an agent's conversation: its KV is preferred when evicting...
     retention_s: float = 0.0  # ... for this long after the request ends (0: no preference)
     output_token_ids: tuple[int, ...] = ()  # already generated (resubmitted after an executor restart)
-    structured_output: GrammarSpec | None = None  # None: unconstrained
+    structured_output: StructuredOutput | None = None  # None: unconstrained
+
+    @classmethod
+    def from_pb(cls, msg: pb.NewRequest) -> NewRequest:
+        """InvalidRequestError when its sampling options or structured_output are malformed."""
+        return cls(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling=SamplingParams.from_pb(msg.sampling),
+            max_new_tokens=msg.max_new_tokens,
+            stop_token_ids=frozenset(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            session_id=msg.session_id,
+            retention_s=msg.retention_s,
+            output_token_ids=tuple(msg.output_token_ids),
+            structured_output=StructuredOutput.from_pb(msg.structured_output),
+        )
 
     @property
     def token_ids(self) -> list[int]:

@@ -30,11 +30,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.convert import cost_samples_to_pb, step_request_from_pb, step_response_to_pb
-from executor_svc.engine import CostSample, Engine
+from executor_svc.engine import Engine
 from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.kv_cache import bytes_per_block
 from executor_svc.observability.step_interceptor import executor_interceptors
+from executor_svc.step_messages import CostSample, StepRequest
 from service_common.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from service_common.errors import InvalidRequestError
 
@@ -66,7 +66,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, engine: Engine, calibration: list[CostSample] = (), engine_thread: ThreadPoolExecutor | None = None
     ) -> None:
         self.engine = engine
-        self.calibration = cost_samples_to_pb(list(calibration))
+        self.calibration = [c.to_pb() for c in calibration]
         self.executor_id = uuid.uuid4().hex
         self._scheduler_id = ""
         self._retired_scheduler_ids: set[str] = set()
@@ -188,7 +188,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         finally:
             # As soon as the engine is done: the next plan runs while this answer is encoded and sent.
             await self._step_ended(request, is_ok)
-        return step_response_to_pb(request.step_id, output)
+        return output.to_pb(request.step_id)
 
     async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext):
         async with self._lock:
@@ -198,7 +198,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             if refusal is not None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
-                return await self._run(self.engine.step, step_request_from_pb(request))
+                return await self._run(self.engine.step, StepRequest.from_pb(request))
             except OutOfKVBlocksError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except InvalidRequestError as exc:

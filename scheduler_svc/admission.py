@@ -20,9 +20,10 @@ import structlog
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.intake import InvalidArgument, intake
+from scheduler_svc.intake import intake
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_loop import StepLoop
+from service_common.errors import InvalidRequestError
 
 log = structlog.get_logger()
 
@@ -75,7 +76,7 @@ async def admit(
     try:
         # Off the event loop: tokenizing a long prompt takes seconds (see intake).
         accepted = await asyncio.to_thread(intake, msg, limits, config)
-    except InvalidArgument as exc:
+    except InvalidRequestError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     _raise_unless_serving(loop, config)  # the executor may have gone meanwhile
     if loop.link.limits is not limits:

@@ -1,7 +1,10 @@
 """A Generate call → a validated scheduler `Request`, or a message naming the bad field.
 
 Everything the executor would refuse is refused here first, with a message a
-person can act on, so a bad request never reaches a step plan.
+person can act on, so a bad request never reaches a step plan: the checks of a
+request's contents are the executor's own (service_common.request_checks,
+SamplingParams, StructuredOutput), worded the same. A refusal is an
+InvalidRequestError, which the servers answer with INVALID_ARGUMENT (HTTP 400).
 
 The server's limits on sizes (request_limits) are checked before anything is
 tokenized or rendered. Tokenizing a long prompt takes seconds, so the server runs
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,18 +26,16 @@ from tokenizers import Tokenizer
 
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.grammar_checker import GrammarChecker
 from scheduler_svc.request import Request
-from scheduler_svc.request_limits import LimitExceeded, check_request_limits
+from scheduler_svc.request_limits import check_request_limits
 from service_common.errors import InvalidRequestError
+from service_common.request_checks import check_new_request, check_retention_s, check_room_to_generate
 from service_common.sampling_params import SamplingParams
-from scheduler_svc.structured_output import GrammarChecker, InvalidGrammar, StructuredOutput
+from service_common.structured_output import StructuredOutput
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
-
-
-class InvalidArgument(ValueError):
-    """The request is malformed; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -62,21 +62,15 @@ class Intake:
 
 
 def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
-    try:
-        # num_logprobs sits beside the sampling message in the public API.
-        return SamplingParams.from_pb(msg.sampling, SamplingParams(temperature=DEFAULT_TEMPERATURE, num_logprobs=msg.num_logprobs))
-    except InvalidRequestError as exc:
-        raise InvalidArgument(f"sampling.{exc}") from None
+    # The public API's num_logprobs beside the sampling message is what an unset sampling.num_logprobs takes.
+    return SamplingParams.from_pb(msg.sampling, SamplingParams(temperature=DEFAULT_TEMPERATURE, num_logprobs=msg.num_logprobs))
 
 
 def _structured_output(msg: pb.GenerateRequest, limits: ModelLimits) -> StructuredOutput | None:
-    try:
-        spec = StructuredOutput.from_pb(msg.structured_output)
-        if spec is not None:
-            limits.grammar_checker.check(spec)
-        return spec
-    except InvalidGrammar as exc:
-        raise InvalidArgument(str(exc)) from None
+    spec = StructuredOutput.from_pb(msg.structured_output)
+    if spec is not None:
+        limits.grammar_checker.check(spec)
+    return spec
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -88,9 +82,9 @@ def _json_object(text: str, field: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{field} is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"{field} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise InvalidArgument(f"{field} must be a JSON object, got {type(value).__name__}")
+        raise InvalidRequestError(f"{field} must be a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -124,9 +118,9 @@ def _tools(text: str) -> list[dict] | None:
     try:
         tools = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"chat.tools is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"chat.tools is not valid JSON: {exc}") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise InvalidArgument("chat.tools must be a JSON array of tool definitions (objects)")
+        raise InvalidRequestError("chat.tools must be a JSON array of tool definitions (objects)")
     return tools or None
 
 
@@ -134,29 +128,21 @@ def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
     """The prompt's token ids: text tokenized, or chat rendered by the template and tokenized."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
-        raise InvalidArgument("prompt is missing: set one of text, chat or token_ids")
+        raise InvalidRequestError("prompt is missing: set one of text, chat or token_ids")
     if kind == "text":
         if not msg.text:
-            raise InvalidArgument("text is empty")
+            raise InvalidRequestError("text is empty")
         return _encode(limits.tokenizer, msg.text, add_special_tokens=True)
     if kind == "token_ids":
-        if len(msg.token_ids.ids) >= limits.context_length:  # before reading them
-            raise InvalidArgument(
-                f"the prompt is {len(msg.token_ids.ids)} tokens; the model's context is {limits.context_length} tokens, "
-                "which leaves no room to generate"
-            )
-        ids = list(msg.token_ids.ids)
-        if not ids:
-            raise InvalidArgument("token_ids is empty")
-        bad = [t for t in ids if t >= limits.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
-        return ids
+        check_room_to_generate(len(msg.token_ids.ids), limits.context_length)  # before reading them
+        if not msg.token_ids.ids:
+            raise InvalidRequestError("token_ids is empty")
+        return list(msg.token_ids.ids)  # in the vocabulary: check_new_request's to say
     messages = [_chat_message(i, m) for i, m in enumerate(msg.chat.messages)]
     if not messages:
-        raise InvalidArgument("chat.messages is empty")
+        raise InvalidRequestError("chat.messages is empty")
     if not limits.chat_template:
-        raise InvalidArgument("this model has no chat template; send text or token_ids")
+        raise InvalidRequestError("this model has no chat template; send text or token_ids")
     try:
         text = render_chat_template(
             limits.chat_template,
@@ -167,66 +153,61 @@ def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
             tools=_tools(msg.chat.tools),
         )
     except InvalidMessagesError as exc:
-        raise InvalidArgument(f"chat.{exc}") from None
+        raise InvalidRequestError(f"chat.{exc}") from None
     except ChatTemplateError as exc:
-        raise InvalidArgument(f"the chat template failed on these messages: {exc}") from None
+        raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from None
     # The template already wrote any BOS it wants.
     return _encode(limits.tokenizer, text, add_special_tokens=False)
 
 
 def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:
-    """Validate a Generate call against the model and the server's limits (`config`)."""
-    try:
-        check_request_limits(msg, config)
-    except LimitExceeded as exc:
-        raise InvalidArgument(str(exc)) from None
+    """Validate a Generate call against the model and the server's limits (`config`): the
+    cheap checks first, then the grammar (compiled), the prompt (tokenized) and the rest."""
+    check_request_limits(msg, config)
     sampling = _sampling(msg)
     structured_output = _structured_output(msg, limits)
-    prompt = prompt_token_ids(msg, limits)
-    ctx = limits.context_length
-    if len(prompt) >= ctx:
-        raise InvalidArgument(
-            f"the prompt is {len(prompt)} tokens; the model's context is {ctx} tokens, "
-            f"which leaves no room to generate"
-        )
-    room = ctx - len(prompt)
-    if msg.HasField("max_new_tokens"):
-        if msg.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be > 0, got {msg.max_new_tokens}")
-        if msg.max_new_tokens > room:
-            raise InvalidArgument(
-                f"max_new_tokens={msg.max_new_tokens} is beyond the context: the prompt is {len(prompt)} tokens "
-                f"and the context {ctx}, so at most {room} new tokens fit"
-            )
-        max_new_tokens = msg.max_new_tokens
-    else:
-        max_new_tokens = min(config.default_max_new_tokens, room)
-    bad_stop = [t for t in msg.stop_token_ids if t >= limits.vocab_size]
-    if bad_stop:
-        raise InvalidArgument(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     if any(not s for s in msg.stop):
-        raise InvalidArgument("stop strings must not be empty")
-    retention_s = 0.0
-    if msg.HasField("retention_s"):
-        if not (math.isfinite(msg.retention_s) and msg.retention_s >= 0):
-            raise InvalidArgument(f"retention_s must be a finite number >= 0, got {msg.retention_s}")
-        if not msg.session_id:
-            raise InvalidArgument("retention_s needs a session_id")
-        # Clamped, not refused: a hint asking for too long still gets the longest the server allows.
-        retention_s = min(msg.retention_s, config.max_retention_s)
-    elif msg.session_id:
-        retention_s = min(DEFAULT_SESSION_RETENTION_S, config.max_retention_s)
+        raise InvalidRequestError("stop strings must not be empty")
+    prompt = prompt_token_ids(msg, limits)
+    check_room_to_generate(len(prompt), limits.context_length)
     request = Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         sampling=sampling,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=_max_new_tokens(msg, len(prompt), limits.context_length, config),
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         arrival_time=time.monotonic(),
         session_id=msg.session_id,
-        retention_s=retention_s,
+        retention_s=_retention_s(msg, config),
         executor_request_id=uuid.uuid4().hex,  # never the client's id: see Request
         structured_output=structured_output,
     )
+    check_new_request(request, limits.context_length, limits.vocab_size)
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)
+
+
+def _max_new_tokens(msg: pb.GenerateRequest, num_prompt_tokens: int, context_length: int, config: SchedulerConfig) -> int:
+    """The client's, if it fits the context (0 is check_new_request's to refuse); else the server's default, cut to fit."""
+    room = context_length - num_prompt_tokens
+    if not msg.HasField("max_new_tokens"):
+        return min(config.default_max_new_tokens, room)
+    if msg.max_new_tokens > room:
+        raise InvalidRequestError(
+            f"max_new_tokens={msg.max_new_tokens} is beyond the context: the prompt is {num_prompt_tokens} tokens "
+            f"and the context {context_length}, so at most {room} new tokens fit"
+        )
+    return msg.max_new_tokens
+
+
+def _retention_s(msg: pb.GenerateRequest, config: SchedulerConfig) -> float:
+    """How long the session's KV is preferred after the request: asked for or the default, at most the server's limit."""
+    if msg.HasField("retention_s"):
+        check_retention_s(msg.retention_s)
+        if not msg.session_id:
+            raise InvalidRequestError("retention_s needs a session_id")
+        # Clamped, not refused: a hint asking for too long still gets the longest the server allows.
+        return min(msg.retention_s, config.max_retention_s)
+    if msg.session_id:
+        return min(DEFAULT_SESSION_RETENTION_S, config.max_retention_s)
+    return 0.0

@@ -47,6 +47,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from swarmserve.executor.v1 import executor_pb2 as epb
+
 from scheduler_svc.acceptance import AcceptanceTracker
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel
@@ -60,6 +62,9 @@ class ScheduledRequest:
     request_id: str  # the executor's id for the request (Request.executor_request_id)
     num_tokens: int
     draft_budget: int = 0
+
+    def to_pb(self) -> epb.ScheduledRequest:
+        return epb.ScheduledRequest(request_id=self.request_id, num_tokens=self.num_tokens, draft_budget=self.draft_budget)
 
 
 @dataclass
@@ -79,6 +84,17 @@ class Plan:
     def is_empty(self) -> bool:
         return not (self.new_requests or self.scheduled or self.released or self.preempted)
 
+    def to_pb(self) -> epb.StepRequest:
+        """The plan as the executor's StepRequest: new requests whole, the rest by id."""
+        return epb.StepRequest(
+            step_id=self.step_id,
+            new_requests=[r.to_pb() for r in self.new_requests],
+            scheduled=[s.to_pb() for s in self.scheduled],
+            released=self.released,
+            preempted=self.preempted,
+            planned_after_step_id=self.planned_after_step_id,
+        )
+
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
@@ -97,7 +113,22 @@ class RequestResult:
     num_cached_tokens: int = 0
     num_draftable_tokens: int = 0
     num_exclusive_blocks: int = 0
-    logprobs: list = field(default_factory=list)
+    logprobs: list[epb.TokenLogprob] = field(default_factory=list)  # streamed to the client as they are
+
+    @classmethod
+    def from_pb(cls, msg: epb.RequestResult) -> RequestResult:
+        return cls(
+            request_id=msg.request_id,
+            new_token_ids=list(msg.new_token_ids),
+            finish_reason=FinishReason.from_pb(epb.FinishReason, msg.finish_reason),
+            num_computed_tokens=msg.num_computed_tokens,
+            num_drafted_tokens=msg.num_drafted_tokens,
+            num_accepted_tokens=msg.num_accepted_tokens,
+            num_cached_tokens=msg.num_cached_tokens,
+            num_draftable_tokens=msg.num_draftable_tokens,
+            num_exclusive_blocks=msg.num_exclusive_kv_blocks,
+            logprobs=list(msg.logprobs),
+        )
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from swarmserve.executor.v1 import executor_pb2 as epb
+
 from service_common.sampling_params import SamplingParams
-from scheduler_svc.structured_output import StructuredOutput
+from service_common.structured_output import StructuredOutput
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +65,22 @@ class Request:
     def __post_init__(self) -> None:
         if not self.executor_request_id:
             self.executor_request_id = self.request_id
+
+    def to_pb(self) -> epb.NewRequest:
+        """As a plan's new request, under its executor id; `output_token_ids` are non-empty only
+        when it is resubmitted (preempted requests are recomputed, not resent)."""
+        return epb.NewRequest(
+            request_id=self.executor_request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling.to_pb(),
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=sorted(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            session_id=self.session_id,
+            retention_s=self.retention_s,
+            output_token_ids=self.output_token_ids,
+            structured_output=self.structured_output.to_pb() if self.structured_output else None,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

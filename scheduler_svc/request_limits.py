@@ -12,6 +12,7 @@ import re
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.config import SchedulerConfig
+from service_common.errors import InvalidRequestError
 
 # Ids are re-sent in every step plan and copied into logs, spans and timelines:
 # short, printable, no whitespace, nothing a log or trace viewer would interpret.
@@ -19,7 +20,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=~-]+")
 ID_CHARACTERS = "letters, digits and . _ : / @ + = ~ -"
 
 
-class LimitExceeded(ValueError):
+class LimitExceeded(InvalidRequestError):
     """A client-controlled size or value is beyond the server's limit; the message says which."""
 
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from swarmserve.executor.v1 import executor_pb2 as epb
-from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
@@ -97,61 +96,6 @@ def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
     if not c.num_requests:
         return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s)
     return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
-
-
-def _result_from_pb(r: epb.RequestResult) -> RequestResult:
-    return RequestResult(
-        request_id=r.request_id,
-        new_token_ids=list(r.new_token_ids),
-        finish_reason=FinishReason.from_pb(epb.FinishReason, r.finish_reason),
-        num_computed_tokens=r.num_computed_tokens,
-        num_drafted_tokens=r.num_drafted_tokens,
-        num_accepted_tokens=r.num_accepted_tokens,
-        num_cached_tokens=r.num_cached_tokens,
-        num_draftable_tokens=r.num_draftable_tokens,
-        num_exclusive_blocks=r.num_exclusive_kv_blocks,
-        logprobs=_logprobs_to_pb(r.logprobs),
-    )
-
-
-def _logprobs_to_pb(logprobs) -> list[spb.TokenLogprob]:
-    return [
-        spb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top_logprobs=[spb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top_logprobs],
-        )
-        for lp in logprobs
-    ]
-
-
-def plan_to_pb(plan: Plan) -> epb.StepRequest:
-    """The plan as the executor's StepRequest: new requests whole, the rest by id."""
-    return epb.StepRequest(
-        step_id=plan.step_id,
-        new_requests=[
-            epb.NewRequest(
-                request_id=r.executor_request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                sampling=r.sampling.to_pb(epb.SamplingParams),
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=sorted(r.stop_token_ids),
-                ignore_eos=r.ignore_eos,
-                session_id=r.session_id,
-                retention_s=r.retention_s,
-                output_token_ids=r.output_token_ids,  # non-empty only when resubmitted
-                structured_output=r.structured_output.to_pb() if r.structured_output else None,
-            )
-            for r in plan.new_requests
-        ],
-        scheduled=[
-            epb.ScheduledRequest(request_id=s.request_id, num_tokens=s.num_tokens, draft_budget=s.draft_budget)
-            for s in plan.scheduled
-        ],
-        released=plan.released,
-        preempted=plan.preempted,
-        planned_after_step_id=plan.planned_after_step_id,
-    )
 
 
 class StepLoop:
@@ -351,7 +295,7 @@ class StepLoop:
         context = contextvars.copy_context()
         scope = context.run(self.telemetry.begin_step, plan)
         context.run(scope.__enter__)  # the step's span (if tracing) is current: the RPC's metadata carries it
-        call = context.run(asyncio.ensure_future, self.link.step(plan_to_pb(plan)))
+        call = context.run(asyncio.ensure_future, self.link.step(plan.to_pb()))
         planner.sent(plan)
         self.in_flight.append(StepInFlight(plan, call, start, scope, context, client_ids))
         await asyncio.sleep(0)  # let the RPC go out before the next plan is built
@@ -396,7 +340,7 @@ class StepLoop:
     ) -> None:
         """Fold the executor's answer in: cost model, planner state, client streams, the step history."""
         end = time.monotonic()
-        results = [_result_from_pb(r) for r in response.results]
+        results = [RequestResult.from_pb(r) for r in response.results]
         self.num_steps += 1
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
         self._unobserved.append(response)

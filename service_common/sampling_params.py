@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from swarmserve.common.v1 import sampling_pb2 as pb
+
 from service_common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -25,42 +27,38 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"sampling.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequestError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.num_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"num_logprobs must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs}")
+            raise InvalidRequestError(f"sampling.num_logprobs must be in [0, {MAX_LOGPROBS}], got {self.num_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequestError(f"sampling.seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
 
-    # Both services' protos have a SamplingParams message whose fields are named like these, so one
-    # pair of converters, driven by the dataclass's fields, serves every boundary: a new option
-    # needs no conversion code, only its proto field.
+    # One proto message (swarmserve.common.v1.SamplingParams) carries these on both hops, its fields
+    # named like the dataclass's, so one pair of converters driven by the dataclass's fields serves
+    # both: a new option needs no conversion code, only its proto field.
 
     @classmethod
-    def from_pb(cls, msg, defaults: SamplingParams | None = None) -> SamplingParams:
-        """From a SamplingParams message: a field the message lacks, or leaves unset where
-        it tracks presence, takes its value in `defaults` (the dataclass defaults if None).
-        Raises InvalidRequestError naming the field out of range."""
+    def from_pb(cls, msg: pb.SamplingParams, defaults: SamplingParams | None = None) -> SamplingParams:
+        """A field the message leaves unset takes its value in `defaults` (the dataclass defaults
+        if None). Raises InvalidRequestError naming the field out of range."""
         defaults = defaults or cls()
-        present = {f.name: f for f in msg.DESCRIPTOR.fields}
-        values = {}
-        for f in dataclasses.fields(cls):
-            field_pb = present.get(f.name)
-            if field_pb is None or (field_pb.has_presence and not msg.HasField(f.name)):
-                values[f.name] = getattr(defaults, f.name)
-            else:
-                values[f.name] = getattr(msg, f.name)
-        return cls(**values)
+        return cls(
+            **{
+                f.name: getattr(msg, f.name) if msg.HasField(f.name) else getattr(defaults, f.name)
+                for f in dataclasses.fields(cls)
+            }
+        )
 
-    def to_pb(self, message_cls):
-        """As a SamplingParams message of `message_cls` (None fields stay unset); every field must exist there."""
-        return message_cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None})
+    def to_pb(self) -> pb.SamplingParams:
+        """Every field set but a None seed (the executor draws one)."""
+        return pb.SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None})

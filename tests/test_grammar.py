@@ -17,7 +17,8 @@ import torch
 from executor_svc.engine import ScheduledRequest, StepRequest
 from service_common.errors import InvalidRequestError
 from executor_svc.gguf_file import open_gguf
-from executor_svc.grammar import GrammarCompiler, GrammarSpec, _apply_masks_numpy, _apply_masks_torch, fill_masks
+from executor_svc.grammar import GrammarCompiler, _apply_masks_numpy, _apply_masks_torch, fill_masks
+from service_common.structured_output import StructuredOutput
 from executor_svc.request_state import FinishReason, NewRequest
 from service_common.sampling_params import SamplingParams
 from executor_svc.tokenizer import load_tokenizer
@@ -35,8 +36,8 @@ SCHEMA = {
 }
 # Compact JSON (the schema's own x-guidance override): the tiny model loves whitespace.
 COMPACT_SCHEMA = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}
-JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
-COMPACT_SPEC = GrammarSpec("json_schema", json.dumps(COMPACT_SCHEMA))
+JSON_SPEC = StructuredOutput("json_schema", json.dumps(SCHEMA))
+COMPACT_SPEC = StructuredOutput("json_schema", json.dumps(COMPACT_SCHEMA))
 
 
 def request(engine, request_id, spec, *, prompt="the a", max_new_tokens=200, **sampling) -> NewRequest:
@@ -129,7 +130,7 @@ def test_seeded_sampling_at_temperature_1_gives_json_that_validates(engine):
 
 @pytest.mark.parametrize("draft_budget", [0, 3])
 def test_masked_tokens_are_never_sampled_even_at_a_high_temperature(engine, draft_budget):
-    specs = {"json": COMPACT_SPEC, "regex": GrammarSpec("regex", r"(yes|no|maybe)[.!] [a-z ]{0,6}")}
+    specs = {"json": COMPACT_SPEC, "regex": StructuredOutput("regex", r"(yes|no|maybe)[.!] [a-z ]{0,6}")}
     requests = [request(engine, f"{k}{seed}", spec, temperature=30.0, seed=seed) for k, spec in specs.items() for seed in range(8)]
     run = drive(engine, requests, draft_budget=draft_budget)
     for r in requests:
@@ -148,7 +149,7 @@ def test_masked_tokens_are_never_sampled_even_at_a_high_temperature(engine, draf
 
 def test_a_lark_grammar_with_embedded_json(engine):
     lark = 'start: "answer: " ("yes" | "no") " " %json{"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 3}'
-    spec = GrammarSpec("lark", lark)
+    spec = StructuredOutput("lark", lark)
     run = drive(engine, [request(engine, f"l{seed}", spec, temperature=30.0, seed=seed) for seed in range(6)])
     for seed in range(6):
         text = text_of(engine, run.tokens[f"l{seed}"])
@@ -179,7 +180,7 @@ def test_requests_without_a_grammar_are_unaffected(engine):
 
 
 def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(engine):
-    spec = GrammarSpec("regex", "yes|no")
+    spec = StructuredOutput("regex", "yes|no")
     new = request(engine, "y", spec, max_new_tokens=50)
     run = drive(engine, [NewRequest(**{**new.__dict__, "ignore_eos": True})])
     assert text_of(engine, run.tokens["y"]) in ("yes", "no")
@@ -196,7 +197,7 @@ def test_max_new_tokens_still_cuts_a_grammar_short(engine):
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.5, "seed": 11}], ids=["greedy", "seeded"])
 def test_speculation_under_a_grammar_gives_the_tokens_of_plain_decoding(engine, sampling):
-    specs = [JSON_SPEC, COMPACT_SPEC, GrammarSpec("regex", r"[a-z]{3,40}\.")]
+    specs = [JSON_SPEC, COMPACT_SPEC, StructuredOutput("regex", r"[a-z]{3,40}\.")]
     requests = [request(engine, f"r{i}", spec, max_new_tokens=80, **sampling) for i, spec in enumerate(specs)]
     plain = drive(engine, requests)
     num_accepted = 0
@@ -264,12 +265,12 @@ def test_a_resubmission_that_breaks_the_grammar_is_refused(engine):
 @pytest.mark.parametrize(
     "spec,problem",
     [
-        (GrammarSpec("json_schema", "{not json"), "not a valid JSON schema"),
-        (GrammarSpec("json_schema", "[1, 2]"), "must be a JSON object"),
-        (GrammarSpec("json_schema", '{"type": "nope"}'), "nope"),
-        (GrammarSpec("regex", "a(b"), "unclosed group"),
-        (GrammarSpec("lark", "start: foo"), 'unknown name: "foo"'),
-        (GrammarSpec("lark", 'start: "a" <|no_such_token|>'), "unknown special token"),
+        (StructuredOutput("json_schema", "{not json"), "not a valid JSON schema"),
+        (StructuredOutput("json_schema", "[1, 2]"), "must be a JSON object"),
+        (StructuredOutput("json_schema", '{"type": "nope"}'), "nope"),
+        (StructuredOutput("regex", "a(b"), "unclosed group"),
+        (StructuredOutput("lark", "start: foo"), 'unknown name: "foo"'),
+        (StructuredOutput("lark", 'start: "a" <|no_such_token|>'), "unknown special token"),
     ],
 )
 def test_a_bad_grammar_is_refused_naming_the_problem(engine, spec, problem):
@@ -281,14 +282,14 @@ def test_a_bad_grammar_is_refused_naming_the_problem(engine, spec, problem):
 
 def test_an_unknown_grammar_kind_is_refused():
     with pytest.raises(InvalidRequestError, match="kind must be one of"):
-        GrammarSpec("yaml", "a: b")
+        StructuredOutput("yaml", "a: b")
 
 
 def test_compiled_grammars_are_reused(engine):
     first = engine.grammars.matcher(JSON_SPEC).matcher
-    again = engine.grammars.matcher(GrammarSpec("json_schema", json.dumps(SCHEMA))).matcher
+    again = engine.grammars.matcher(StructuredOutput("json_schema", json.dumps(SCHEMA))).matcher
     assert first is not again  # each request gets its own copy ...
-    assert engine.grammars._compile(JSON_SPEC) is engine.grammars._compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    assert engine.grammars._compile(JSON_SPEC) is engine.grammars._compile(StructuredOutput("json_schema", json.dumps(SCHEMA)))
 
 
 
@@ -308,7 +309,7 @@ EMBEDDED_SCHEMA = {
 
 @pytest.mark.slow
 def test_the_embedded_model_samples_json_that_validates_on_20_seeds(engine_fp32):
-    spec = GrammarSpec("json_schema", json.dumps(EMBEDDED_SCHEMA))  # the default whitespace, as a client sends it
+    spec = StructuredOutput("json_schema", json.dumps(EMBEDDED_SCHEMA))  # the default whitespace, as a client sends it
     prompt = "Is the sky blue? Answer in JSON with the keys answer, confidence and reason.\n"
     requests = [request(engine_fp32, f"e{seed}", spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=160) for seed in range(20)]
     run = drive(engine_fp32, requests)

@@ -13,7 +13,8 @@ from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from executor_svc.gguf_file import open_gguf
 from executor_svc.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.intake import InvalidArgument, ModelLimits, intake
+from scheduler_svc.intake import ModelLimits, intake
+from service_common.errors import InvalidRequestError
 from tests.tiny_gguf import TinyModelSpec
 
 
@@ -41,7 +42,7 @@ def generate(**fields) -> pb.GenerateRequest:
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, -1.0])
 def test_retention_must_be_a_finite_number(limits, value):
-    with pytest.raises(InvalidArgument, match="retention_s must be a finite number >= 0"):
+    with pytest.raises(InvalidRequestError, match="retention_s must be a finite number >= 0"):
         intake(generate(session_id="s", retention_s=value), limits, SchedulerConfig())
 
 
@@ -64,17 +65,17 @@ def test_the_server_maximum_must_be_finite():
 def test_ids_are_capped_in_bytes(limits, field):
     config = SchedulerConfig()
     intake(generate(**{field: "a" * 128}), limits, config)
-    with pytest.raises(InvalidArgument, match=f"{field} is 129 bytes; the limit is 128"):
+    with pytest.raises(InvalidRequestError, match=f"{field} is 129 bytes; the limit is 128"):
         intake(generate(**{field: "a" * 129}), limits, config)
-    with pytest.raises(InvalidArgument, match=f"{field} is 4000000 bytes"):
+    with pytest.raises(InvalidRequestError, match=f"{field} is 4000000 bytes"):
         intake(generate(**{field: "a" * 4_000_000}), limits, config)
-    with pytest.raises(InvalidArgument, match=f"{field} is 129 bytes"):
+    with pytest.raises(InvalidRequestError, match=f"{field} is 129 bytes"):
         intake(generate(**{field: "é" * 64 + "a"}), limits, config)  # bytes, not characters
 
 
 @pytest.mark.parametrize("value", ["agent 7", "a\nb", "a\x00b", "tab\there", "naïve", "a;b", "<b>"])
 def test_ids_are_restricted_to_plain_characters(limits, value):
-    with pytest.raises(InvalidArgument, match="has characters outside"):
+    with pytest.raises(InvalidRequestError, match="has characters outside"):
         intake(generate(request_id=value), limits, SchedulerConfig())
 
 
@@ -90,12 +91,12 @@ def test_ordinary_ids_pass(limits):
 def test_stop_strings_are_capped_in_count_and_length(limits):
     config = SchedulerConfig(max_stop_strings=4, max_stop_string_chars=10)
     assert intake(generate(stop=["x" * 10] * 4), limits, config).stop_strings == ["x" * 10] * 4
-    with pytest.raises(InvalidArgument, match=r"5 stop strings; the limit is 4 \(--max-stop-strings\)"):
+    with pytest.raises(InvalidRequestError, match=r"5 stop strings; the limit is 4 \(--max-stop-strings\)"):
         intake(generate(stop=["x"] * 5), limits, config)
-    with pytest.raises(InvalidArgument, match=r"stop\[1\] is 11 characters; the limit is 10"):
+    with pytest.raises(InvalidRequestError, match=r"stop\[1\] is 11 characters; the limit is 10"):
         intake(generate(stop=["x", "y" * 11]), limits, config)
     # The case: refused at the defaults, before anything is matched.
-    with pytest.raises(InvalidArgument, match="2000 stop strings"):
+    with pytest.raises(InvalidRequestError, match="2000 stop strings"):
         intake(generate(stop=["z" * 1000] * 2000), limits, SchedulerConfig())
 
 
@@ -104,26 +105,26 @@ def test_stop_strings_are_capped_in_count_and_length(limits):
 
 def test_prompt_bytes_and_chat_messages_are_capped_before_tokenizing(limits):
     config = SchedulerConfig(max_prompt_bytes=1000, max_chat_messages=3)
-    with pytest.raises(InvalidArgument, match=r"text is 1001 bytes; the limit is 1000 \(--max-prompt-bytes\)"):
+    with pytest.raises(InvalidRequestError, match=r"text is 1001 bytes; the limit is 1000 \(--max-prompt-bytes\)"):
         intake(generate(text="x" * 1001), limits, config)
-    with pytest.raises(InvalidArgument, match="text is 1002 bytes"):
+    with pytest.raises(InvalidRequestError, match="text is 1002 bytes"):
         intake(generate(text="é" * 501), limits, config)  # bytes, not characters
     chat = lambda n, size: pb.GenerateRequest(  # noqa: E731
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="y" * size) for _ in range(n)])
     )
-    with pytest.raises(InvalidArgument, match=r"chat has 4 messages; the limit is 3 \(--max-chat-messages\)"):
+    with pytest.raises(InvalidRequestError, match=r"chat has 4 messages; the limit is 3 \(--max-chat-messages\)"):
         intake(chat(4, 1), limits, config)
-    with pytest.raises(InvalidArgument, match="chat.messages and chat.tools are 1012 bytes together"):
+    with pytest.raises(InvalidRequestError, match="chat.messages and chat.tools are 1012 bytes together"):
         intake(chat(2, 502), limits, config)
     # The cases, at the defaults: refused at once, nothing rendered or tokenized.
-    with pytest.raises(InvalidArgument, match="text is 4194304 bytes"):
+    with pytest.raises(InvalidRequestError, match="text is 4194304 bytes"):
         intake(generate(text="z" * (4 << 20)), limits, SchedulerConfig())
-    with pytest.raises(InvalidArgument, match="chat has 200000 messages"):
+    with pytest.raises(InvalidRequestError, match="chat has 200000 messages"):
         intake(chat(200_000, 1), limits, SchedulerConfig())
 
 
 def test_token_ids_beyond_the_context_are_refused_before_they_are_read(limits):
-    with pytest.raises(InvalidArgument, match="the prompt is 256 tokens; the model's context is 256"):
+    with pytest.raises(InvalidRequestError, match="the prompt is 256 tokens; the model's context is 256"):
         intake(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 256)), limits, SchedulerConfig())
 
 
@@ -160,12 +161,12 @@ def test_a_grammar_is_carried_to_the_request(limits):
     ],
 )
 def test_a_bad_grammar_is_invalid_argument_naming_the_problem(limits, structured_output, problem):
-    with pytest.raises(InvalidArgument, match=re.escape(problem)):
+    with pytest.raises(InvalidRequestError, match=re.escape(problem)):
         intake(generate(structured_output=structured_output), limits, SchedulerConfig())
 
 
 def test_a_grammar_beyond_the_size_limit_is_refused_before_it_is_compiled(limits):
     config = SchedulerConfig(max_grammar_bytes=64)
-    with pytest.raises(InvalidArgument, match=r"structured_output.regex is 65 bytes; the limit is 64 \(--max-grammar-bytes\)"):
+    with pytest.raises(InvalidRequestError, match=r"structured_output.regex is 65 bytes; the limit is 64 \(--max-grammar-bytes\)"):
         intake(generate(structured_output=pb.StructuredOutput(regex="a" * 65)), limits, config)
     assert intake(generate(structured_output=pb.StructuredOutput(regex="a" * 64)), limits, config).request.structured_output

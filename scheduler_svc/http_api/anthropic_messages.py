@@ -23,7 +23,7 @@ from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, tools_json
+from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.anthropic_schema import (
     CountTokensRequest,
     MediaBlock,
@@ -35,7 +35,8 @@ from scheduler_svc.http_api.anthropic_schema import (
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
 from scheduler_svc.intake import prompt_token_ids
-from scheduler_svc.request_limits import LimitExceeded, check_request_limits
+from scheduler_svc.request_limits import check_request_limits
+from service_common.errors import InvalidRequestError
 
 
 def _text(blocks, where: str) -> str:
@@ -135,14 +136,7 @@ def generate_request(front: Front, body: CountTokensRequest, request: HttpReques
             msg.structured_output.json_schema = json.dumps(output_format.schema_)
         msg.max_new_tokens = body.max_tokens
         msg.stop.extend(body.stop_sequences or ())
-        if body.temperature is not None:
-            msg.sampling.temperature = body.temperature
-        if body.top_p is not None:
-            msg.sampling.top_p = body.top_p
-        if body.top_k is not None:
-            msg.sampling.top_k = body.top_k
-        if body.seed is not None:
-            msg.sampling.seed = body.seed
+        msg.sampling.CopyFrom(sampling(body))
         if request is not None:
             msg.session_id = front.session_id(body.session_id, request)
     return msg, bool(tools)
@@ -158,7 +152,7 @@ async def count_tokens(front: Front, body: CountTokensRequest) -> Response:
 
     try:
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
-    except (LimitExceeded, ValueError) as exc:  # InvalidArgument is a ValueError
+    except InvalidRequestError as exc:  # LimitExceeded is one
         raise ApiError(400, str(exc), param_for_refusal(str(exc))) from None
 
 

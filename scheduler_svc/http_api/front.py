@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.tool_calls import parser_name_for_template
 from scheduler_svc.intake import ModelLimits
 from scheduler_svc.step_loop import StepLoop
+from service_common.sampling_params import SamplingParams
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -25,14 +27,15 @@ T = TypeVar("T")
 # field; Codex sends its conversation id as `session_id`.
 SESSION_HEADERS = ("x-session-id", "session_id")
 
+# Sampling options the HTTP bodies spell otherwise; every other one has its SamplingParams name
+# there too (OpenAI's and vLLM's: temperature, top_p, top_k, min_p, seed), and passes through as is.
+_RENAMED_SAMPLING = {"num_logprobs": "top_logprobs"}
+_SAMPLING_PARAMS = {f.name: _RENAMED_SAMPLING.get(f.name, f.name) for f in dataclasses.fields(SamplingParams)}
+
 # gRPC field names in intake's refusals → the HTTP API's field, for `param`.
 _PARAMS = (
     ("max_new_tokens", "max_tokens"),
-    ("sampling.temperature", "temperature"),
-    ("sampling.top_p", "top_p"),
-    ("sampling.top_k", "top_k"),
-    ("sampling.min_p", "min_p"),
-    ("num_logprobs", "top_logprobs"),
+    *((f"sampling.{name}", param) for name, param in _SAMPLING_PARAMS.items()),
     ("session_id", "session_id"),
     ("stop", "stop"),
     ("chat.tools", "tools"),
@@ -131,20 +134,17 @@ def structured_output(response_format) -> pb.StructuredOutput | None:
     return pb.StructuredOutput(json_schema=json.dumps(schema))
 
 
-def sampling(body, index: int) -> pb.SamplingParams:
-    """The sampling fields; choice `index` of n gets seed + index, so the choices differ
-    but each stays reproducible."""
+def sampling(body, index: int = 0) -> pb.SamplingParams:
+    """The sampling options a body sets under their own names (those it lacks or leaves unset take
+    the server's defaults); choice `index` of n gets seed + index, so the choices differ but each
+    stays reproducible. Renamed ones (_RENAMED_SAMPLING) are the route's to map."""
     s = pb.SamplingParams()
-    if body.temperature is not None:
-        s.temperature = body.temperature
-    if body.top_p is not None:
-        s.top_p = body.top_p
-    if body.top_k is not None:
-        s.top_k = body.top_k
-    if body.min_p is not None:
-        s.min_p = body.min_p
-    if body.seed is not None:
-        s.seed = (body.seed + index) % (1 << 64)
+    for name in _SAMPLING_PARAMS.keys() - _RENAMED_SAMPLING.keys():
+        value = getattr(body, name, None)
+        if value is not None:
+            setattr(s, name, value)
+    if s.HasField("seed"):
+        s.seed = (s.seed + index) % (1 << 64)
     return s
 
 

@@ -23,7 +23,7 @@ from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, protobuf_values, tools_json
+from scheduler_svc.http_api.front import Front, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar, message_text
 from scheduler_svc.http_api.openai_schema import (
     FunctionCallItem,
@@ -100,10 +100,7 @@ def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest)
         msg.structured_output.json_schema = json.dumps(text_format.schema_)
     if body.max_output_tokens is not None:
         msg.max_new_tokens = body.max_output_tokens
-    if body.temperature is not None:
-        msg.sampling.temperature = body.temperature
-    if body.top_p is not None:
-        msg.sampling.top_p = body.top_p
+    msg.sampling.CopyFrom(sampling(body))
     return msg, bool(tools)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from scheduler_svc.http_api.tool_calls import HERMES_CLOSE, HERMES_OPEN
-from service_common.grammar_source import JSON_DEFAULTS
+from service_common.structured_output import JSON_DEFAULTS
 
 
 def _call_schema(name: str, parameters: dict | None, arguments_key: str) -> dict:

@@ -1,0 +1,136 @@
+"""The Step RPC's messages as the engine takes and gives them, each with its one constructor at
+the wire (`from_pb` for what the scheduler sends, `to_pb` for what goes back), as the servicer
+uses them: `StepRequest.from_pb` → `Engine.step` → `StepResponse.to_pb`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarmserve.executor.v1 import executor_pb2 as pb
+
+from executor_svc.request_state import NewRequest
+from executor_svc.sampler import SampledToken
+from service_common.finish_reason import FinishReason
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_tokens: int  # tokens to compute this step: a prefill chunk, or 1 to decode
+    draft_budget: int = 0  # speculative tokens it may verify on top of a decode token
+
+    @classmethod
+    def from_pb(cls, msg: pb.ScheduledRequest) -> ScheduledRequest:
+        return cls(msg.request_id, msg.num_tokens, msg.draft_budget)
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # finished or aborted: free everything
+    preempted: list[str] = field(default_factory=list)  # free KV, keep tokens, recompute later
+    # Nonzero: built by an overlapped scheduler before that step's result was known (see Engine.rebase).
+    planned_after_step_id: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: pb.StepRequest) -> StepRequest:
+        """InvalidRequestError when a new request's options are out of range (the plan is refused whole)."""
+        return cls(
+            scheduled=[ScheduledRequest.from_pb(s) for s in msg.scheduled],
+            new_requests=[NewRequest.from_pb(r) for r in msg.new_requests],
+            released=list(msg.released),
+            preempted=list(msg.preempted),
+            planned_after_step_id=msg.planned_after_step_id,
+        )
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    new_token_ids: list[int]  # empty mid-prefill
+    finish_reason: FinishReason | None
+    num_computed_tokens: int  # tokens in KV after this step
+    logprobs: list[SampledToken]  # one per new token when logprobs were asked for, else empty
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draftable_tokens: int = 0  # drafts the index could propose next step
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_exclusive_blocks: int = 0  # blocks no other request shares: what a preemption would free
+
+    def to_pb(self) -> pb.RequestResult:
+        return pb.RequestResult(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids,
+            finish_reason=pb.FINISH_REASON_UNSPECIFIED if self.finish_reason is None else self.finish_reason.to_pb(pb.FinishReason),
+            num_computed_tokens=self.num_computed_tokens,
+            num_drafted_tokens=self.num_drafted_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_draftable_tokens=self.num_draftable_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_exclusive_kv_blocks=self.num_exclusive_blocks,
+            logprobs=[
+                pb.TokenLogprob(
+                    token_id=t.token_id,
+                    logprob=t.logprob,
+                    top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs],
+                )
+                for t in self.logprobs
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class CostSample:
+    num_tokens: int  # tokens computed
+    num_kv_tokens: int  # KV tokens read
+    forward_s: float
+    num_logits_rows: int = 1  # rows the LM head and the sampler ran on
+    num_requests: int = 1
+    step_s: float = 0.0  # forward plus picking the tokens (argmax), as a real step's prepare + forward + sample
+
+    def to_pb(self) -> pb.CostSample:
+        return pb.CostSample(
+            num_tokens=self.num_tokens,
+            num_kv_tokens=self.num_kv_tokens,
+            forward_s=self.forward_s,
+            num_logits_rows=self.num_logits_rows,
+            num_requests=self.num_requests,
+            step_s=self.step_s,
+        )
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    grammar_s: float = 0.0  # of sample_s: computing and applying the grammar masks (0 without grammar requests)
+
+    def to_pb(self) -> pb.StepTimings:
+        return pb.StepTimings(prepare_s=self.prepare_s, forward_s=self.forward_s, sample_s=self.sample_s)
+
+
+@dataclass(frozen=True)
+class StepResponse:
+    outputs: list[RequestResult]
+    num_computed_tokens: int
+    num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
+    num_free_blocks: int
+    num_total_blocks: int
+    timings: StepTimings
+    num_logits_rows: int = 0  # rows the LM head and the sampler ran on: for the cost model
+    num_requests: int = 0  # requests the step computed tokens for
+
+    def to_pb(self, step_id: int) -> pb.StepResponse:
+        return pb.StepResponse(
+            step_id=step_id,
+            results=[r.to_pb() for r in self.outputs],
+            num_free_kv_blocks=self.num_free_blocks,
+            num_total_kv_blocks=self.num_total_blocks,
+            num_computed_tokens=self.num_computed_tokens,
+            num_kv_tokens=self.num_kv_tokens,
+            num_logits_rows=self.num_logits_rows,
+            num_requests=self.num_requests,
+            timings=self.timings.to_pb(),
+        )

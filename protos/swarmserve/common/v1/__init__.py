@@ -1,0 +1,1 @@
+"""Generated gRPC code lives here (see setup.py); only the .proto files are sources."""

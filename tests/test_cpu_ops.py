@@ -201,7 +201,8 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
     angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
     cos_table, sin_table = angles.cos(), angles.sin()
     positions = torch.tensor([5, 6, 7, 0, 1, 2, 40, 0])
-    slots = torch.tensor([21, 22, 23, 9, 10, 11, 33])
+    slots = torch.tensor([21, 22, 23, 9, 10, 11, 33])  # the first num_tokens rows write K/V; the padded row does not
+    assert len(slots) == num_tokens
     results = []
     for ops in (OPS, REF):
         k_cache, v_cache = torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype), torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype)

@@ -182,8 +182,6 @@ def test_text_deltas_concatenate_to_the_decoded_output(stack, default_model_path
 
 
 def test_stop_strings_and_finish_reasons(stack, solo_tokens):
-    tokenizer_text = None
-
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             full = await client.complete(PLAIN_PROMPTS[0], max_new_tokens=40, temperature=0.0, ignore_eos=True)

@@ -7,6 +7,7 @@ CPU path never needs triton installed.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 
@@ -17,7 +18,7 @@ def triton_available() -> bool:
     CPU tensors; that is how they are tested without an accelerator.
     """
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except Exception:  # noqa: BLE001 - not installed, or installed without a working backend
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":

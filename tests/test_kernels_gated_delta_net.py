@@ -384,7 +384,8 @@ def test_triton_chunked_prefills_in_the_hybrid_engine_give_the_torch_tokens(tmp_
     requests = [NewRequest(f"r{i}", p, SamplingParams(), 5, ignore_eos=True) for i, p in enumerate(prompts)]
     config = dict(model=str(path), kv_cache_bytes=4 << 20, num_state_slots=4)
     expected = drive(Engine(EngineConfig(**config, kernels="torch")), requests).tokens
-    engine = Engine(EngineConfig(**config, kernels="triton", batch_invariant=False))
+    # No prefix cache: the second pass must prefill the long prompt again, not resume from the first pass's snapshot.
+    engine = Engine(EngineConfig(**config, kernels="triton", batch_invariant=False, enable_prefix_caching=False))
     launches = []
     launch_chunked = triton_delta_rule.launch_chunked
     monkeypatch.setattr(triton_delta_rule, "launch_chunked", lambda *a: launches.append(a[8]) or launch_chunked(*a))

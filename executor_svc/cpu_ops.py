@@ -56,8 +56,8 @@ class CpuLayerStack:
             return None
         stack = kernels.DenseStack(config.num_heads, config.num_kv_heads, config.rms_norm_eps, scale)
         for i, layer in enumerate(weights.layers):
-            matmuls = [cpu_matmul_parts(w) if w is not None else None for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            if layer.moe is not None or any(m is None for m in matmuls):
+            matmuls = [cpu_matmul_parts(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            if any(m is None for m in matmuls):
                 return None
             next_norm = weights.layers[i + 1].attn_norm if i + 1 < len(weights.layers) else weights.final_norm
             qkv, o_proj, gate_up, down = matmuls

@@ -76,9 +76,9 @@ def has_int16_dot() -> bool:
 
 
 class Kernel(IntEnum):
-    """The kernel that multiplies a weight (the values are the C++ layer stack's, decoder.cpp)."""
+    """The kernel that multiplies a packed weight (the values are the C++ layer stack's, decoder.cpp;
+    its 0 is a dense float tensor, which is not a PackedWeight)."""
 
-    DENSE = 0  # a float tensor: F.linear
     # GGUF rows [rows, row_bytes] dequantized in float32 on the CPU (qlinear.cpp): the exact path.
     EXACT = 1
     # Activations quantized to int16 per 32-value block (qlinear.cpp, "integer dot products").
@@ -106,8 +106,6 @@ class PackedWeight:
         rows, cols = self.shape
         if cols % block_elems:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
-        if self.kernel == Kernel.DENSE:
-            raise ModelLoadError("a packed weight is multiplied by a packed-weight kernel, not the dense one")
         if self.kernel == Kernel.INT16 and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
         row_bytes = cols // block_elems * block_bytes
@@ -197,6 +195,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return y if bias is None else y + bias
 
 
+DENSE_KIND = 0  # decoder.cpp's kind for a dense float tensor (F.linear); the others are Kernel values
+
+
 def cpu_matmul_parts(w: Weight) -> list[tuple[torch.Tensor, int, int, int, int]] | None:
     """w as the C++ layer stack takes a matmul weight (decoder.cpp): a (data, kernel, type,
     cols, rows) tuple per part; None when a part runs on another device's kernel."""
@@ -204,7 +205,7 @@ def cpu_matmul_parts(w: Weight) -> list[tuple[torch.Tensor, int, int, int, int]]
     specs = []
     for p in parts:
         if isinstance(p, torch.Tensor):
-            specs.append((p, int(Kernel.DENSE), 0, p.shape[1], p.shape[0]))
+            specs.append((p, DENSE_KIND, 0, p.shape[1], p.shape[0]))
         elif p.kernel in (Kernel.EXACT, Kernel.INT16) and p.data.device.type == "cpu":
             specs.append((p.data, int(p.kernel), p.tensor_type, p.shape[1], p.shape[0]))
         else:

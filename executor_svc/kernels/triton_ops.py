@@ -23,7 +23,7 @@ from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
 from executor_svc.kernels.rope import apply_rope
 from executor_svc.kernels.silu_mul import silu_mul
 from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.torch_ops import qkv_rope_write
+from executor_svc.torch_ops import TorchOps, qkv_rope_write
 
 
 class TritonOps:
@@ -46,9 +46,7 @@ class TritonOps:
         self.kv_tile_keys = kv_tile_keys
         self.delta_rule_chunk_tokens = delta_rule_chunk_tokens
 
-    def layer_stack(self, config, weights, scale: float) -> None:
-        """No fused layer stack here: the model runs its layer loop on these ops (see CpuOps')."""
-        return None
+    layer_stack = TorchOps.layer_stack  # none: the model runs its layer loop on these ops
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> AttentionMetadata:
         """Per-step attention metadata (the query tiles), built once and passed to every layer's `attention`."""

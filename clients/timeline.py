@@ -79,6 +79,7 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
         step_args = {
             "step_id": step.step_id,
             "batch_size": step.num_requests,
+            "runs": max(1, step.num_runs),
             "prefill_tokens": step.num_prefill_tokens,
             "decode_tokens": step.num_decode_tokens,
             "draft_tokens_allocated": step.num_draft_tokens,

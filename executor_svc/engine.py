@@ -47,6 +47,7 @@ log = structlog.get_logger()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)
+MAX_RUNS_PER_PLAN = 64  # StepRequest.max_runs: a plan's runs in one call
 
 
 def resolve_device(name: str) -> torch.device:
@@ -298,7 +299,35 @@ class Engine:
     # -------------------------------------------------------------------- steps
 
     def step(self, plan: StepRequest) -> StepResponse:
-        """Execute one plan: schedule its requests (KV and drafts), run the forward pass,
+        """Execute a plan: once, then (up to `plan.max_runs`) again as one more decode token for
+        each of its requests still decoding, each run as `run` does; one answer covers them all.
+        Raises InvalidRequestError or OutOfKVBlocksError with nothing changed when the first run
+        cannot be done, so the caller can fix the plan and try again. A later run that does not
+        fit in the free KV is simply not done: the answer says how many runs were."""
+        response = self.run(plan)
+        for _ in range(plan.max_runs - 1):
+            again = self._decode_again(plan, response)
+            if not again.scheduled:
+                break
+            try:
+                response = response.then(self.run(again))
+            except OutOfKVBlocksError:
+                break
+        return response
+
+    def _decode_again(self, plan: StepRequest, response: StepResponse) -> StepRequest:
+        """The next run of `plan`: one token (and drafts up to the plan's budget) for each of its
+        requests that sampled in the last run and is still running; nothing else."""
+        budgets = {s.request_id: s.draft_budget for s in plan.scheduled}
+        scheduled = []
+        for output in response.outputs:
+            state = self._requests.get(output.request_id)
+            if output.request_id in budgets and state is not None and state.num_uncomputed_tokens == 1:
+                scheduled.append(ScheduledRequest(output.request_id, 1, budgets[output.request_id]))
+        return StepRequest(scheduled=scheduled)
+
+    def run(self, plan: StepRequest) -> StepResponse:
+        """Run a plan once: schedule its requests (KV and drafts), run the forward pass,
         postprocess (verify, append, commit KV, report). Raises InvalidRequestError or
         OutOfKVBlocksError with nothing changed, so the caller can fix the plan and try again."""
         t0 = time.perf_counter()
@@ -561,6 +590,8 @@ class Engine:
         return emitted
 
     def _validate(self, plan: StepRequest) -> None:
+        if not 1 <= plan.max_runs <= MAX_RUNS_PER_PLAN:
+            raise InvalidRequestError(f"max_runs must be between 1 and {MAX_RUNS_PER_PLAN}, got {plan.max_runs}")
         new_ids = set()
         for new in plan.new_requests:
             self.validate_new_request(new)

@@ -4,7 +4,7 @@ uses them: `StepRequest.from_pb` → `Engine.step` → `StepResponse.to_pb`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swarmserve.executor.v1 import executor_pb2 as pb
 
@@ -32,6 +32,7 @@ class StepRequest:
     preempted: list[str] = field(default_factory=list)  # free KV, keep tokens, recompute later
     # Nonzero: built by an overlapped scheduler before that step's result was known (see Engine.rebase).
     planned_after_step_id: int = 0
+    max_runs: int = 1  # runs in one call: the plan, then one decode token per run (see Engine.step)
 
     @classmethod
     def from_pb(cls, msg: pb.StepRequest) -> StepRequest:
@@ -42,6 +43,7 @@ class StepRequest:
             released=list(msg.released),
             preempted=list(msg.preempted),
             planned_after_step_id=msg.planned_after_step_id,
+            max_runs=max(1, msg.max_runs),
         )
 
 
@@ -57,6 +59,19 @@ class RequestResult:
     num_draftable_tokens: int = 0  # drafts the index could propose next step
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     num_exclusive_blocks: int = 0  # blocks no other request shares: what a preemption would free
+    num_runs: int = 1  # runs of the plan it took part in (each may verify drafts up to its budget)
+
+    def then(self, later: RequestResult) -> RequestResult:
+        """This result followed by `later`, the same request's in the next run of the plan."""
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            num_drafted_tokens=self.num_drafted_tokens + later.num_drafted_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + later.num_accepted_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_runs=self.num_runs + later.num_runs,
+        )
 
     def to_pb(self) -> pb.RequestResult:
         return pb.RequestResult(
@@ -69,6 +84,7 @@ class RequestResult:
             num_draftable_tokens=self.num_draftable_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_exclusive_kv_blocks=self.num_exclusive_blocks,
+            num_runs=self.num_runs,
             logprobs=[
                 pb.TokenLogprob(
                     token_id=t.token_id,
@@ -110,6 +126,14 @@ class StepTimings:
     def to_pb(self) -> pb.StepTimings:
         return pb.StepTimings(prepare_s=self.prepare_s, forward_s=self.forward_s, sample_s=self.sample_s)
 
+    def __add__(self, other: StepTimings) -> StepTimings:
+        return StepTimings(
+            self.prepare_s + other.prepare_s,
+            self.forward_s + other.forward_s,
+            self.sample_s + other.sample_s,
+            self.grammar_s + other.grammar_s,
+        )
+
 
 @dataclass(frozen=True)
 class StepResponse:
@@ -121,6 +145,21 @@ class StepResponse:
     timings: StepTimings
     num_logits_rows: int = 0  # rows the LM head and the sampler ran on: for the cost model
     num_requests: int = 0  # requests the step computed tokens for
+    num_runs: int = 1  # runs of the plan (see StepRequest.max_runs): the counts and timings are their sums
+
+    def then(self, later: StepResponse) -> StepResponse:
+        """This answer followed by `later`, the next run's: each request's results joined, the sums added."""
+        later_outputs = {r.request_id: r for r in later.outputs}
+        return replace(
+            later,
+            outputs=[r.then(later_outputs[r.request_id]) if r.request_id in later_outputs else r for r in self.outputs],
+            num_computed_tokens=self.num_computed_tokens + later.num_computed_tokens,
+            num_kv_tokens=self.num_kv_tokens + later.num_kv_tokens,
+            timings=self.timings + later.timings,
+            num_logits_rows=self.num_logits_rows + later.num_logits_rows,
+            num_requests=self.num_requests + later.num_requests,
+            num_runs=self.num_runs + later.num_runs,
+        )
 
     def to_pb(self, step_id: int) -> pb.StepResponse:
         return pb.StepResponse(
@@ -133,4 +172,5 @@ class StepResponse:
             num_logits_rows=self.num_logits_rows,
             num_requests=self.num_requests,
             timings=self.timings.to_pb(),
+            num_runs=self.num_runs,
         )

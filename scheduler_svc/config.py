@@ -10,6 +10,7 @@ from scheduler_svc.draft_policy import parse_draft_policy
 BATCHING_MODES = ("continuous", "static")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "none")  # auto: picked from the chat template
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8000"  # what `--http-listen` alone and `swarmserve serve` use
+MAX_DECODE_RUNS = 64  # the executor's limit on a plan's runs in one call (StepRequest.max_runs)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class SchedulerConfig:
     # Overlapped scheduling: build and send step N+1 while the executor runs step N (two steps in flight).
     # Off by default: on a CPU-only box the scheduler's overlapped work takes the executor's cores (README).
     async_scheduling: bool = False
+    # A plan of decodes only, with no request waiting, runs up to this many times in one Step RPC
+    # (a token per request per run; 1: an RPC per token), while the cost model predicts the runs
+    # after the first within `decode_runs_window_s`: the most they delay a request that arrives.
+    max_decode_runs: int = 4
+    decode_runs_window_s: float = 0.1
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = 600.0  # a session's retention_s is clamped to this
     max_id_bytes: int = 128  # request_id and session_id: re-sent in every step, copied into logs and timelines
@@ -69,12 +75,17 @@ class SchedulerConfig:
             "max_message_bytes",
             "max_choices",
             "max_grammar_bytes",
+            "max_decode_runs",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
         if self.decode_latency_target_s is not None and self.decode_latency_target_s <= 0:
             raise ValueError(f"decode_latency_target_s must be positive, got {self.decode_latency_target_s}")
+        if self.max_decode_runs > MAX_DECODE_RUNS:
+            raise ValueError(f"max_decode_runs must be at most {MAX_DECODE_RUNS}, got {self.max_decode_runs}")
+        if not (math.isfinite(self.decode_runs_window_s) and self.decode_runs_window_s >= 0):
+            raise ValueError(f"decode_runs_window_s must be a finite number >= 0, got {self.decode_runs_window_s}")
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if not (math.isfinite(self.executor_reconnect_timeout_s) and self.executor_reconnect_timeout_s >= 0):

@@ -83,11 +83,12 @@ _ACTIVE_SETS = np.array(
 class StepTimeSample:
     """One measured step: tokens computed, KV tokens read, seconds, logits rows, requests."""
 
-    num_tokens: int
-    num_kv_tokens: int
+    # Counts are floats: a step whose plan ran several times is observed as its mean run.
+    num_tokens: float
+    num_kv_tokens: float
     step_s: float
-    num_logits_rows: int = 1
-    num_requests: int = 1
+    num_logits_rows: float = 1
+    num_requests: float = 1
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -202,7 +203,7 @@ class CostModel:
         self.refit()
 
     def observe(
-        self, num_tokens: int, num_kv_tokens: int, step_s: float, num_logits_rows: int = 1, num_requests: int = 1
+        self, num_tokens: float, num_kv_tokens: float, step_s: float, num_logits_rows: float = 1, num_requests: float = 1
     ) -> None:
         """Add one step's measurement; refits on the early schedule, then as the class docstring says."""
         sample = StepTimeSample(num_tokens, num_kv_tokens, step_s, num_logits_rows, num_requests)

@@ -61,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.async_scheduling,
         help="overlapped scheduling: plan and send step N+1 while the executor runs step N (default %(default)s)",
     )
+    p.add_argument(
+        "--max-decode-runs",
+        type=int,
+        default=defaults.max_decode_runs,
+        help="a step of decodes only, with no request waiting, runs up to this many times in one call to the "
+        "executor: a token per request per run, one round trip (1: a call per token; default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-runs-window-ms",
+        type=float,
+        default=defaults.decode_runs_window_s * 1e3,
+        help="... while the cost model predicts the runs after the first within this many ms: the most "
+        "they delay a request that arrives meanwhile (default %(default)s)",
+    )
     http = p.add_argument_group("the OpenAI- and Anthropic-compatible HTTP API")
     http.add_argument(
         "--http-listen",
@@ -192,6 +206,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         executor_ca=args.executor_ca,
         take_over=args.take_over,
         async_scheduling=args.async_scheduling,
+        max_decode_runs=args.max_decode_runs,
+        decode_runs_window_s=args.decode_runs_window_ms / 1e3,
         max_retention_s=args.max_retention_s,
         max_id_bytes=args.max_id_bytes,
         max_stop_strings=args.max_stop_strings,

@@ -79,6 +79,7 @@ class Plan:
     predicted_step_s: float = 0.0  # the cost model's executor time for the step as planned
     num_reserved_blocks: int = 0  # KV blocks the plan may take (drafts and whole prompts included)
     num_free_tokens: int = 0  # the free-token budget S the draft policy saw (0 without speculation)
+    max_runs: int = 1  # runs in one call: decodes only may run again, a token per request per run
 
     @property
     def is_empty(self) -> bool:
@@ -93,6 +94,7 @@ class Plan:
             released=self.released,
             preempted=self.preempted,
             planned_after_step_id=self.planned_after_step_id,
+            max_runs=self.max_runs,
         )
 
     @property
@@ -114,6 +116,7 @@ class RequestResult:
     num_draftable_tokens: int = 0
     num_exclusive_blocks: int = 0
     logprobs: list[epb.TokenLogprob] = field(default_factory=list)  # streamed to the client as they are
+    num_runs: int = 1  # runs of the plan it took part in: its draft budget held in each
 
     @classmethod
     def from_pb(cls, msg: epb.RequestResult) -> RequestResult:
@@ -128,6 +131,7 @@ class RequestResult:
             num_draftable_tokens=msg.num_draftable_tokens,
             num_exclusive_blocks=msg.num_exclusive_kv_blocks,
             logprobs=list(msg.logprobs),
+            num_runs=max(1, msg.num_runs),
         )
 
 
@@ -350,7 +354,29 @@ class Planner:
         plan.num_reserved_blocks = free_at_start - room.num_free_blocks
         plan.predicted_step_s = self._predict(plan)
         plan.num_free_tokens = self.last_allocation.num_free_tokens if self.last_allocation else 0
+        plan.max_runs = self._max_runs(plan, ahead)
         return plan
+
+    def _max_runs(self, plan: Plan, ahead: bool) -> int:
+        """How many times the executor may run `plan` in one call (StepRequest.max_runs): up to
+        `max_decode_runs` while the runs after the first are predicted within the window (a request
+        that arrives meanwhile waits for them, beyond the step it would wait for anyway), for a plan
+        of decodes only with no request waiting. Once for anything else, and with overlapped
+        scheduling (a plan built ahead expects each step in flight to sample one token)."""
+        config = self.config
+        if (
+            config.max_decode_runs <= 1
+            or config.async_scheduling
+            or ahead
+            or self.waiting
+            or plan.new_requests
+            or plan.preempted
+            or not plan.scheduled
+            or len(plan.decode_ids) < len(plan.scheduled)
+            or plan.predicted_step_s <= 0
+        ):
+            return 1
+        return min(config.max_decode_runs, 1 + int(config.decode_runs_window_s / plan.predicted_step_s))
 
     def _schedule_decodes(self, plan: Plan, scheduled: dict[str, int], room: _Room, ahead: bool) -> None:
         """1. One token for each decoding request, oldest first; preempt the newest running

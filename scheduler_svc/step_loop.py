@@ -20,6 +20,11 @@ strictly in step order. What N+1 planned for a request that N finished (EOS,
 length, a stop string the scheduler found, an abort) is skipped by the executor
 or discarded here: no token past a request's end is ever streamed.
 
+A plan of decodes only, with no request waiting, may run several times in one
+call (`--max-decode-runs`, see `Planner._max_runs`): the executor answers with
+every run's tokens at once, so one round trip and one pass of this loop serve
+several tokens per request.
+
 The loop is supervised: a step that raises (a bug, or an answer that cannot be
 applied) ends only that step's requests, with INTERNAL, and the loop goes on. If
 the task ends anyway, every stream is failed and `is_serving` turns False, which
@@ -69,7 +74,7 @@ class StepRecord:
     executor_forward_s: float
     executor_total_s: float  # prepare + forward + sample, as the executor timed it
     request_ids: tuple[str, ...]
-    num_draft_tokens: int = 0  # draft budget allocated
+    num_draft_tokens: int = 0  # draft budget allocated (a request's budget holds in each run it takes part in)
     num_drafted_tokens: int = 0  # drafts the executor proposed and verified
     num_accepted_tokens: int = 0
     num_free_tokens: int = 0  # the free-token budget S the policy saw (0 without speculation)
@@ -77,6 +82,7 @@ class StepRecord:
     executor_prepare_s: float = 0.0
     executor_sample_s: float = 0.0  # sampling and draft verification
     requests: tuple[StepRequestRecord, ...] = ()  # each request's part: one timeline track per request
+    num_runs: int = 1  # runs of the plan in the call (decodes only run more than once): the times cover them all
 
 
 @dataclass
@@ -358,12 +364,13 @@ class StepLoop:
             response = self._unobserved.popleft()
             t = response.timings
             if response.num_computed_tokens and t.forward_s > 0:
+                runs = max(1, response.num_runs)  # the counts and times are sums over the runs: observe their mean run
                 self.planner.cost_model.observe(
-                    response.num_computed_tokens,
-                    response.num_kv_tokens,
-                    t.prepare_s + t.forward_s + t.sample_s,
-                    response.num_logits_rows if response.num_requests else 1,  # 0 requests: an executor that does not say
-                    max(1, response.num_requests),
+                    response.num_computed_tokens / runs,
+                    response.num_kv_tokens / runs,
+                    (t.prepare_s + t.forward_s + t.sample_s) / runs,
+                    response.num_logits_rows / runs if response.num_requests else 1,  # 0 requests: an executor that does not say
+                    max(1.0, response.num_requests / runs),
                 )
 
     def _stream_updates(self, updates: list[RequestUpdate], end: float) -> None:
@@ -393,13 +400,16 @@ class StepLoop:
         client_ids: dict[str, str],
     ) -> StepRecord:
         t = response.timings
-        num_decode = len(decode_ids)
+        runs = max(1, response.num_runs)
+        records = step_request_records(plan.scheduled, decode_ids, results, client_ids)
+        # A plan run more than once decodes only: a token per request per run (drafts aside).
+        num_decode = len(decode_ids) if runs == 1 else response.num_requests
         return StepRecord(
             step_id=plan.step_id,
             start_s=start,
             wall_s=end - start,
             num_requests=len(plan.scheduled),
-            num_prefill_tokens=plan.num_scheduled_tokens - num_decode,
+            num_prefill_tokens=plan.num_scheduled_tokens - len(decode_ids),
             num_decode_tokens=num_decode,
             num_new_requests=len(plan.new_requests),
             num_preempted=len(plan.preempted),
@@ -407,14 +417,15 @@ class StepLoop:
             executor_forward_s=t.forward_s,
             executor_total_s=t.prepare_s + t.forward_s + t.sample_s,
             request_ids=tuple(client_ids[s.request_id] for s in plan.scheduled),
-            num_draft_tokens=sum(s.draft_budget for s in plan.scheduled),
+            num_draft_tokens=sum(r.num_draft_tokens for r in records),
             num_drafted_tokens=sum(r.num_drafted_tokens for r in results),
             num_accepted_tokens=sum(r.num_accepted_tokens for r in results),
             num_free_tokens=plan.num_free_tokens,
-            predicted_step_s=plan.predicted_step_s,
+            predicted_step_s=plan.predicted_step_s * runs,
             executor_prepare_s=t.prepare_s,
             executor_sample_s=t.sample_s,
-            requests=step_request_records(plan.scheduled, decode_ids, results, client_ids),
+            requests=records,
+            num_runs=runs,
         )
 
     def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:

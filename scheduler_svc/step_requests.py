@@ -15,7 +15,7 @@ class StepRequestRecord:
     request_id: str  # the client's id
     num_scheduled_tokens: int  # a prefill chunk, or 1 to decode
     is_decode: bool
-    num_draft_tokens: int = 0  # draft budget allocated
+    num_draft_tokens: int = 0  # draft budget allocated (over the runs it took part in)
     num_drafted_tokens: int = 0  # drafts proposed and verified
     num_accepted_tokens: int = 0
     num_new_tokens: int = 0  # accepted drafts + the bonus token; 0 mid-prefill
@@ -36,7 +36,7 @@ def step_request_records(
                 request_id=client_ids[s.request_id],
                 num_scheduled_tokens=s.num_tokens,
                 is_decode=s.request_id in decode_ids,
-                num_draft_tokens=s.draft_budget,
+                num_draft_tokens=s.draft_budget * (result.num_runs if result else 1),  # the budget holds in each run
                 num_drafted_tokens=result.num_drafted_tokens if result else 0,
                 num_accepted_tokens=result.num_accepted_tokens if result else 0,
                 num_new_tokens=len(result.new_token_ids) if result else 0,

@@ -38,6 +38,7 @@ def timeline_to_pb(history: Sequence, max_steps: int, num_kv_blocks: int, max_st
                 executor_prepare_s=r.executor_prepare_s,
                 executor_forward_s=r.executor_forward_s,
                 executor_sample_s=r.executor_sample_s,
+                num_runs=r.num_runs,
                 requests=[
                     pb.TimelineRequestSlice(
                         request_id=q.request_id,

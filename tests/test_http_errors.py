@@ -26,6 +26,8 @@ def stack(tmp_path_factory):
     s = http_stack(
         tmp_path_factory, "--api-key-file", str(keys), "--max-running-requests", "1", "--max-queued-requests", "1",
         "--executor-reconnect-timeout-s", "1",  # new requests wait no longer for a lost executor
+        # A token per call: the queue test's running request (900 tokens) lasts seconds, well past its checks.
+        "--max-decode-runs", "1",
     )  # fmt: skip
     yield s
     s.stop()
@@ -51,23 +53,30 @@ def test_a_missing_or_wrong_key_is_refused_with_401(stack):
 
 
 def test_a_full_queue_is_429(stack):
-    """One request runs (--max-running-requests 1), one waits (--max-queued-requests 1): the next is refused."""
+    """One request runs (--max-running-requests 1), one waits (--max-queued-requests 1): the next is refused.
+
+    The holders go one after the other: the second is sent once the first has streamed a token
+    (it runs), so it is the one that waits, never refused for arriving before the first was admitted."""
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True, "stream": True}
     headers = {"authorization": f"Bearer {KEY}"}
-    started = threading.Barrier(3)
     stop = threading.Event()
 
-    def hold():
+    def hold(ready: threading.Event, until_a_token: bool):
         with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
             assert response.status_code == 200
-            started.wait()
+            if until_a_token:  # the first chunk only names the role; the next ones carry tokens
+                lines = response.iter_lines()  # held: a closed line iterator would close the response (an abort)
+                next(line for line in lines if line.startswith("data:") and '"role"' not in line)
+            ready.set()
             stop.wait(30)
 
-    holders = [threading.Thread(target=hold) for _ in range(2)]
-    for t in holders:
-        t.start()
+    running, waiting = threading.Event(), threading.Event()
+    holders = [threading.Thread(target=hold, args=(running, True)), threading.Thread(target=hold, args=(waiting, False))]
     try:
-        started.wait(30)
+        holders[0].start()
+        assert running.wait(30), "the first request never streamed a token"
+        holders[1].start()
+        assert waiting.wait(30), "the second request was not queued"
         with openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0) as client:
             with pytest.raises(openai.RateLimitError) as refused:
                 client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
@@ -78,7 +87,8 @@ def test_a_full_queue_is_429(stack):
     finally:
         stop.set()
         for t in holders:
-            t.join()
+            if t.ident is not None:  # started
+                t.join()
 
 
 def test_a_down_executor_is_503_and_health_says_so(stack):

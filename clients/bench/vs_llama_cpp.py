@@ -340,7 +340,8 @@ async def run_bench(args: argparse.Namespace) -> dict:
             info = await executor_info(services.executor_address)
             result["swarmserve_dtype"] = info.dtype
             result["swarmserve_matmul"] = info.matmul
-            result["swarmserve_spec"] = flag_value(scheduler_args, "--spec") or _default_spec()
+            result["swarmserve_spec"] = flag_value(scheduler_args, "--spec") or _scheduler_default("spec")
+            result["swarmserve_decode_runs"] = flag_value(scheduler_args, "--max-decode-runs") or _scheduler_default("max_decode_runs")
             measured_resident = False
             for num_streams in args.streams:
                 prompts = stream_prompts(num_streams)
@@ -365,10 +366,10 @@ async def run_bench(args: argparse.Namespace) -> dict:
     return result
 
 
-def _default_spec() -> str:
+def _scheduler_default(name: str) -> str:
     from scheduler_svc.config import SchedulerConfig
 
-    return SchedulerConfig().spec
+    return str(getattr(SchedulerConfig(), name))
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -424,6 +425,7 @@ def format_report(result: dict) -> str:
         f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}"
         + (f", args {' '.join(result['llama_args'])}" if result.get("llama_args") else ""),
         f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, matmul {result.get('swarmserve_matmul') or '?'}, spec {result.get('swarmserve_spec', '?')}"
+        f", decode runs {result.get('swarmserve_decode_runs', '?')}"
         + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
         + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
         "",

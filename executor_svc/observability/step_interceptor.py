@@ -49,6 +49,7 @@ def _step_attributes(request, response) -> dict:
         generated += len(result.new_token_ids)
     return {
         "swarmserve.batch_size": len(request.scheduled),
+        "swarmserve.num_runs": response.num_runs,
         "swarmserve.num_new_requests": len(request.new_requests),
         "swarmserve.num_released": len(request.released),
         "swarmserve.num_preempted": len(request.preempted),

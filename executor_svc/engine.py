@@ -306,7 +306,7 @@ class Engine:
         fit in the free KV is simply not done: the answer says how many runs were."""
         response = self.run(plan)
         for _ in range(plan.max_runs - 1):
-            again = self._decode_again(plan, response)
+            again = self._decode_again(plan)
             if not again.scheduled:
                 break
             try:
@@ -315,16 +315,16 @@ class Engine:
                 break
         return response
 
-    def _decode_again(self, plan: StepRequest, response: StepResponse) -> StepRequest:
-        """The next run of `plan`: one token (and drafts up to the plan's budget) for each of its
-        requests that sampled in the last run and is still running; nothing else."""
-        budgets = {s.request_id: s.draft_budget for s in plan.scheduled}
-        scheduled = []
-        for output in response.outputs:
-            state = self._requests.get(output.request_id)
-            if output.request_id in budgets and state is not None and state.num_uncomputed_tokens == 1:
-                scheduled.append(ScheduledRequest(output.request_id, 1, budgets[output.request_id]))
-        return StepRequest(scheduled=scheduled)
+    def _decode_again(self, plan: StepRequest) -> StepRequest:
+        """The next run of `plan`: one token (and drafts up to its budget) for each of its requests
+        still running with exactly its last sampled token to compute; nothing else."""
+        return StepRequest(
+            scheduled=[
+                replace(s, num_tokens=1)
+                for s in plan.scheduled
+                if (state := self._requests.get(s.request_id)) is not None and state.num_uncomputed_tokens == 1
+            ]
+        )
 
     def run(self, plan: StepRequest) -> StepResponse:
         """Run a plan once: schedule its requests (KV and drafts), run the forward pass,

@@ -364,17 +364,10 @@ class Planner:
         of decodes only with no request waiting. Once for anything else, and with overlapped
         scheduling (a plan built ahead expects each step in flight to sample one token)."""
         config = self.config
-        if (
-            config.max_decode_runs <= 1
-            or config.async_scheduling
-            or ahead
-            or self.waiting
-            or plan.new_requests
-            or plan.preempted
-            or not plan.scheduled
-            or len(plan.decode_ids) < len(plan.scheduled)
-            or plan.predicted_step_s <= 0
-        ):
+        # New requests stream their first token after one run (a preempted one is waiting again).
+        if config.max_decode_runs <= 1 or config.async_scheduling or ahead or self.waiting or plan.new_requests:
+            return 1
+        if len(plan.decode_ids) < len(plan.scheduled) or plan.predicted_step_s <= 0:  # prefills, or nothing to do
             return 1
         return min(config.max_decode_runs, 1 + int(config.decode_runs_window_s / plan.predicted_step_s))
 

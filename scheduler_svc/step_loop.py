@@ -402,15 +402,13 @@ class StepLoop:
         t = response.timings
         runs = max(1, response.num_runs)
         records = step_request_records(plan.scheduled, decode_ids, results, client_ids)
-        # A plan run more than once decodes only: a token per request per run (drafts aside).
-        num_decode = len(decode_ids) if runs == 1 else response.num_requests
         return StepRecord(
             step_id=plan.step_id,
             start_s=start,
             wall_s=end - start,
             num_requests=len(plan.scheduled),
             num_prefill_tokens=plan.num_scheduled_tokens - len(decode_ids),
-            num_decode_tokens=num_decode,
+            num_decode_tokens=sum(r.num_runs for r in results if r.request_id in decode_ids),  # one per run (drafts aside)
             num_new_requests=len(plan.new_requests),
             num_preempted=len(plan.preempted),
             num_free_kv_blocks=response.num_free_kv_blocks,

@@ -1,6 +1,7 @@
 """Both real services on loopback with the embedded model: continuous and static batching
 give every stream its solo tokens; cancellations free everything; text deltas are exact.
-All of it with one step in flight and with overlapped scheduling, which must agree."""
+All of it with one step in flight (where decodes run several times per Step call, by
+default) and with overlapped scheduling (once per call), which must agree."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
+from clients.timeline import fetch_timeline
 from executor_svc.gguf_file import open_gguf
 from executor_svc.tokenizer import load_tokenizer
 from tests.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
@@ -101,6 +103,19 @@ async def concurrent_tokens(address):
             for i, (rid, kwargs, n) in enumerate(workload())
         ]
         return dict(zip((rid for rid, _, _ in workload()), await asyncio.gather(*tasks)))
+
+
+def test_decodes_run_several_times_per_call_only_with_one_step_in_flight(stack, solo_tokens):
+    """The solo runs (agreeing across the modes: see solo_tokens) made their decodes in calls of
+    several runs with one step in flight (--max-decode-runs, default 4), and one run per call overlapped."""
+    steps = fetch_timeline(stack.scheduler_address).steps
+    runs = {s.num_runs for s in steps}
+    if stack.scheduling_mode == "sync":
+        assert max(runs) == 4, runs
+        assert all(s.num_prefill_tokens == 0 for s in steps if s.num_runs > 1)
+        assert sum(s.num_decode_tokens for s in steps if s.num_runs > 1) > sum(1 for s in steps if s.num_runs > 1)
+    else:
+        assert runs == {1}
 
 
 def test_concurrent_streams_equal_their_solo_runs(stack, solo_tokens):

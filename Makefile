@@ -33,7 +33,7 @@ serve: $(VENV)/.base
 	$(VENV)/bin/swarmserve serve
 
 bench: $(VENV)/.test
-	$(PY) -m executor_svc.bench_step
+	$(PY) -m executor_svc.tools.bench_step
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from executor_svc.gguf_file import GGUFFile, GGUFTensor
+from executor_svc.weights.gguf_file import GGUFFile, GGUFTensor
 
 MIN_PROGRESS_BYTES = 256 << 20  # smaller files load in about a second: no bar
 

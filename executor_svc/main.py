@@ -8,7 +8,7 @@ import signal
 
 import structlog
 
-from executor_svc.engine import Engine
+from executor_svc.engine.engine import Engine
 from executor_svc.flags import build_parser, config_from_args
 from executor_svc.observability.executor_metrics import ExecutorMetrics
 from executor_svc.server import engine_thread_pool, serve

@@ -30,11 +30,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from executor_svc.engine import Engine
+from executor_svc.engine.engine import Engine
 from executor_svc.errors import OutOfKVBlocksError
-from executor_svc.kv_cache import bytes_per_block
+from executor_svc.kv.kv_cache import bytes_per_block
 from executor_svc.observability.step_interceptor import executor_interceptors
-from executor_svc.step_messages import CostSample, StepRequest
+from executor_svc.engine.step_messages import CostSample, StepRequest
 from service_common.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from service_common.errors import InvalidRequestError
 

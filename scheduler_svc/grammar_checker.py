@@ -1,6 +1,6 @@
 """Checking a request's structured_output at intake, against the model's own token table.
 
-The executor compiles the grammar and masks logits with it (executor_svc/grammar.py).
+The executor compiles the grammar and masks logits with it (executor_svc/sampling/grammar.py).
 A grammar it could not compile would fail the whole step plan, so intake compiles it
 first, with the same library (llguidance) and the same source (the shared
 StructuredOutput): a bad schema, Lark grammar or regex is INVALID_ARGUMENT naming

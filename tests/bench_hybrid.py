@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.kv_cache import bytes_per_block
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.kv.kv_cache import bytes_per_block
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model

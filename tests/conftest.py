@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from executor_svc.model_source import resolve_model_path
+    from executor_svc.weights.model_source import resolve_model_path
 
     return resolve_model_path("default")
 
@@ -32,7 +32,7 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def engine_fp32():
     """The embedded model, float32, batch-invariant: shared by the correctness tests."""
-    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model="default", dtype="float32", kv_cache_bytes=512 << 20))
 
@@ -40,7 +40,7 @@ def engine_fp32():
 @pytest.fixture(scope="session")
 def engine_default():
     """The embedded model with default settings (on the CPU: the int16 matmul where it runs)."""
-    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model="default", kv_cache_bytes=512 << 20))
 
@@ -76,7 +76,7 @@ def tiny_gguf_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_tiny_engine(tiny_gguf_path):
     """make_tiny_engine(spec, **EngineConfig fields) -> a fresh Engine on that tiny random GGUF."""
-    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.engine.engine import Engine, EngineConfig
     from tests.tiny_gguf import TinyModelSpec
 
     def make(spec: TinyModelSpec = TinyModelSpec(), **config):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from executor_svc.engine import Engine, ScheduledRequest, StepRequest
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.engine.engine import Engine, ScheduledRequest, StepRequest
+from executor_svc.engine.request_state import FinishReason, NewRequest
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from executor_svc.engine import Engine, ScheduledRequest, StepRequest
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.engine import Engine, ScheduledRequest, StepRequest
+from executor_svc.engine.request_state import NewRequest
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request

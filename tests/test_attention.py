@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from executor_svc.attention import build_attention_plan, paged_attention, write_kv
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.model.attention import build_attention_plan, paged_attention, write_kv
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
 BLOCK_SIZE = 16
 

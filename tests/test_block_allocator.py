@@ -12,10 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from executor_svc.block_allocator import NULL_BLOCK_ID, BlockAllocator
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID, BlockAllocator
 from executor_svc.errors import OutOfKVBlocksError
-from executor_svc.kv_cache import KVCache
-from executor_svc.model_config import ModelConfig
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.weights.model_config import ModelConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.attention import write_kv
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.torch_ops import TorchOps
+from executor_svc.model.attention import write_kv
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.model.torch_ops import TorchOps
 from tests.test_attention import BLOCK_SIZE, Setup, dense_reference
 
 cpu_kernels = pytest.importorskip("executor_svc.cpu_kernels")
 try:
-    from executor_svc.cpu_ops import CpuOps
+    from executor_svc.model.cpu_ops import CpuOps
 
     OPS = CpuOps()
 except cpu_kernels.CpuKernelsUnavailable as exc:  # no compiler here
@@ -222,11 +222,11 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
-    from executor_svc.gguf_file import open_gguf
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.model import Transformer
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.model_weights import load_weights
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
     from tests.tiny_gguf import TinyModelSpec, qwen3_spec, write_tiny_model
 
     spec = qwen3_spec() if architecture == "qwen3" else TinyModelSpec("llama")
@@ -257,16 +257,16 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
 )
 def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, int16_dot, dtype):
     """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
-    writes are bit-identical to model.py's loop, for each matmul kernel, with qwen2's QKV bias and
+    writes are bit-identical to transformer.py's loop, for each matmul kernel, with qwen2's QKV bias and
     qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
     from gguf import GGMLQuantizationType
 
-    from executor_svc.gguf_file import open_gguf
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.model import Transformer
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.model_weights import load_weights
-    from executor_svc.weight_format import has_int16_dot
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
+    from executor_svc.weights.weight_format import has_int16_dot
     from tests.tiny_gguf import TinyModelSpec, write_tiny_model
 
     if int16_dot and not has_int16_dot():
@@ -299,10 +299,10 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
 def test_models_the_layer_stack_does_not_run_keep_the_layer_loop(tmp_path):
     """MoE experts are not in the C++ stack: a qwen3moe model keeps the layer loop, as every
     model does on TorchOps; a dense one on CpuOps gets the stack."""
-    from executor_svc.gguf_file import open_gguf
-    from executor_svc.model import Transformer
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.model_weights import load_weights
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
     from tests.tiny_gguf import TinyModelSpec, write_tiny_model
     from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 

@@ -17,15 +17,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.block_allocator import NULL_BLOCK_ID  # noqa: E402
-from executor_svc.decode_graphs import DecodeGraphs, bucket_for, is_plain_decode  # noqa: E402
-from executor_svc.kernels.random_model import model_config, random_weights  # noqa: E402
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID  # noqa: E402
+from executor_svc.engine.decode_graphs import DecodeGraphs, bucket_for, is_plain_decode  # noqa: E402
+from executor_svc.tools.random_model import model_config, random_weights  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
-from executor_svc.kv_cache import KVCache  # noqa: E402
-from executor_svc.model import Transformer  # noqa: E402
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
-from executor_svc.weight_format import Kernel, PackedWeight  # noqa: E402
+from executor_svc.kv.kv_cache import KVCache  # noqa: E402
+from executor_svc.model.transformer import Transformer  # noqa: E402
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
+from executor_svc.weights.weight_format import Kernel, PackedWeight  # noqa: E402
 
 BLOCK_SIZE = 16
 DEVICE = torch.device("cpu")
@@ -137,7 +137,7 @@ def test_the_engine_replays_plain_decode_steps_and_gives_the_eager_tokens(make_t
     are the engine's without graphs."""
     from gguf import GGMLQuantizationType
 
-    from executor_svc.request_state import NewRequest
+    from executor_svc.engine.request_state import NewRequest
     from tests.engine_driver import drive
     from tests.tiny_gguf import TinyModelSpec
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.engine import MAX_RUNS_PER_PLAN, ScheduledRequest, StepRequest
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.engine.engine import MAX_RUNS_PER_PLAN, ScheduledRequest, StepRequest
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.planner import Planner, RequestResult
 from scheduler_svc.request import Request

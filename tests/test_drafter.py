@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.drafter import Drafter, RequestIndex, SwarmIndex
+from executor_svc.sampling.drafter import Drafter, RequestIndex, SwarmIndex
 
 # ------------------------------------------------------------------ reference
 
@@ -397,7 +397,7 @@ class SwarmModel:
 def test_proposals_do_not_depend_on_the_hash_seed():
     script = (
         "import random\n"
-        "from executor_svc.drafter import Drafter\n"
+        "from executor_svc.sampling.drafter import Drafter\n"
         "rng = random.Random(3)\n"
         "d = Drafter(use_swarm_index=True, max_swarm_tokens=300)\n"
         "out = []\n"

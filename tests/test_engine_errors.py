@@ -6,9 +6,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 import numpy as np
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
@@ -171,7 +171,7 @@ def test_plan_computing_more_tokens_than_known(engine):
 
 def test_out_of_kv_blocks_computes_nothing(tiny_path):
     # 4 usable blocks of 16 tokens.
-    from executor_svc.kv_cache import bytes_per_block
+    from executor_svc.kv.kv_cache import bytes_per_block
 
     probe = Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=1 << 20))
     per_block = bytes_per_block(probe.model_config, 16, probe.dtype)

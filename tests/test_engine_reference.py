@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.cpu_ops import CpuOps
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.model.cpu_ops import CpuOps
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
@@ -141,8 +141,8 @@ def test_batched_with_unrelated_requests_joining_and_leaving(engine_fp32, prompt
 
 def all_position_logits(model, token_ids: list[int], dtype) -> torch.Tensor:
     """Logits at every position of one sequence, from one forward over it."""
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
     cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, dtype, torch.device("cpu"))
     blocks: list[int] = []
@@ -159,14 +159,14 @@ def test_top1_agreement_with_the_dequantized_float32_reference(default_model_pat
     so must the int16 matmul, the CPU default; bfloat16
     activations, which --dtype auto does not pick on the CPU for this reason, measure ~98%
     and are held to 95%."""
-    from executor_svc.weight_format import has_int16_dot
+    from executor_svc.weights.weight_format import has_int16_dot
 
     if matmul == "int16" and not has_int16_dot():
         pytest.skip("this CPU has no integer matmul (it needs AVX2 and FMA)")
-    from executor_svc.gguf_file import open_gguf
-    from executor_svc.model import Transformer
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.model_weights import load_weights
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
 
     gguf = open_gguf(default_model_path)
     config = ModelConfig.from_gguf(gguf)

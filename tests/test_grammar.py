@@ -14,14 +14,14 @@ import jsonschema
 import pytest
 import torch
 
-from executor_svc.engine import ScheduledRequest, StepRequest
+from executor_svc.engine.engine import ScheduledRequest, StepRequest
 from service_common.errors import InvalidRequestError
-from executor_svc.gguf_file import open_gguf
-from executor_svc.grammar import GrammarCompiler, _apply_masks_numpy, _apply_masks_torch, fill_masks
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.sampling.grammar import GrammarCompiler, _apply_masks_numpy, _apply_masks_torch, fill_masks
 from service_common.structured_output import StructuredOutput
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from service_common.sampling_params import SamplingParams
-from executor_svc.tokenizer import load_tokenizer
+from executor_svc.weights.tokenizer import load_tokenizer
 from tests.engine_driver import drive
 
 SCHEMA = {

@@ -102,7 +102,7 @@ TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required"
 def ll_tokenizer(tmp_path_factory):
     """llguidance over the tiny models' byte-level BPE tokenizer."""
     llguidance = pytest.importorskip("llguidance")
-    from executor_svc.tokenizer import build_tokenizer
+    from executor_svc.weights.tokenizer import build_tokenizer
     from tests.tiny_gguf import SPECIAL_TOKENS, tiny_vocab
 
     tokens, types, merges = tiny_vocab()

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from executor_svc import gated_delta_net
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.model import gated_delta_net
+from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import ScriptedDrafter, drive
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model

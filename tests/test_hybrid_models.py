@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from executor_svc.gated_delta_net import DeltaRuleWindow, build_delta_net_plan, causal_conv1d, gated_delta_rule
-from executor_svc.gguf_file import open_gguf
-from executor_svc.hybrid_model import HybridTransformer
-from executor_svc.kv_cache import KVCache
-from executor_svc.model import Transformer
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import load_weights
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.recurrent_state import RecurrentStatePool
-from executor_svc.torch_ops import TorchOps
+from executor_svc.model.gated_delta_net import DeltaRuleWindow, build_delta_net_plan, causal_conv1d, gated_delta_rule
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.model.hybrid_model import HybridTransformer
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.transformer import Transformer
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.kv.recurrent_state import RecurrentStatePool
+from executor_svc.model.torch_ops import TorchOps
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 
 CPU = torch.device("cpu")

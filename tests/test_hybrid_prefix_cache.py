@@ -12,11 +12,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from executor_svc import hybrid_model
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.recurrent_state import RecurrentStatePool
-from executor_svc.request_state import NewRequest
-from executor_svc.state_snapshots import StateSnapshots
+from executor_svc.model import hybrid_model
+from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.kv.recurrent_state import RecurrentStatePool
+from executor_svc.engine.request_state import NewRequest
+from executor_svc.kv.state_snapshots import StateSnapshots
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import ScriptedDrafter, drive
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model

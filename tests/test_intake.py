@@ -10,8 +10,8 @@ import re
 import pytest
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
-from executor_svc.gguf_file import open_gguf
-from executor_svc.tokenizer import load_tokenizer
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.intake import ModelLimits, intake
 from service_common.errors import InvalidRequestError

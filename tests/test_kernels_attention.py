@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.attention import write_kv as torch_write_kv  # noqa: E402
+from executor_svc.model.attention import write_kv as torch_write_kv  # noqa: E402
 from executor_svc.kernels.paged_attention import build_attention_metadata, paged_attention  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 
 BLOCK_SIZE = 16
 # Small tiles keep the interpreter quick and give long requests many tiles of each kind.

@@ -8,12 +8,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from executor_svc.engine import EngineConfig  # noqa: E402
+from executor_svc.engine.engine import EngineConfig  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
-from executor_svc.request_state import NewRequest  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
+from executor_svc.engine.request_state import NewRequest  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 from tests.engine_driver import drive  # noqa: E402
-from executor_svc.weight_format import Kernel, PackedWeight  # noqa: E402
+from executor_svc.weights.weight_format import Kernel, PackedWeight  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from tests.tiny_gguf import TinyModelSpec, qwen3_spec  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tok
 
 
 def test_auto_kernels_are_the_cpp_kernels_on_the_cpu_and_torch_on_request(make_tiny_engine):
-    from executor_svc.cpu_ops import CpuOps
+    from executor_svc.model.cpu_ops import CpuOps
 
     assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20).ops, CpuOps)
     assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20, kernels="torch").ops, TorchOps)

@@ -14,10 +14,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc import gated_delta_net  # noqa: E402
-from executor_svc.gated_delta_net import DeltaRuleWindow, build_delta_net_plan  # noqa: E402
+from executor_svc.model import gated_delta_net  # noqa: E402
+from executor_svc.model.gated_delta_net import DeltaRuleWindow, build_delta_net_plan  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -342,8 +342,8 @@ def test_bad_arguments_are_refused_with_the_argument_named():
 def test_triton_kernels_in_the_hybrid_engine_give_the_torch_tokens(tmp_path):
     """A tiny Qwen3.5 (three DeltaNet layers, one attention layer) decoding a ragged batch with
     chunked prefills and partly kept drafts: every state rollback goes through the Triton replay."""
-    from executor_svc.engine import Engine, EngineConfig
-    from executor_svc.request_state import NewRequest
+    from executor_svc.engine.engine import Engine, EngineConfig
+    from executor_svc.engine.request_state import NewRequest
     from service_common.sampling_params import SamplingParams
     from tests.engine_driver import ScriptedDrafter, drive
     from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
@@ -371,9 +371,9 @@ def test_triton_chunked_prefills_in_the_hybrid_engine_give_the_torch_tokens(tmp_
     another request decodes with partly kept drafts beside it: the tokens of the torch engine in
     its batch-invariant (recurrent) mode. Equal tokens are what the tolerance buys on this model,
     not a bitwise promise (the chunked form rounds differently from the recurrent one)."""
-    from executor_svc.engine import Engine, EngineConfig
+    from executor_svc.engine.engine import Engine, EngineConfig
     from executor_svc.kernels import gated_delta_rule as triton_delta_rule
-    from executor_svc.request_state import NewRequest
+    from executor_svc.engine.request_state import NewRequest
     from service_common.sampling_params import SamplingParams
     from tests.engine_driver import ScriptedDrafter, drive
     from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model

@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # As on the GPU machine: no gguf package (nothing here may need it), kernels interpreted.
 RUN_WITHOUT_GGUF = (
     "import sys; sys.modules['gguf'] = None; "
-    "from executor_svc.kernels.gpu_check import main; sys.exit(main(['--dry-run']))"
+    "from executor_svc.tools.gpu_check import main; sys.exit(main(['--dry-run']))"
 )
 
 

@@ -13,9 +13,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.engine import Engine, EngineConfig  # noqa: E402
+from executor_svc.engine.engine import Engine, EngineConfig  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
-from executor_svc.request_state import NewRequest  # noqa: E402
+from executor_svc.engine.request_state import NewRequest  # noqa: E402
 from service_common.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_driver import ScriptedDrafter, drive  # noqa: E402
 from tests.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model  # noqa: E402

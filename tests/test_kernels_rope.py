@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from executor_svc.kernels.rope import apply_rope  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IDS = ["fp32", "fp16", "bf16"]

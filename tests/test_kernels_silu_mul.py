@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from executor_svc.kernels.silu_mul import silu_mul  # noqa: E402
-from executor_svc.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 
 # exp differs from torch's in the last bit; bfloat16 also meets the interpreter's truncating cast.
 TOLERANCES = {

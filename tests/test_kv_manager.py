@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.block_allocator import root_hash
+from executor_svc.kv.block_allocator import root_hash
 from executor_svc.errors import OutOfKVBlocksError
-from executor_svc.kv_cache import KVCache
-from executor_svc.kv_manager import KVManager
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_manager import KVManager
 from tests.test_block_allocator import BLOCK_SIZE, NUM_BLOCKS, TINY
 
 PROMPT = list(range(1, 10))  # 9 tokens: two full blocks of 4, and one token over

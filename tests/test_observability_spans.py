@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from clients import AsyncSwarmClient
-from executor_svc.engine import Engine, EngineConfig
+from executor_svc.engine.engine import Engine, EngineConfig
 from executor_svc.observability.step_interceptor import executor_interceptors
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.engine import ScheduledRequest, StepRequest
+from executor_svc.engine.engine import ScheduledRequest, StepRequest
 from executor_svc.errors import UnknownRequestError
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.request_state import NewRequest
 from service_common.errors import InvalidRequestError
 from tests.planner_driver import run, workload
 from tests.tiny_gguf import TinyModelSpec

@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from executor_svc.block_allocator import BlockAllocator, block_hash, root_hash
-from executor_svc.engine import Engine, EngineConfig
+from executor_svc.kv.block_allocator import BlockAllocator, block_hash, root_hash
+from executor_svc.engine.engine import Engine, EngineConfig
 from executor_svc.errors import OutOfKVBlocksError
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CODE
@@ -62,7 +62,7 @@ def test_cache_off_reuses_nothing(engine_without_cache):
 
 
 def test_a_preempted_request_resumes_from_its_cached_blocks(engine_fp32):
-    from executor_svc.engine import ScheduledRequest, StepRequest
+    from executor_svc.engine.engine import ScheduledRequest, StepRequest
 
     prompt = list(range(1000, 1050))
     engine_fp32.add_request(NewRequest("p", prompt, SamplingParams(), 30, ignore_eos=True))

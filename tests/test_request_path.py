@@ -24,9 +24,9 @@ from swarmserve.common.v1 import sampling_pb2 as common_pb
 from swarmserve.executor.v1 import executor_pb2 as epb
 from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
-from executor_svc.step_messages import StepRequest
-from executor_svc.gguf_file import open_gguf
-from executor_svc.tokenizer import load_tokenizer
+from executor_svc.engine.step_messages import StepRequest
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.intake import ModelLimits, intake
 from scheduler_svc.planner import Planner

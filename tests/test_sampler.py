@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from executor_svc.sampler import SampleSpec, draw, token_logprobs, token_probabilities, uniform
-from executor_svc.verifier import verify
+from executor_svc.sampling.sampler import SampleSpec, draw, token_logprobs, token_probabilities, uniform
+from executor_svc.sampling.verifier import verify
 from service_common.sampling_params import SamplingParams
 
 

@@ -14,8 +14,8 @@ from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
 from clients.timeline import fetch_timeline
-from executor_svc.gguf_file import open_gguf
-from executor_svc.tokenizer import load_tokenizer
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.tokenizer import load_tokenizer
 from tests.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
 from tests.stack import Stack
 

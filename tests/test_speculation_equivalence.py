@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2_contingency
 
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.engine_driver import drive
 from tests.prompts import CODE, PLAIN_PROMPTS

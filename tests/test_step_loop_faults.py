@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swarmserve.executor.v1 import executor_pb2 as epb
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine
+from executor_svc.engine.engine import Engine
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler

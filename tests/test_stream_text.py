@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
-from executor_svc.gguf_file import open_gguf
-from executor_svc.tokenizer import load_tokenizer
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.tokenizer import load_tokenizer
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream

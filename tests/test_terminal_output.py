@@ -7,10 +7,10 @@ import io
 
 import torch
 
-from executor_svc.gguf_file import open_gguf
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.load_progress import load_progress
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import load_weights
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import load_weights
 from service_common.observability.logs import resolve_log_format
 from tests.tiny_gguf import TinyModelSpec
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from executor_svc.engine import Engine, EngineConfig
-from executor_svc.gguf_file import open_gguf
-from executor_svc.kv_cache import KVCache
-from executor_svc.model import Transformer
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import load_weights
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.request_state import FinishReason, NewRequest
+from executor_svc.engine.engine import Engine, EngineConfig
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.transformer import Transformer
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from tests.engine_driver import drive
 from tests.tiny_gguf import TinyModelSpec, k_quant_spec, qwen3_spec, write_tiny_model
 

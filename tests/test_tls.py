@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from clients import AsyncSwarmClient, SwarmServeError
-from executor_svc.engine import Engine, EngineConfig
+from executor_svc.engine.engine import Engine, EngineConfig
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler

@@ -23,9 +23,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.gguf_file import open_gguf
-from executor_svc.model_source import resolve_model_path
-from executor_svc.tokenizer import (
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.model_source import resolve_model_path
+from executor_svc.weights.tokenizer import (
     BYTE_LEVEL_SPLITS,
     TokenizerInfo,
     build_tokenizer,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.sampler import draw
-from executor_svc.verifier import accept_greedy, accept_sampled
+from executor_svc.sampling.sampler import draw
+from executor_svc.sampling.verifier import accept_greedy, accept_sampled
 
 GRID = 200  # each uniform on a midpoint grid: the integral over it is exact up to 1/GRID
 

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.gguf_file import GGUFTensor
-from executor_svc.weight_format import INT16_DOT_TYPES, Kernel, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
+from executor_svc.weights.gguf_file import GGUFTensor
+from executor_svc.weights.weight_format import INT16_DOT_TYPES, Kernel, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
 from tests.tiny_gguf import random_k_quant_blocks
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -180,9 +180,9 @@ def test_a_type_without_a_kernel_is_refused_by_name():
 
 
 def test_packed_model_weights_stay_at_the_gguf_size(default_model_path):
-    from executor_svc.gguf_file import open_gguf
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.model_weights import load_weights
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
 
     gguf = open_gguf(default_model_path)
     config = ModelConfig.from_gguf(gguf)

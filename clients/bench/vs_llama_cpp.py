@@ -310,7 +310,7 @@ def _print_progress(row: dict) -> None:
 
 
 async def run_bench(args: argparse.Namespace) -> dict:
-    from executor_svc.model_source import resolve_model_path  # the executor's own resolution of `--model`
+    from executor_svc.weights.model_source import resolve_model_path  # the executor's own resolution of `--model`
 
     model = str(resolve_model_path(args.model))
     executor_args = ("--threads", str(args.threads), *args.executor_arg)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.gated_delta_net import DeltaNetPlan
+from executor_svc.model.gated_delta_net import DeltaNetPlan
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 BLOCK_CHANNELS = 256

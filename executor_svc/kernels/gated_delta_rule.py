@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.gated_delta_net import DeltaNetPlan, num_key_heads_of
+from executor_svc.model.gated_delta_net import DeltaNetPlan, num_key_heads_of
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
 from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS, launch_chunked, log_decay, write_strength
 

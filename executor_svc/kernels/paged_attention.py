@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
-from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.model.ragged_batch import RaggedBatch
 
 LOG2_E = 1.4426950408889634
 

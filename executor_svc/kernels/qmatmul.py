@@ -31,9 +31,9 @@ import triton.language as tl
 
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
 from executor_svc.kernels.paged_attention import _TL_DTYPES, _is_interpreted
-from executor_svc.weight_format import PACKED_TYPES
+from executor_svc.weights.gguf_types import PACKED_TYPES
 
-# ggml type ids (see weight_format.PACKED_TYPES).
+# ggml type ids (see weights/gguf_types.PACKED_TYPES).
 F32 = tl.constexpr(0)
 F16 = tl.constexpr(1)
 BF16 = tl.constexpr(30)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.gated_delta_net import DeltaNetPlan, build_delta_net_plan
+from executor_svc.model.gated_delta_net import DeltaNetPlan, build_delta_net_plan
 from executor_svc.kernels.causal_conv1d import causal_conv1d
 from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS
 from executor_svc.kernels.gated_delta_rule import gated_delta_rule
@@ -22,8 +22,8 @@ from executor_svc.kernels.paged_attention import AttentionMetadata, build_attent
 from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
 from executor_svc.kernels.rope import apply_rope
 from executor_svc.kernels.silu_mul import silu_mul
-from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.torch_ops import TorchOps, qkv_rope_write
+from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.torch_ops import TorchOps, qkv_rope_write
 
 
 class TritonOps:

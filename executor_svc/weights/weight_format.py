@@ -31,23 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.errors import ModelLoadError
+from executor_svc.weights.gguf_types import PACKED_TYPES
 
 if TYPE_CHECKING:
-    from executor_svc.gguf_file import GGUFTensor
-
-# ggml type id → (elements per block, bytes per block); the types the CPU kernel runs.
-PACKED_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    30: ("BF16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-}
-
+    from executor_svc.weights.gguf_file import GGUFTensor
 
 # Types the integer matmul runs (activations quantized to int16 per 32-value block).
 INT16_DOT_TYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.block_allocator import NULL_BLOCK_ID
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID
 
 
 @dataclass(frozen=True)

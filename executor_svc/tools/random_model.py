@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import LayerWeights, ModelWeights
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import LayerWeights, ModelWeights
 
 
 def model_config(
@@ -104,7 +104,7 @@ _SCALE_FIELDS = {
 def random_gguf_rows(rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """Random GGUF rows uint8 [rows, row_bytes] of a weight ~ N(0, 1/cols) in spread: random codes,
     float16 scales set so a row's dot product with an O(1) vector stays O(1)."""
-    from executor_svc.weight_format import PACKED_TYPES
+    from executor_svc.weights.gguf_types import PACKED_TYPES
 
     name, block_elems, block_bytes = PACKED_TYPES[tensor_type]
     if block_elems == 1:
@@ -128,7 +128,7 @@ def random_packed_weights(
 ) -> ModelWeights:
     """`random_weights` with every matmul weight (embedding and LM head too) as random GGUF rows of
     `tensor_type` on `device`, for the Triton dequant-matmul."""
-    from executor_svc.weight_format import Kernel, PackedWeight
+    from executor_svc.weights.weight_format import Kernel, PackedWeight
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dense = random_weights(config, dtype, device, seed)

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.errors import OutOfStateSlotsError
-from executor_svc.gated_delta_net import DeltaRuleWindow
-from executor_svc.model_config import ModelConfig
+from executor_svc.model.gated_delta_net import DeltaRuleWindow
+from executor_svc.weights.model_config import ModelConfig
 
 
 def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,6 +1,6 @@
 """Step time vs tokens per step and vs decode batch size: the cost model's input.
 
-    python -m executor_svc.bench_step [--model default] [--variants float32/exact,float32/int16]
+    python -m executor_svc.tools.bench_step [--model default] [--variants float32/exact,float32/int16]
 
 Two sweeps per variant, each point the median of `--reps` forward passes (the
 model's forward over a ragged batch plus building the batch, as a step runs it):
@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from executor_svc.gguf_file import open_gguf
-from executor_svc.kv_cache import KVCache
-from executor_svc.engine import resolve_ops
-from executor_svc.weight_format import has_int16_dot
-from executor_svc.model import Transformer
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_source import resolve_model_path
-from executor_svc.model_weights import load_weights
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.engine.engine import resolve_ops
+from executor_svc.weights.weight_format import has_int16_dot
+from executor_svc.model.transformer import Transformer
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_source import resolve_model_path
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

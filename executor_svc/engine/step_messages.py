@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 
 from swarmserve.executor.v1 import executor_pb2 as pb
 
-from executor_svc.request_state import NewRequest
-from executor_svc.sampler import SampledToken
+from executor_svc.engine.request_state import NewRequest
+from executor_svc.sampling.sampler import SampledToken
 from service_common.finish_reason import FinishReason
 
 

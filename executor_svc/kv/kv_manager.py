@@ -50,12 +50,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.block_allocator import BlockAllocator, block_hash
+from executor_svc.kv.block_allocator import BlockAllocator, block_hash
 from executor_svc.errors import OutOfStateSlotsError
-from executor_svc.kv_cache import KVCache
-from executor_svc.model_config import ModelConfig
-from executor_svc.recurrent_state import RecurrentStatePool, bytes_per_slot
-from executor_svc.state_snapshots import StateSnapshots
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.kv.recurrent_state import RecurrentStatePool, bytes_per_slot
+from executor_svc.kv.state_snapshots import StateSnapshots
 
 # The default number of state snapshots: one per slot, within this share of what the slots leave of the budget.
 MAX_SNAPSHOT_SHARE = 0.25

@@ -1,8 +1,8 @@
 """One-shot check of the Triton kernels on a real accelerator: correctness, speed, equivalence.
 
-    python -m executor_svc.kernels.gpu_check                    # CUDA/ROCm machine, < 8 minutes
-    python -m executor_svc.kernels.gpu_check --dry-run          # tiny sizes on CPU, interpreted
-    python -m executor_svc.kernels.gpu_check --only correct,invariant
+    python -m executor_svc.tools.gpu_check                    # CUDA/ROCm machine, < 8 minutes
+    python -m executor_svc.tools.gpu_check --dry-run          # tiny sizes on CPU, interpreted
+    python -m executor_svc.tools.gpu_check --only correct,invariant
 
 Sections, most important first (each check is guarded, so one failure keeps the
 rest; a time budget skips whatever is left when it runs out):
@@ -322,7 +322,7 @@ class PagedInputs:
 
     def batch(self, parts, row_multiple: int = 1):
         """parts: (request, first position, query tokens) → (RaggedBatch, q [num_padded_tokens, heads, head_dim])."""
-        from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+        from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
         slices = [RequestSlice([0] * m, s, self.tables[r], num_logits=1) for r, s, m in parts]
         batch = RaggedBatch.build(slices, BLOCK_SIZE, self.device, row_multiple=row_multiple)
@@ -339,7 +339,7 @@ def _dims(shape: dict) -> tuple[int, int, int, int, int]:
 
 def _ops():
     from executor_svc.kernels.triton_ops import TritonOps
-    from executor_svc.torch_ops import TorchOps
+    from executor_svc.model.torch_ops import TorchOps
 
     return TritonOps(), TorchOps()
 
@@ -527,10 +527,10 @@ def section_invariance(report: Report, shape: dict, dtype_name: str, device, siz
 
 def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
     """Lockstep greedy decoding: both op sets get the torch path's tokens; every scored row is compared."""
-    from executor_svc.kernels.random_model import model_config, random_weights
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.model import Transformer
-    from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+    from executor_svc.tools.random_model import model_config, random_weights
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
     dtype = DTYPES[dtype_name]
     shape = sizes.models[0]
@@ -717,10 +717,10 @@ def section_prefill_timing(report: Report, bench: Bench, shape: dict, device, si
 
 def section_step_timings(report: Report, bench: Bench, shape: dict, device, sizes: Sizes) -> None:
     """A whole decode step, host work included (prepare, launches): what a serving step costs."""
-    from executor_svc.kernels.random_model import model_config, random_weights
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.model import Transformer
-    from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+    from executor_svc.tools.random_model import model_config, random_weights
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
     dtype = torch.bfloat16
     config = model_config(**shape, context_length=4096)
@@ -776,7 +776,7 @@ class DeltaNetInputs:
         self.kernel = kernel
 
     def plan(self, logits_counts: list[int], torch_conv: bool = False, min_chunked_tokens: int | None = None):
-        from executor_svc.gated_delta_net import build_delta_net_plan
+        from executor_svc.model.gated_delta_net import build_delta_net_plan
 
         starts = [sum(self.query_lens[:i]) for i in range(len(self.query_lens))]
         return build_delta_net_plan(
@@ -851,7 +851,7 @@ def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes:
 
     def run(parts, query_lens, logits_counts, slots, conv_states, states, min_chunked_tokens=None):
         """parts: row ranges laid end to end → (conv out, delta out, the target slot's conv state and state)."""
-        from executor_svc.gated_delta_net import build_delta_net_plan
+        from executor_svc.model.gated_delta_net import build_delta_net_plan
 
         pick = lambda t: torch.cat([t[p] for p in parts])  # noqa: E731
         starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
@@ -998,7 +998,7 @@ class GgufSizes:
 
 
 def _gguf_type_ids() -> dict[str, int]:
-    from executor_svc.weight_format import PACKED_TYPES
+    from executor_svc.weights.gguf_types import PACKED_TYPES
 
     return {name: type_id for type_id, (name, _, _) in PACKED_TYPES.items()}
 
@@ -1007,7 +1007,7 @@ def section_qmatmul_correct(report: Report, dtype_name: str, device, sizes: Gguf
     """Every GGUF type's kernel against x · dequantize(w)ᵀ in float64 (the torch reference dequantizer),
     and a row's bits with 1 and 9 rows against the whole matmul (batch invariance on the device)."""
     from executor_svc.kernels.qmatmul import dequantize, qmatmul
-    from executor_svc.kernels.random_model import random_gguf_rows
+    from executor_svc.tools.random_model import random_gguf_rows
 
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device=device).manual_seed(21)
@@ -1033,7 +1033,7 @@ def section_qmatmul_correct(report: Report, dtype_name: str, device, sizes: Gguf
 def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
     """Each type's kernel at decode rows: bytes read / time as a share of the copy, beside a dense bf16 matmul."""
     from executor_svc.kernels.qmatmul import dequantize, qmatmul
-    from executor_svc.kernels.random_model import random_gguf_rows
+    from executor_svc.tools.random_model import random_gguf_rows
 
     gen = torch.Generator(device=device).manual_seed(22)
     n, k = sizes.bandwidth_shape
@@ -1059,10 +1059,10 @@ class _QuantizedDecodeModel:
     """A random model of GGUF rows (Triton dequant-matmul) with a KV cache of random context."""
 
     def __init__(self, device, sizes: GgufSizes, max_requests: int, max_tokens_per_request: int) -> None:
-        from executor_svc.kernels.random_model import model_config, random_packed_weights
+        from executor_svc.tools.random_model import model_config, random_packed_weights
         from executor_svc.kernels.triton_ops import TritonOps
-        from executor_svc.kv_cache import KVCache
-        from executor_svc.model import Transformer
+        from executor_svc.kv.kv_cache import KVCache
+        from executor_svc.model.transformer import Transformer
 
         self.config = model_config(**sizes.model, context_length=4096)
         self.weights = random_packed_weights(self.config, _gguf_type_ids()[sizes.model_type], torch.bfloat16, device, seed=23)
@@ -1076,13 +1076,13 @@ class _QuantizedDecodeModel:
     @property
     def streamed_bytes(self) -> int:
         """Weight bytes one step reads: every layer's matmuls and the LM head (the embedding only by row)."""
-        from executor_svc.model_weights import _nested_bytes
-        from executor_svc.weight_format import weight_bytes
+        from executor_svc.weights.model_weights import _nested_bytes
+        from executor_svc.weights.weight_format import weight_bytes
 
         return sum(_nested_bytes(layer) for layer in self.weights.layers) + weight_bytes(self.weights.lm_head)
 
     def batch(self, num_requests: int, num_tokens: int):
-        from executor_svc.ragged_batch import RaggedBatch, RequestSlice
+        from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
         bpr = self.blocks_per_request
         slices = [
@@ -1094,7 +1094,7 @@ class _QuantizedDecodeModel:
 
 def section_decode_floor(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
     """Decode step time against B, eager and replayed from graphs, beside the weight-stream floor."""
-    from executor_svc.decode_graphs import DecodeGraphs
+    from executor_svc.engine.decode_graphs import DecodeGraphs
 
     run = _QuantizedDecodeModel(device, sizes, max(sizes.batch_sizes), 1)
     # On the CPU (--dry-run) there are no graphs: the "capture" replays by running the forward again.

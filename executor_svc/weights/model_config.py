@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from executor_svc.errors import ModelLoadError
 
 if TYPE_CHECKING:  # reading GGUF files needs the gguf package; the shapes alone do not
-    from executor_svc.gguf_file import GGUFFile
+    from executor_svc.weights.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")

@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.gguf_file import GGUFFile
+from executor_svc.weights.gguf_file import GGUFFile
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from executor_svc.block_allocator import BlockAllocator
-from executor_svc.model_config import ModelConfig
+from executor_svc.kv.block_allocator import BlockAllocator
+from executor_svc.weights.model_config import ModelConfig
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -28,15 +28,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from executor_svc.gated_delta_net import DeltaNetPlan, DeltaRuleWindow, build_delta_net_plan
-from executor_svc.invariant_elementwise import invariant_map
-from executor_svc.kv_cache import KVCache
-from executor_svc.model import Decoder, embed, ffn, lm_head
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
-from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.recurrent_state import RecurrentStatePool, StepCapture
-from executor_svc.weight_format import linear
+from executor_svc.model.gated_delta_net import DeltaNetPlan, DeltaRuleWindow, build_delta_net_plan
+from executor_svc.model.invariant_elementwise import invariant_map
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.transformer import Decoder, embed, ffn, lm_head
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
+from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.kv.recurrent_state import RecurrentStatePool, StepCapture
+from executor_svc.weights.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
 MIN_CHUNKED_PREFILL_TOKENS = 64

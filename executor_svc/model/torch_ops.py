@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor_svc import attention, gated_delta_net
-from executor_svc.gated_delta_net import DeltaNetPlan
-from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.model import attention, gated_delta_net
+from executor_svc.model.gated_delta_net import DeltaNetPlan
+from executor_svc.model.ragged_batch import RaggedBatch
 
 
 class TorchOps:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.kv_cache import KVCache
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_weights import ModelWeights
-from executor_svc.moe import moe_ffn
-from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.torch_ops import TorchOps
-from executor_svc.weight_format import embedding, linear
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import ModelWeights
+from executor_svc.model.moe import moe_ffn
+from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.torch_ops import TorchOps
+from executor_svc.weights.weight_format import embedding, linear
 
 
 def rope_tables(config: ModelConfig, freq_factors: torch.Tensor | None, device: torch.device):

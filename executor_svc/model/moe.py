@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.invariant_elementwise import invariant_map
-from executor_svc.model_weights import MoeWeights
-from executor_svc.weight_format import linear
+from executor_svc.model.invariant_elementwise import invariant_map
+from executor_svc.weights.model_weights import MoeWeights
+from executor_svc.weights.weight_format import linear
 
 
 def route(router_logits: torch.Tensor, num_experts_per_token: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.ragged_batch import RaggedBatch
+from executor_svc.model.ragged_batch import RaggedBatch
 
 KV_CHUNK = 256
 QUERY_ROW_MULTIPLE = 4

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor_svc.invariant_elementwise import invariant_map
+from executor_svc.model.invariant_elementwise import invariant_map
 
 
 @dataclass(frozen=True)

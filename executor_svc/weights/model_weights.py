@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from executor_svc.errors import ModelLoadError
-from executor_svc.model_config import ModelConfig
-from executor_svc.weight_format import PackedWeight, Weight, weight_bytes
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.weight_format import PackedWeight, Weight, weight_bytes
 
 if TYPE_CHECKING:  # reading GGUF files needs the gguf package; the shapes alone do not
-    from executor_svc.gguf_file import GGUFFile, GGUFTensor
+    from executor_svc.weights.gguf_file import GGUFFile, GGUFTensor
 
 
 @dataclass

@@ -21,25 +21,25 @@ import structlog
 import torch
 
 from executor_svc.errors import OutOfKVBlocksError, UnknownRequestError
-from executor_svc.gguf_file import open_gguf
-from executor_svc.hybrid_model import HybridTransformer
-from executor_svc.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVManager
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.model.hybrid_model import HybridTransformer
+from executor_svc.kv.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVManager
 from executor_svc.load_progress import load_progress
-from executor_svc.model import Transformer
-from executor_svc.model_config import ModelConfig
-from executor_svc.model_source import resolve_model_path
-from executor_svc.model_weights import load_weights
-from executor_svc.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.request_state import FinishReason, NewRequest, RequestState
-from executor_svc.block_allocator import root_hash
+from executor_svc.model.transformer import Transformer
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_source import resolve_model_path
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.engine.request_state import FinishReason, NewRequest, RequestState
+from executor_svc.kv.block_allocator import root_hash
 from executor_svc.config import MATMULS, EngineConfig
-from executor_svc.drafter import Drafter
-from executor_svc.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
-from executor_svc.sampler import SampledToken, SampleSpec, token_logprobs
-from executor_svc.step_messages import CostSample, RequestResult, ScheduledRequest, StepRequest, StepResponse, StepTimings
-from executor_svc.tokenizer import load_tokenizer
-from executor_svc.torch_ops import TorchOps
-from executor_svc.verifier import verify
+from executor_svc.sampling.drafter import Drafter
+from executor_svc.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
+from executor_svc.sampling.sampler import SampledToken, SampleSpec, token_logprobs
+from executor_svc.engine.step_messages import CostSample, RequestResult, ScheduledRequest, StepRequest, StepResponse, StepTimings
+from executor_svc.weights.tokenizer import load_tokenizer
+from executor_svc.model.torch_ops import TorchOps
+from executor_svc.sampling.verifier import verify
 from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request
 
@@ -80,7 +80,7 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
     if name == "auto":
         if not uses_cpu_kernels or dtype_name == "float32":
             return "exact"
-        from executor_svc.weight_format import has_int16_dot
+        from executor_svc.weights.weight_format import has_int16_dot
 
         return "int16" if has_int16_dot() else "exact"
     if name == "int16" and not uses_cpu_kernels:
@@ -99,7 +99,7 @@ def resolve_ops(kernels: str, device: torch.device):
     if kernels == "cpu":
         if device.type != "cpu":
             raise ValueError("kernels='cpu' runs on the CPU; use --device cpu or --kernels triton|torch")
-        from executor_svc.cpu_ops import CpuOps
+        from executor_svc.model.cpu_ops import CpuOps
 
         return CpuOps()
     if not triton_available():
@@ -161,7 +161,7 @@ class Engine:
         )
         self.decode_graphs = None
         if config.decode_graphs and self.device.type == "cuda" and is_triton and self.kv.state_pool is None:
-            from executor_svc.decode_graphs import DecodeGraphs
+            from executor_svc.engine.decode_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(self.model, self.kv.cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)

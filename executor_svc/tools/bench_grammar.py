@@ -1,6 +1,6 @@
 """Grammar-mask cost per step: what structured output adds to a decode step.
 
-    python -m executor_svc.bench_grammar [--model default] [--batch-sizes 1,16] [--steps 32]
+    python -m executor_svc.tools.bench_grammar [--model default] [--batch-sizes 1,16] [--steps 32]
 
 B requests decode under a typical JSON schema (sampled at temperature 1, seeded, so
 the masks vary as real output does) in the real engine; per decode step the engine
@@ -16,9 +16,9 @@ import json
 import statistics
 import time
 
-from executor_svc.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
 from service_common.structured_output import StructuredOutput
-from executor_svc.request_state import NewRequest
+from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 
 SCHEMA = {

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from executor_svc.sampler import SampleSpec, draw, token_probabilities, uniform
+from executor_svc.sampling.sampler import SampleSpec, draw, token_probabilities, uniform
 
 def accept_greedy(argmax_ids: list[int], draft_ids: list[int]) -> tuple[list[int], int]:
     """argmax of rows 0..m and drafts d_1..d_m → (emitted tokens, number of drafts kept)."""

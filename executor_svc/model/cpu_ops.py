@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.cpu_kernels import load
-from executor_svc.model_config import ModelConfig
-from executor_svc.ragged_batch import RaggedBatch
-from executor_svc.torch_ops import TorchOps
-from executor_svc.weight_format import cpu_matmul_parts
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.torch_ops import TorchOps
+from executor_svc.weights.weight_format import cpu_matmul_parts
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class CpuAttentionMetadata:
 
 class CpuLayerStack:
     """A dense model's decoder layers run by one C++ call per step (`DenseStack`, decoder.cpp):
-    the same kernels as the layer loop in model.py, in the same order, so the same bits, without
+    the same kernels as the layer loop in model/transformer.py, in the same order, so the same bits, without
     nine Python calls per layer."""
 
     def __init__(self, stack) -> None:

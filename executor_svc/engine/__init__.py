@@ -1,0 +1,1 @@
+"""The executor's engine: the request table and the step (admit, run the model, sample, verify, postprocess)."""

@@ -1,0 +1,1 @@
+"""The KV side: the block allocator and prefix cache, the paged KV cache, the recurrent-state pool and snapshots, and the KV manager over them."""

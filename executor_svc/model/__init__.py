@@ -1,0 +1,1 @@
+"""The model side: the ragged-batch decoders (dense, MoE, hybrid DeltaNet), attention and the torch/C++ ops they run on."""

@@ -2,7 +2,7 @@
 
 No sockets, no model: requests and the executor's KV report go in, a `Plan`
 comes out, and the step's results go back in through `apply`. Tests drive it
-with fake results (see tests/test_planner.py).
+with fake results (see tests/scheduler/test_planner.py).
 
 Each step, under one token budget (`max_num_batched_tokens`):
 1. **Decodes first.** Every running request with exactly one pending token (its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 # The Triton interpreter runs tl.dot through numpy's OpenBLAS, whose AVX2 (Haswell/Zen)
 # sgemm kernels sum a row differently at a tile's edge than inside it: a Triton kernel's
@@ -20,6 +21,29 @@ import pytest  # noqa: E402
 # The reference never fetches anything from a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Markers by folder (pyproject.toml describes them), so that a folder's tests are selected or
+# left out whole: `pytest tests/executor -m "not e2e and not slow"` is the fast loop.
+FOLDER_MARKERS = {
+    ("e2e",): "e2e",
+    ("executor", "kernels"): "gpu",
+    ("executor", "tools"): "gpu",
+}
+# A test that takes one of these fixtures loads the embedded model or the transformers reference.
+SLOW_FIXTURES = {"engine_fp32", "engine_default", "hf_reference"}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(tests_dir):
+            continue
+        parts = item.path.relative_to(tests_dir).parts
+        for prefix, marker in FOLDER_MARKERS.items():
+            if parts[: len(prefix)] == prefix:
+                item.add_marker(marker)
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker("slow")
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +85,7 @@ def hf_reference(default_model_path):
 @pytest.fixture(scope="session")
 def tiny_gguf_path(tmp_path_factory):
     """tiny_gguf_path(spec) -> the path of that tiny random GGUF, written once per session."""
-    from tests.tiny_gguf import TinyModelSpec, write_tiny_model
+    from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
     paths = {}
 
@@ -77,7 +101,7 @@ def tiny_gguf_path(tmp_path_factory):
 def make_tiny_engine(tiny_gguf_path):
     """make_tiny_engine(spec, **EngineConfig fields) -> a fresh Engine on that tiny random GGUF."""
     from executor_svc.engine.engine import Engine, EngineConfig
-    from tests.tiny_gguf import TinyModelSpec
+    from tests.support.tiny_gguf import TinyModelSpec
 
     def make(spec: TinyModelSpec = TinyModelSpec(), **config):
         return Engine(EngineConfig(model=str(tiny_gguf_path(spec)), **config))
@@ -88,6 +112,6 @@ def make_tiny_engine(tiny_gguf_path):
 @pytest.fixture(scope="module")
 def engine(make_tiny_engine):
     """A tiny random model's engine, one per test module, for in-process services."""
-    from tests.tiny_gguf import TinyModelSpec
+    from tests.support.tiny_gguf import TinyModelSpec
 
     return make_tiny_engine(TinyModelSpec(context_length=256), kv_cache_bytes=8 << 20)

@@ -17,7 +17,7 @@ the problem shape, so the shapes are made canonical instead:
   over the context in fixed `KV_CHUNK`-key chunks aligned at key 0, summed in
   chunk order, so a longer padded context only appends exact zeros.
 
-`tests/test_attention.py` checks the invariance bit for bit. The grouping pads a
+`tests/executor/model/test_attention.py` checks the invariance bit for bit. The grouping pads a
 little to use batched GEMMs; the Triton kernel needs none of it.
 """
 

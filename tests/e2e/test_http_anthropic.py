@@ -1,0 +1,133 @@
+"""The Anthropic-compatible API (/v1/messages, /v1/messages/count_tokens) over real servers on
+loopback, driven by the official `anthropic` SDK, unmodified: plain and streamed messages,
+the streaming event sequence, usage (cache reads included), stop sequences, tool_use /
+tool_result turns, errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+
+from tests.support.http_stack import http_stack, pick_stop  # noqa: E402
+
+SYSTEM = "You are terse."
+GREEDY = {"temperature": 0.0}  # the SDK has no sampling arguments any more: they go in the body
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = http_stack(tmp_path_factory)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with anthropic.Anthropic(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_a_message_plain_and_streamed_with_usage(client):
+    reply = client.messages.create(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, extra_body=GREEDY)
+    assert reply.role == "assistant" and reply.stop_reason == "max_tokens"
+    assert [block.type for block in reply.content] == ["text"]
+    assert reply.usage.output_tokens == 10
+    counted = client.messages.count_tokens(model="m", system=SYSTEM, messages=MESSAGES).input_tokens
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted > 0
+
+    events = list(client.messages.create(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, stream=True, extra_body=GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds[1:4] == ["content_block_start", "content_block_delta", "content_block_delta"] or "ping" in kinds
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    with client.messages.stream(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == reply.content[0].text == final.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 10
+    assert final.usage.cache_read_input_tokens > 0, "the same prompt again is read from the prefix cache"
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == counted
+
+
+def test_a_stop_sequence_is_reported(client):
+    seeded = dict(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=24, extra_body={"temperature": 1.0, "seed": 5})
+    full = client.messages.create(**seeded).content[0].text
+    stop = pick_stop(full)
+    reply = client.messages.create(**seeded, stop_sequences=[stop])
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
+    assert reply.content[0].text == full[: full.index(stop)]
+
+
+def test_tool_use_and_tool_result_turns_render_and_hit_the_cache(client):
+    turn = [{"role": "user", "content": "What is the weather in Paris? " * 3}]
+    first = client.messages.create(model="m", messages=turn, tools=[WEATHER], max_tokens=4, extra_body=GREEDY)
+    turn += [
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}, {"type": "text", "text": "Thanks"}]},
+    ]  # fmt: skip
+    second = client.messages.create(model="m", messages=turn, tools=[WEATHER], max_tokens=4, extra_body=GREEDY)
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > first_prompt
+    assert second.usage.cache_read_input_tokens >= 16 * (first_prompt // 16) > 0
+    count = client.messages.count_tokens(model="m", messages=turn, tools=[WEATHER]).input_tokens
+    assert count == second.usage.input_tokens + second.usage.cache_read_input_tokens
+
+
+def test_a_forced_tool_call_comes_back_as_tool_use(client):
+    reply = client.messages.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], max_tokens=256,
+        extra_body=GREEDY, tool_choice={"type": "tool", "name": "get_weather"},
+    )  # fmt: skip
+    uses = [block for block in reply.content if block.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="streamed tool_choice any (several calls allowed) on the tiny model: stop_reason tool_use, but the "
+    "stream's last content block is text, not tool_use (see the issue 13 note)",
+)
+def test_a_streamed_tool_choice_any_ends_with_tool_use(client):
+    with client.messages.stream(
+        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=256,
+        extra_body=GREEDY, tool_choice={"type": "any"},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
+    jsonschema.validate(final.content[-1].input, WEATHER["input_schema"])
+
+
+def test_output_config_json_schema_is_followed(client):
+    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 10}}, "required": ["color"], "additionalProperties": False}
+    for seed in range(5):
+        reply = client.messages.create(
+            model="m", messages=MESSAGES, max_tokens=100, output_config={"format": {"type": "json_schema", "schema": schema}},
+            extra_body={"temperature": 1.0, "seed": seed},
+        )  # fmt: skip
+        assert reply.stop_reason == "end_turn"
+        jsonschema.validate(json.loads(reply.content[0].text), schema)
+
+
+def test_errors_come_in_anthropics_shape(stack, client):
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="m", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}], max_tokens=4)
+    assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0]" in refused.value.body["error"]["message"]
+    missing = httpx.post(stack.http_url + "/v1/messages", json={"model": "m", "messages": MESSAGES})
+    assert missing.status_code == 400 and "max_tokens" in missing.json()["error"]["message"]
+    huge = httpx.post(stack.http_url + "/v1/messages", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="m", messages=MESSAGES, max_tokens=4, tool_choice={"type": "any"})

@@ -1,0 +1,318 @@
+"""The C++ CPU ops (`CpuOps`): each against its TorchOps / attention.py reference, and the
+attention batch-invariant bit for bit (batch, chunking, thread count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.model.attention import write_kv
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.model.torch_ops import TorchOps
+from tests.executor.model.test_attention import BLOCK_SIZE, Setup, dense_reference
+
+cpu_kernels = pytest.importorskip("executor_svc.cpu_kernels")
+try:
+    from executor_svc.model.cpu_ops import CpuOps
+
+    OPS = CpuOps()
+except cpu_kernels.CpuKernelsUnavailable as exc:  # no compiler here
+    pytest.skip(str(exc), allow_module_level=True)
+
+REF = TorchOps()
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
+    """parts: (request, first position, query tokens). Returns each part's output rows and the full output."""
+    slices = [RequestSlice([0] * m, start, setup.tables[r], num_logits=1) for r, start, m in parts]
+    batch = RaggedBatch.build(slices, BLOCK_SIZE, torch.device("cpu"), row_multiple=row_multiple)
+    for r, start, m in parts:  # the whole history up to the part's end is in the cache
+        hist = RaggedBatch.build([RequestSlice([0] * (start + m), 0, setup.tables[r], 0)], BLOCK_SIZE, torch.device("cpu"))
+        write_kv(setup.k[r][: start + m], setup.v[r][: start + m], setup.k_cache, setup.v_cache, hist.slot_mapping)
+    q = torch.zeros(batch.num_padded_tokens, setup.num_heads, setup.head_dim)
+    for (r, start, m), s0 in zip(parts, batch.query_starts):
+        q[s0 : s0 + m] = setup.q[r][start : start + m]
+    metadata = OPS.prepare(batch, BLOCK_SIZE)
+    out = OPS.attention(q.to(dtype), setup.k_cache.to(dtype), setup.v_cache.to(dtype), metadata, setup.head_dim**-0.5)
+    return [out[s0 : s0 + m] for (_, _, m), s0 in zip(parts, batch.query_starts)], out, batch
+
+
+# ------------------------------------------------------------------ attention: correctness
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 32), (8, 1, 32), (9, 3, 64), (4, 2, 128), (4, 2, 24)])
+def test_attention_matches_dense_attention(num_heads, num_kv_heads, head_dim, dtype):
+    lens = [1, 15, 16, 17, 40, 300, 70]
+    setup = Setup(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    # Whole prefill, chunk ending on a block boundary, decode, verify run, long chunk, another decode.
+    parts = [(0, 0, 1), (1, 0, 15), (2, 8, 8), (3, 16, 1), (4, 35, 5), (5, 100, 200), (6, 69, 1)]
+    outs, full, batch = run_attention(setup, parts, dtype)
+    scale = head_dim**-0.5
+    for (r, start, m), out in zip(parts, outs):
+        q, k, v = setup.q[r][start : start + m], setup.k[r][: start + m], setup.v[r][: start + m]
+        if dtype != torch.float32:  # the reference on the same rounded inputs
+            q, k, v = (t.to(dtype).float() for t in (q, k, v))
+        ref = dense_reference(q, k, v, scale)
+        torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+        assert out.dtype == dtype
+    assert torch.equal(full[batch.num_tokens :], torch.zeros_like(full[batch.num_tokens :]))  # padding rows
+
+
+def test_attention_matches_the_torch_path_and_long_decode_contexts():
+    lens = [4000, 10, 1030, 33]
+    setup = Setup(lens, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
+    parts = [(0, 3999, 1), (1, 9, 1), (2, 1025, 5), (3, 0, 33)]
+    outs, _, batch = run_attention(setup, parts)
+    ref = REF.attention(
+        torch.cat([setup.q[r][s : s + m] for r, s, m in parts] + [torch.zeros(batch.num_padded_tokens - batch.num_tokens, 9, 64)]),
+        setup.k_cache,
+        setup.v_cache,
+        REF.prepare(batch, BLOCK_SIZE),
+        64**-0.5,
+    )
+    torch.testing.assert_close(torch.cat(outs), ref[: batch.num_tokens], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rejects_a_block_table_entry_outside_the_cache():
+    setup = Setup([20])
+    batch = RaggedBatch.build([RequestSlice([0], 19, setup.tables[0], 1)], BLOCK_SIZE, torch.device("cpu"))
+    metadata = OPS.prepare(batch, BLOCK_SIZE)
+    metadata.block_tables[0, 1] = setup.k_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="block table entry"):
+        OPS.attention(torch.zeros(1, 6, 32), setup.k_cache, setup.v_cache, metadata, 1.0)
+
+
+# ------------------------------------------------------------------ attention: batch invariance
+
+LAYOUTS = [
+    # As part of prefill chunks of different lengths.
+    [(0, 597, 4)],
+    [(0, 590, 11)],
+    [(0, 580, 64)],
+    [(0, 500, 200)],
+    [(0, 0, 601)],
+    # As a verify run, with other requests of very different lengths around it.
+    [(1, 49, 1), (0, 598, 5), (2, 200, 60), (3, 0, 9)],
+    [(4, 512, 1), (2, 259, 1), (0, 600, 1), (1, 10, 40)],
+    [(3, 8, 1), (4, 0, 513), (0, 599, 2)],
+    [(r, n - 1, 1) for r, n in enumerate([1, 50, 260, 9, 513]) if r] + [(0, 600, 1)],
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (9, 3)])
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(num_heads, num_kv_heads, dtype):
+    setup = Setup([700, 50, 260, 9, 513], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64)
+    position = 600  # the query row under test: request 0, position 600
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        solo = run_attention(setup, [(0, position, 1)], dtype)[0][0][0]
+        for num_threads in sorted({1, 2, max(2, threads)}):
+            torch.set_num_threads(num_threads)
+            for parts in LAYOUTS:
+                outs = run_attention(setup, parts, dtype)[0]
+                index = [p[0] for p in parts].index(0)
+                row = outs[index][position - parts[index][1]]
+                assert torch.equal(row, solo), f"{num_threads} threads, layout {parts}: max diff {(row - solo).abs().max()}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ fused row ops
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (13, 576), (5, 3, 64), (7, 100)])
+def test_rms_norm(shape, dtype):
+    x, w = randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype, seed=1)
+    out = OPS.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, REF.rms_norm(x, w, 1e-5), **TOL[dtype])
+
+
+def test_rms_norm_of_a_strided_view_and_row_invariance():
+    qkv = randn(9, 5 * 64)
+    w = randn(64, seed=1)
+    view = qkv[:, 64:192].view(9, 2, 64)  # k heads of a qkv output: strided rows
+    out = OPS.rms_norm(view, w, 1e-6)
+    torch.testing.assert_close(out, REF.rms_norm(view, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert torch.equal(OPS.rms_norm(view[4:5], w, 1e-6), out[4:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_in_place(dtype):
+    x, residual, w = randn(6, 576, dtype=dtype), randn(6, 576, dtype=dtype, seed=1), randn(576, dtype=dtype, seed=2)
+    ref_normed, ref_residual = REF.add_rms_norm(x, residual.clone(), w, 1e-5)
+    normed, new_residual = OPS.add_rms_norm(x, residual, w, 1e-5)
+    assert new_residual is residual or new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual, ref_residual)  # one rounding of one add: exact
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope(dtype):
+    x = randn(11, 9, 64, dtype=dtype)
+    angles = randn(11, 32, seed=1) * 3
+    cos, sin = angles.cos(), angles.sin()
+    out = OPS.rope(x, cos, sin)
+    ref = REF.rope(x, cos, sin)
+    if dtype == torch.float32:
+        assert torch.equal(out, ref)  # elementwise, same roundings
+    else:
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_silu_mul(rows, dtype):
+    gate_up = randn(rows, 2 * 1536, dtype=dtype) * 4
+    out = OPS.silu_mul(gate_up)
+    assert out.shape == (rows, 1536) and out.dtype == dtype
+    torch.testing.assert_close(out, REF.silu_mul(gate_up), **TOL[dtype])
+    assert torch.equal(OPS.silu_mul(gate_up[rows - 1 :]), out[rows - 1 :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv(dtype):
+    k, v = randn(12, 5 * 32, dtype=dtype)[:, :64].view(12, 2, 32), randn(5, 2, 32, dtype=dtype, seed=1)
+    k = k[:5]
+    slots = torch.tensor([17, 3, 40, 41, 8])
+    caches = [torch.zeros(6, 8, 2, 32, dtype=dtype) for _ in range(4)]
+    OPS.write_kv(k, v, caches[0], caches[1], slots)
+    REF.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
+    num_heads, num_kv_heads, head_dim, num_tokens, padded = 9, 3, 64, 7, 8
+    qkv = randn(padded, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q_norm = randn(head_dim, dtype=dtype, seed=1) if qk_norm else None
+    k_norm = randn(head_dim, dtype=dtype, seed=2) if qk_norm else None
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
+    cos_table, sin_table = angles.cos(), angles.sin()
+    positions = torch.tensor([5, 6, 7, 0, 1, 2, 40, 0])
+    slots = torch.tensor([21, 22, 23, 9, 10, 11, 33])  # the first num_tokens rows write K/V; the padded row does not
+    assert len(slots) == num_tokens
+    results = []
+    for ops in (OPS, REF):
+        k_cache, v_cache = torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype), torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype)
+        q = ops.qkv_rope_write(qkv, num_heads, num_kv_heads, q_norm, k_norm, 1e-6, cos_table, sin_table, positions, slots, k_cache, v_cache)
+        results.append((q, k_cache, v_cache))
+    (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
+    assert q.shape == (padded, num_heads, head_dim) and q.dtype == dtype
+    exact = dtype == torch.float32 and not qk_norm  # RoPE alone is elementwise: same roundings
+    check = torch.equal if exact else lambda a, b: torch.testing.assert_close(a, b, **TOL[dtype]) or True
+    assert check(q, q_ref) and check(kc, kc_ref)
+    assert torch.equal(vc, vc_ref)  # V is copied as is
+
+
+# ------------------------------------------------------------------ the whole model
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
+    from tests.support.tiny_gguf import TinyModelSpec, qwen3_spec, write_tiny_model
+
+    spec = qwen3_spec() if architecture == "qwen3" else TinyModelSpec("llama")
+    gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"))
+    prompts = [[3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40], [5, 6, 7], [9] * 37]
+    logits = []
+    for ops in (REF, OPS):
+        model = Transformer(config, weights, torch.device("cpu"), ops=ops, dtype=dtype)
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        tables = [[] for _ in prompts]
+        for table, prompt in zip(tables, prompts):
+            cache.grow(table, len(prompt) + 1)
+        # A prefill step of every prompt, then one batched decode step.
+        step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
+        step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
+        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu"), row_multiple=4), cache) for s in (step1, step2)]
+        logits.append(torch.cat(out))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)
+    torch.testing.assert_close(logits[1], logits[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "architecture,tensor_type,int16_dot",
+    [("llama", "Q4_1", True), ("llama", "Q8_0", False), ("qwen2", "Q4_0", True), ("qwen3", "Q8_0", True), ("qwen3", "F16", False)],
+)
+def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, int16_dot, dtype):
+    """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
+    writes are bit-identical to transformer.py's loop, for each matmul kernel, with qwen2's QKV bias and
+    qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
+    from gguf import GGMLQuantizationType
+
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
+    from executor_svc.weights.weight_format import has_int16_dot
+    from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
+
+    if int16_dot and not has_int16_dot():
+        pytest.skip("this CPU has no integer matmul")
+    spec = TinyModelSpec(architecture, GGMLQuantizationType[tensor_type], hidden_size=128, num_heads=4, num_kv_heads=2,
+                         intermediate_size=256, num_layers=3)
+    gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"), int16_dot=int16_dot)
+    model = Transformer(config, weights, torch.device("cpu"), ops=OPS, dtype=dtype)
+    stack = model.layer_stack
+    assert stack is not None
+    prompts = [[3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 40], [5, 6, 7], [9] * 37]
+    results = []
+    for layer_stack in (None, stack):
+        model.layer_stack = layer_stack
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        tables = [[] for _ in prompts]
+        for table, prompt in zip(tables, prompts):
+            cache.grow(table, len(prompt) + 1)
+        step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
+        step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
+        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu")), cache) for s in (step1, step2)]
+        results.append((torch.cat(out), cache.tensor.clone()))
+    (loop_logits, loop_kv), (stack_logits, stack_kv) = results
+    assert torch.equal(stack_logits, loop_logits)
+    assert torch.equal(stack_kv, loop_kv)
+
+
+def test_models_the_layer_stack_does_not_run_keep_the_layer_loop(tmp_path):
+    """MoE experts are not in the C++ stack: a qwen3moe model keeps the layer loop, as every
+    model does on TorchOps; a dense one on CpuOps gets the stack."""
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
+    from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
+    from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
+
+    def model(path, ops):
+        gguf = open_gguf(path)
+        config = ModelConfig.from_gguf(gguf)
+        return Transformer(config, load_weights(gguf, config, torch.float32, torch.device("cpu")), torch.device("cpu"), ops=ops)
+
+    dense = write_tiny_model(tmp_path / "dense.gguf", TinyModelSpec("llama"))
+    _, moe = write_tiny_hybrid_model(tmp_path / "moe.gguf", TinyHybridSpec("qwen3moe"))
+    assert model(dense, OPS).layer_stack is not None
+    assert model(dense, REF).layer_stack is None
+    assert model(moe, OPS).layer_stack is None

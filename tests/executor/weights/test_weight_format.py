@@ -1,0 +1,193 @@
+"""The weight-format layer: GGUF weights kept packed, and the C++ matmul that reads them.
+
+For every GGUF type the engine runs: the kernel's dequantization is bit-exact to
+gguf-py's, its matmul matches dequantize-then-matmul (float64) within 1e-6 of the
+output scale, and a row's result is bit-identical whatever rows share the call
+(the fused path for ≤ 4 rows and the buffered path for more agree bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from executor_svc.errors import ModelLoadError
+from executor_svc.weights.gguf_file import GGUFTensor
+from executor_svc.weights.weight_format import INT16_DOT_TYPES, Kernel, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
+from tests.support.tiny_gguf import random_k_quant_blocks
+
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ROWS = 40
+
+
+def packed(qtype: Q, rows: int = ROWS, cols: int = 512, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
+    """A random weight in `qtype` and gguf-py's float32 dequantization of it."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        raw = random_k_quant_blocks(rng, rows, cols, qtype).reshape(rows, -1)
+    elif qtype == Q.F32:
+        raw = values
+    elif qtype == Q.F16:
+        raw = values.astype(np.float16)
+    else:
+        raw = quants.quantize(values, qtype)
+    tensor = GGUFTensor(f"w.{qtype.name}", (rows, cols), qtype, raw)
+    return PackedWeight.from_gguf(tensor), tensor.dequantize()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_dequantization_is_bit_exact_to_gguf_py(qtype):
+    w, reference = packed(qtype)
+    assert torch.equal(w.dequantize(), torch.from_numpy(reference))
+    assert w.nbytes == w.data.numel() == ROWS * 512 // quants.GGML_QUANT_SIZES[qtype][0] * quants.GGML_QUANT_SIZES[qtype][1]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 17, 70])
+def test_matmul_matches_dequantize_then_matmul(qtype, num_rows):
+    w, reference = packed(qtype)
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+    y = linear(x, w)
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    assert y.dtype == torch.float32 and y.shape == (num_rows, ROWS)
+    assert (y.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_a_rows_result_does_not_depend_on_its_batch(qtype):
+    w, _ = packed(qtype)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1))
+    full = linear(x, w)
+    for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
+        assert torch.equal(linear(x[start : start + count], w), full[start : start + count]), (start, count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(x, w), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+INT16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+needs_int16 = pytest.mark.skipif(not has_int16_dot(), reason="this CPU has no integer matmul (AVX2 + FMA)")
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 17, 70])
+def test_integer_matmul_matches_dequantize_then_matmul(qtype, num_rows):
+    """int16 activations keep ~15 bits per 32-value block: the result is within 1e-4 of the
+    exact product (relative to its largest value), with outliers in the activations too."""
+    w, reference = packed(qtype, rows=37)  # odd N: a one-row tile at the end
+    w16 = w.with_int16_dot()
+    assert w16.kernel == Kernel.INT16 and int(qtype) in INT16_DOT_TYPES
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+    x[:, 7] *= 50  # an outlier in the first block
+    y = linear(x, w16)
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    assert y.dtype == torch.float32 and y.shape == (num_rows, 37)
+    assert (y.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert linear(torch.zeros(2, 512), w16).abs().max() == 0  # all-zero blocks: scale 0, no NaN
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
+    w, _ = packed(qtype)
+    w16 = w.with_int16_dot()
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
+    full = linear(x, w16)
+    for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
+        assert torch.equal(linear(x[start : start + count], w16), full[start : start + count]), (start, count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(x, w16), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+def test_the_integer_matmuls_interleaved_layout_holds_the_same_values(qtype):
+    """with_int16_dot repacks rows four by four (37 rows: a padded last group) without
+    changing a value or growing the memory beyond the padding: dequantizing and embedding
+    lookups read the interleaved bytes back exactly."""
+    w, _ = packed(qtype, rows=37)
+    w16 = w.with_int16_dot()
+    assert w16.data.shape == (10, 4 * w.data.shape[1]) and w16.with_int16_dot() is w16
+    assert w16.nbytes == w.nbytes + 3 * w.data.shape[1]
+    assert torch.equal(w16.dequantize(), w.dequantize())
+    ids = torch.tensor([36, 0, 5, 5, 33])
+    assert torch.equal(embedding(ids, w16, torch.float32), embedding(ids, w, torch.float32))
+    with pytest.raises(ValueError, match="before repacking"):
+        PackedWeight.concat([w16, w16])
+
+
+def test_the_integer_matmul_leaves_other_types_exact():
+    for qtype in (Q.Q4_K, Q.F16):
+        w, _ = packed(qtype)
+        assert w.with_int16_dot() is w
+    w, _ = packed(Q.Q6_K)
+    with pytest.raises(ModelLoadError, match="integer matmul does not run Q6_K"):
+        PackedWeight(w.data, w.tensor_type, w.shape, Kernel.INT16)
+
+
+def test_odd_row_lengths_of_unquantized_types_take_the_masked_tail():
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((9, 50)).astype(np.float32)
+    w = PackedWeight.from_gguf(GGUFTensor("odd", (9, 50), Q.F32, values))
+    x = torch.randn(6, 50)
+    expected = x.double() @ torch.from_numpy(values).double().T
+    assert (linear(x, w).double() - expected).abs().max() < 1e-5
+    assert torch.equal(linear(x[2:3], w), linear(x, w)[2:3])
+
+
+def test_bfloat16_activations_come_back_as_bfloat16():
+    w, reference = packed(Q.Q4_1)
+    x = torch.randn(3, 512).bfloat16()
+    y = linear(x, w)
+    assert y.dtype == torch.bfloat16
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+def test_embedding_rows_and_concatenated_weights():
+    w, reference = packed(Q.Q8_0)
+    ids = torch.tensor([0, 7, 7, 39])
+    assert torch.equal(embedding(ids, w, torch.float32), torch.from_numpy(reference)[ids])
+    other, other_reference = packed(Q.Q8_0, rows=8, seed=5)
+    fused = PackedWeight.concat([w, other])
+    assert isinstance(fused, PackedWeight) and fused.shape == (48, 512)
+    assert torch.equal(fused.dequantize(), torch.from_numpy(np.concatenate([reference, other_reference])))
+    # Parts of different types cannot share one matmul: they stay apart and their outputs are joined.
+    mixed_part, mixed_reference = packed(Q.Q6_K, rows=8)
+    mixed = PackedWeight.concat([w, mixed_part])
+    assert isinstance(mixed, tuple) and weight_bytes(mixed) == w.nbytes + mixed_part.nbytes
+    x = torch.randn(2, 512)
+    assert torch.equal(linear(x, mixed), torch.cat([linear(x, w), linear(x, mixed_part)], dim=-1))
+    assert torch.allclose(linear(x, mixed), x @ torch.from_numpy(np.concatenate([reference, mixed_reference])).T, atol=1e-3)
+
+
+def test_a_type_without_a_kernel_is_refused_by_name():
+    raw = quants.quantize(np.zeros((4, 64), dtype=np.float32), Q.Q5_0)
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+        PackedWeight.from_gguf(GGUFTensor("blk.0.ffn_up.weight", (4, 64), Q.Q5_0, raw))
+
+
+@pytest.mark.slow
+def test_packed_model_weights_stay_at_the_gguf_size(default_model_path):
+    from executor_svc.weights.gguf_file import open_gguf
+    from executor_svc.weights.model_config import ModelConfig
+    from executor_svc.weights.model_weights import load_weights
+
+    gguf = open_gguf(default_model_path)
+    config = ModelConfig.from_gguf(gguf)
+    weights = load_weights(gguf, config, torch.float32, torch.device("cpu"))
+    file_size = default_model_path.stat().st_size
+    assert weights.is_packed
+    assert 0.9 * file_size <= weights.num_bytes <= 1.1 * file_size

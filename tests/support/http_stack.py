@@ -1,0 +1,34 @@
+"""A tiny-model stack serving the HTTP API, shared by the HTTP test modules."""
+
+from __future__ import annotations
+
+from tests.support.stack import Stack
+from tests.support.tiny_gguf import HERMES_TOOLS_TEMPLATE, TinyModelSpec, write_tiny_model
+
+BLOCK = 16
+NUM_KV_BLOCKS = 64
+BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+
+
+def http_stack(tmp_path_factory, *scheduler_args: str) -> Stack:
+    """Executor + scheduler with --http-listen on a tiny random model whose chat template
+    renders tools and tool calls Qwen-style (so the hermes tool-call parser is picked)."""
+    model = write_tiny_model(
+        tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(context_length=1024, chat_template=HERMES_TOOLS_TEMPLATE, tie_word_embeddings=False)
+    )
+    kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
+    stack = Stack(
+        ["--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration"],
+        ["--spec", "off", *scheduler_args],
+        log_dir=tmp_path_factory.mktemp("logs"),
+        serve_http=True,
+    )
+    return stack.start()
+
+
+def pick_stop(text: str) -> str:
+    """A stop string inside `text`, past its start: its first ASCII letter or digit after
+    the 4th character (the tiny models write mostly bytes of no script)."""
+    stop = next((c for c in text[4:] if c.isascii() and c.isalnum()), None)
+    assert stop is not None, f"no stop string to pick in {text!r}"
+    return stop

@@ -1,10 +1,10 @@
 """swarmserve clients: the async and sync Python clients and the `swarmserve` CLI.
 
-    from clients import SwarmClient
+from clients import SwarmClient
 
-    with SwarmClient("127.0.0.1:50051") as client:
-        for event in client.generate("def fib(n):", max_new_tokens=32, temperature=0.0):
-            ...
+with SwarmClient("127.0.0.1:50051") as client:
+    for event in client.generate("def fib(n):", max_new_tokens=32, temperature=0.0):
+        ...
 """
 
 from clients.client import DEFAULT_SCHEDULER_ADDRESS, AsyncSwarmClient

@@ -129,7 +129,9 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     grammar = parser.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", metavar="FILE", default=None, help="constrain the output to this JSON schema")
     grammar.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
-    grammar.add_argument("--lark", metavar="FILE", default=None, help="constrain the output to this llguidance Lark grammar")
+    grammar.add_argument(
+        "--lark", metavar="FILE", default=None, help="constrain the output to this llguidance Lark grammar"
+    )
     grammar.add_argument("--regex", metavar="PATTERN", default=None, help="constrain the output to this regex")
     parser.add_argument(
         "--include-special-tokens",
@@ -156,7 +158,11 @@ BENCHES = (
     ("tracing", bench_tracing, "per-step overhead of tracing on vs off"),
     ("http", bench_http, "the HTTP front's overhead per token against gRPC, at 1 and 16 streams"),
     ("vs", bench_vs, "swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory"),
-    ("scaleout", bench_scaleout, "1 pair vs 2 pairs vs 2 pairs behind SMG (cache_aware, round_robin): req/s, prefix hits, gateway latency"),
+    (
+        "scaleout",
+        bench_scaleout,
+        "1 pair vs 2 pairs vs 2 pairs behind SMG (cache_aware, round_robin): req/s, prefix hits, gateway latency",
+    ),
 )
 
 
@@ -198,7 +204,9 @@ def _add_inspection_commands(commands) -> None:
     _add_connection_flags(info)
     info.set_defaults(run=_run_info)
 
-    timeline_command = commands.add_parser("timeline", help="write the scheduler's recent steps as a Chrome trace (JSON) and a PNG")
+    timeline_command = commands.add_parser(
+        "timeline", help="write the scheduler's recent steps as a Chrome trace (JSON) and a PNG"
+    )
     timeline.add_arguments(timeline_command)
     timeline_command.set_defaults(run=timeline.run)
 
@@ -295,7 +303,9 @@ def _add_serve_command(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarmserve", description="swarmserve: serve a model, or generate from a running server.")
+    parser = argparse.ArgumentParser(
+        prog="swarmserve", description="swarmserve: serve a model, or generate from a running server."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_request_commands(commands)
     _add_inspection_commands(commands)

@@ -75,4 +75,6 @@ def format_error(error: BaseException) -> str:
 def format_serve_banner(model_name: str, addresses: list[tuple[str, str]]) -> str:
     """`swarmserve serve`'s banner: the model, then one line per address it serves on."""
     width = max(len(what) for what, _ in addresses)
-    return "\n".join([f"swarmserve: serving {model_name}", *(f"  {what:<{width}}  {where}" for what, where in addresses)])
+    return "\n".join(
+        [f"swarmserve: serving {model_name}", *(f"  {what:<{width}}  {where}" for what, where in addresses)]
+    )

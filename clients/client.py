@@ -14,8 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from clients.api_key import api_key_interceptors
 from clients.completion import Completion, collect_completion
@@ -24,6 +22,8 @@ from clients.generate_request import build_generate_request
 from clients.generate_stream import GenerateStream
 from clients.health import FAST_RECONNECT_OPTIONS, wait_serving
 from clients.server_info import ServerInfo
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 DEFAULT_SCHEDULER_ADDRESS = "127.0.0.1:50051"
 
@@ -59,7 +59,9 @@ class AsyncSwarmClient:
             if self._tls_ca:
                 with open(self._tls_ca, "rb") as f:
                     credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-                self._channel = grpc.aio.secure_channel(self.address, credentials, options=options, interceptors=interceptors)
+                self._channel = grpc.aio.secure_channel(
+                    self.address, credentials, options=options, interceptors=interceptors
+                )
             else:
                 self._channel = grpc.aio.insecure_channel(self.address, options=options, interceptors=interceptors)
             self._stub = pb_grpc.SchedulerServiceStub(self._channel)
@@ -141,7 +143,9 @@ class AsyncSwarmClient:
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Stop a request by id (its stream ends with finish_reason "aborted"); False if unknown."""
         try:
-            response = await self._scheduler().Abort(pb.AbortRequest(request_id=request_id), timeout=self._deadline(timeout))
+            response = await self._scheduler().Abort(
+                pb.AbortRequest(request_id=request_id), timeout=self._deadline(timeout)
+            )
         except grpc.aio.AioRpcError as error:
             raise SwarmServeError.from_rpc_error(error) from error
         return response.was_found

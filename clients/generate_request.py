@@ -43,7 +43,9 @@ def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessage
 def structured_output_to_pb(spec: Mapping[str, Any]) -> pb.StructuredOutput:
     """One of {"json_schema": dict or JSON text}, {"json_object": True}, {"lark": grammar}, {"regex": pattern}."""
     if not isinstance(spec, Mapping) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KINDS:
-        raise ValueError(f"structured_output must be a dict with exactly one of the keys {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+        raise ValueError(
+            f"structured_output must be a dict with exactly one of the keys {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+        )
     kind, value = next(iter(spec.items()))
     if kind == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)

@@ -32,7 +32,9 @@ async def probe(channel: grpc.aio.Channel, service: str = "", timeout: float = P
     """One health check: "SERVING", "NOT_SERVING", ... or why no answer came (e.g. "UNAVAILABLE")."""
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True)
+        response = await stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+        )
     except grpc.aio.AioRpcError as error:
         # NOT_FOUND: the server is up but has not registered `service` yet.
         return error.code().name

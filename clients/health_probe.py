@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     address, service = args[0], (args[1] if len(args) == 2 else "")
     with grpc.insecure_channel(address) as channel:
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+            )
         except grpc.RpcError as error:
             print(f"{address}: {error.code().name}", file=sys.stderr)
             return 1

@@ -78,7 +78,9 @@ class ServeConfig:
         if connect_address(self.executor_listen) == connect_address(self.scheduler_listen):
             raise ValueError(f"the executor and the scheduler cannot both listen on {self.executor_listen}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65535:
-            raise ValueError(f"metrics_port must be in 1..65534 (the executor takes the next port), got {self.metrics_port}")
+            raise ValueError(
+                f"metrics_port must be in 1..65534 (the executor takes the next port), got {self.metrics_port}"
+            )
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
         if self.shutdown_grace_s < 0:
@@ -129,7 +131,10 @@ def split_service_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
     Raises ValueError for a flag neither service has, one serve sets itself, or a stray value.
     """
     # argparse has no public lookup from an option string to its action.
-    known = {name: parser._option_string_actions for name, parser in (("executor", executor_parser()), ("scheduler", scheduler_parser()))}
+    known = {
+        name: parser._option_string_actions
+        for name, parser in (("executor", executor_parser()), ("scheduler", scheduler_parser()))
+    }
     routed: dict[str, list[str]] = {"executor": [], "scheduler": []}
     i = 0
     while i < len(args):
@@ -284,7 +289,9 @@ class Supervisor:
             addresses.append(("scheduler's HTTP API", connect_address(config.http_listen)))
         for name, address in addresses:
             if await is_listening(address):
-                raise ServeError(f"something already listens on {address}; is another swarmserve running? (needed by the {name})")
+                raise ServeError(
+                    f"something already listens on {address}; is another swarmserve running? (needed by the {name})"
+                )
 
         steps = (
             ("executor", executor_command(config, self._python), executor_address),

@@ -47,7 +47,15 @@ from clients.serve import (
 GATEWAYS = ("smg",)
 # smg launch --policy choices that route HTTP workers (the PD-only "bucket" and the
 # externally driven "manual" are left out).
-GATEWAY_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash", "consistent_hashing")
+GATEWAY_POLICIES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "power_of_two",
+    "least_load",
+    "prefix_hash",
+    "consistent_hashing",
+)
 READINESS_POLL_S = 0.2
 
 
@@ -73,19 +81,29 @@ class FleetConfig:
         if self.gateway not in GATEWAYS:
             raise ValueError(f"gateway must be one of {', '.join(GATEWAYS)}, got {self.gateway!r}")
         if self.gateway_policy not in GATEWAY_POLICIES:
-            raise ValueError(f"gateway policy must be one of {', '.join(GATEWAY_POLICIES)}, got {self.gateway_policy!r}")
+            raise ValueError(
+                f"gateway policy must be one of {', '.join(GATEWAY_POLICIES)}, got {self.gateway_policy!r}"
+            )
         if not self.base.http_listen:
             raise ValueError("the gateway needs an entry address: --http-listen cannot be off with --gateway")
         if self.gateway_health_check_interval_s < 1:
-            raise ValueError(f"the gateway's health-check interval must be at least 1 s, got {self.gateway_health_check_interval_s}")
+            raise ValueError(
+                f"the gateway's health-check interval must be at least 1 s, got {self.gateway_health_check_interval_s}"
+            )
         if self.base.metrics_port is not None and self.gateway_metrics_port > 65535:
-            raise ValueError(f"--metrics-port {self.base.metrics_port} leaves no room for {self.num_replicas} replicas and the gateway")
+            raise ValueError(
+                f"--metrics-port {self.base.metrics_port} leaves no room for {self.num_replicas} replicas and the gateway"
+            )
         addresses = [connect_address(self.base.http_listen)]
         for replica in self.replicas:
-            addresses += [connect_address(a) for a in (replica.executor_listen, replica.scheduler_listen, replica.http_listen)]
+            addresses += [
+                connect_address(a) for a in (replica.executor_listen, replica.scheduler_listen, replica.http_listen)
+            ]
         taken = {a for a in addresses if addresses.count(a) > 1}
         if taken:
-            raise ValueError(f"the replicas' ports overlap ({', '.join(sorted(taken))}); pick listen ports further apart")
+            raise ValueError(
+                f"the replicas' ports overlap ({', '.join(sorted(taken))}); pick listen ports further apart"
+            )
 
     @property
     def replicas(self) -> list[ServeConfig]:
@@ -111,7 +129,9 @@ class FleetConfig:
 MODEL_ALIAS = "swarmserve"
 
 
-def gateway_command(config: FleetConfig, metrics_port: int, model_name: str = "", python: str = sys.executable) -> list[str]:
+def gateway_command(
+    config: FleetConfig, metrics_port: int, model_name: str = "", python: str = sys.executable
+) -> list[str]:
     """`smg launch` in front of the replicas; with the served `model_name`, `swarmserve` is an alias of it."""
     host, _, port = config.base.http_listen.rpartition(":")
     alias = ["--model-alias", f"{MODEL_ALIAS}={model_name}"] if model_name and model_name != MODEL_ALIAS else []
@@ -181,7 +201,9 @@ class Fleet:
         """Every pair, then the gateway once they all serve; None if a stop was requested meanwhile."""
         entry = connect_address(self.config.base.http_listen)
         if await is_listening(entry):
-            raise ServeError(f"something already listens on {entry}; is another swarmserve running? (needed by the gateway)")
+            raise ServeError(
+                f"something already listens on {entry}; is another swarmserve running? (needed by the gateway)"
+            )
         started = await asyncio.gather(*(pair.start() for pair in self.pairs), return_exceptions=True)
         for i, result in enumerate(started):
             if isinstance(result, BaseException):
@@ -207,13 +229,19 @@ class Fleet:
         exited = asyncio.ensure_future(self.gateway.wait())
         stopped = asyncio.ensure_future(self._stop_requested.wait())
         try:
-            await asyncio.wait({ready, exited, stopped}, timeout=self.config.base.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {ready, exited, stopped},
+                timeout=self.config.base.startup_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             await cancel_all([ready, exited, stopped])
         if self._stop_requested.is_set():
             return False
         if self.gateway.returncode is not None:
-            raise ServeError(f"the gateway (smg) exited with code {self.gateway.returncode} during startup (its log is above)")
+            raise ServeError(
+                f"the gateway (smg) exited with code {self.gateway.returncode} during startup (its log is above)"
+            )
         if ready.cancelled() or ready.exception() is not None:
             raise ServeError(
                 f"the gateway did not count all {self.config.num_replicas} replicas healthy within {self.config.base.startup_timeout_s:g}s"
@@ -241,7 +269,9 @@ class Fleet:
                     if child_exit is None:  # the pair saw the stop request first
                         return None
                     await self.pairs[i].stop()
-                    self._report(f"error: replica {i}'s {child_exit.describe()}; stopped its other server, the gateway routes around it")
+                    self._report(
+                        f"error: replica {i}'s {child_exit.describe()}; stopped its other server, the gateway routes around it"
+                    )
                     if not live:
                         return ChildExit(f"last replica ({i}): its {child_exit.name}", child_exit.returncode)
         finally:
@@ -252,4 +282,3 @@ class Fleet:
         if self.gateway is not None:
             await stop_process(self.gateway, self.config.base.shutdown_grace_s)
         await asyncio.gather(*(pair.stop() for pair in self.pairs))
-

@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 import grpc
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from clients.client import DEFAULT_SCHEDULER_ADDRESS
 from clients.errors import SwarmServeError
 from clients.step_stats import DEFAULT_SKIP_STEPS, prediction_error, scheduler_overhead
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 SCHEDULER_PID, EXECUTOR_PID, REQUESTS_PID = 1, 2, 3
 STEPS_TID = EXECUTOR_TID = 1
@@ -35,7 +35,9 @@ STEPS_TID = EXECUTOR_TID = 1
 def fetch_timeline(address: str, max_steps: int = 0, timeout: float | None = 10.0) -> pb.GetTimelineResponse:
     with grpc.insecure_channel(address) as channel:
         try:
-            return pb_grpc.SchedulerServiceStub(channel).GetTimeline(pb.GetTimelineRequest(max_steps=max_steps), timeout=timeout)
+            return pb_grpc.SchedulerServiceStub(channel).GetTimeline(
+                pb.GetTimelineRequest(max_steps=max_steps), timeout=timeout
+            )
         except grpc.RpcError as error:
             raise SwarmServeError.from_rpc_error(error) from error
 
@@ -99,7 +101,11 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
         )  # fmt: skip
         executor_s = step.executor_prepare_s + step.executor_forward_s + step.executor_sample_s
         phase_start = start + max(0.0, step.duration_s - executor_s) / 2
-        for name, seconds in (("prepare", step.executor_prepare_s), ("forward", step.executor_forward_s), ("sample", step.executor_sample_s)):
+        for name, seconds in (
+            ("prepare", step.executor_prepare_s),
+            ("forward", step.executor_forward_s),
+            ("sample", step.executor_sample_s),
+        ):
             events.append(
                 {"name": name, "cat": "executor", "ph": "X", "ts": _us(phase_start), "dur": _us(seconds),
                  "pid": EXECUTOR_PID, "tid": EXECUTOR_TID, "args": {"step_id": step.step_id}}
@@ -129,7 +135,11 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
                 )  # fmt: skip
         counters = {
             "batch size": {"requests": step.num_requests},
-            "tokens per step": {"prefill": step.num_prefill_tokens, "decode": step.num_decode_tokens, "draft": step.num_drafted_tokens},
+            "tokens per step": {
+                "prefill": step.num_prefill_tokens,
+                "decode": step.num_decode_tokens,
+                "draft": step.num_drafted_tokens,
+            },
             "drafts": {"allocated": step.num_draft_tokens, "accepted": step.num_accepted_tokens},
             "free KV blocks": {"blocks": step.num_free_kv_blocks},
         }
@@ -162,9 +172,15 @@ def print_step_stats(steps) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=DEFAULT_SCHEDULER_ADDRESS, help="scheduler address (default %(default)s)")
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="write PREFIX.json (Chrome trace) and PREFIX.png")
-    parser.add_argument("--max-steps", type=int, default=0, metavar="N", help="only the last N steps (default: all the scheduler keeps)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds for the call (default %(default)g)")
+    parser.add_argument(
+        "--out", required=True, metavar="PREFIX", help="write PREFIX.json (Chrome trace) and PREFIX.png"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=0, metavar="N", help="only the last N steps (default: all the scheduler keeps)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="deadline in seconds for the call (default %(default)g)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

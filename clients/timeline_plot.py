@@ -26,7 +26,11 @@ def plot_timeline(timeline, path: Path) -> None:
         ax.plot(t, values, label=label, drawstyle="steps-post", linewidth=1, **style)
 
     line(ax_time, [s.duration_s * 1e3 for s in steps], "actual (plan sent → result back)")
-    line(ax_time, [(s.executor_prepare_s + s.executor_forward_s + s.executor_sample_s) * 1e3 for s in steps], "executor compute")
+    line(
+        ax_time,
+        [(s.executor_prepare_s + s.executor_forward_s + s.executor_sample_s) * 1e3 for s in steps],
+        "executor compute",
+    )
     line(ax_time, [s.predicted_duration_s * 1e3 for s in steps], "predicted (cost model)", linestyle="--")
     ax_time.set_ylabel("step time (ms)")
 

@@ -16,19 +16,29 @@ from service_common.observability.logs import LOG_FORMATS
 def build_parser() -> argparse.ArgumentParser:
     defaults = EngineConfig()
     p = argparse.ArgumentParser(
-        prog="swarmserve-executor", description="`swarmserve-executor`: load the model and serve ExecutorService over gRPC."
+        prog="swarmserve-executor",
+        description="`swarmserve-executor`: load the model and serve ExecutorService over gRPC.",
     )
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default %(default)s)")
-    p.add_argument("--model", default=defaults.model, help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf")
+    p.add_argument(
+        "--model", default=defaults.model, help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf"
+    )
     p.add_argument(
         "--dtype",
         default=defaults.dtype,
         choices=DTYPE_CHOICES,
         help="activation and KV dtype; auto: bfloat16 on a GPU, float32 on the CPU (default %(default)s)",
     )
-    p.add_argument("--device", default=defaults.device, help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)")
     p.add_argument(
-        "--kernels", default=defaults.kernels, choices=KERNELS, help="auto: triton on a GPU, the C++ kernels (cpu) on the CPU; torch: the plain-torch reference (default %(default)s)"
+        "--device",
+        default=defaults.device,
+        help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)",
+    )
+    p.add_argument(
+        "--kernels",
+        default=defaults.kernels,
+        choices=KERNELS,
+        help="auto: triton on a GPU, the C++ kernels (cpu) on the CPU; torch: the plain-torch reference (default %(default)s)",
     )
     p.add_argument(
         "--matmul",
@@ -39,10 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         "codes: faster, top-1 agreement with exact >= 99%%); auto: int16 on the CPU unless --dtype float32 "
         "(default %(default)s)",
     )
-    p.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_bytes / (1 << 30), help="memory for the paged KV cache in GiB (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="most tokens one step may compute (default %(default)s)"
+        "--kv-cache-gb",
+        type=float,
+        default=defaults.kv_cache_bytes / (1 << 30),
+        help="memory for the paged KV cache in GiB (default %(default)s)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=defaults.block_size, help="tokens per KV block (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="most tokens one step may compute (default %(default)s)",
     )
     p.add_argument(
         "--no-batch-invariant",
@@ -50,21 +70,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=not defaults.batch_invariant,
         help="let batch composition change results in the last bits (slightly faster at batch size 1)",
     )
-    p.add_argument("--threads", type=int, default=defaults.num_threads, help="torch intra-op threads (default: torch's choice)")
     p.add_argument(
-        "--max-draft-tokens", type=int, default=defaults.max_draft_tokens, help="most draft tokens one request verifies per step (default %(default)s)"
+        "--threads", type=int, default=defaults.num_threads, help="torch intra-op threads (default: torch's choice)"
     )
     p.add_argument(
-        "--num-state-slots", type=int, default=defaults.num_state_slots,
+        "--max-draft-tokens",
+        type=int,
+        default=defaults.max_draft_tokens,
+        help="most draft tokens one request verifies per step (default %(default)s)",
+    )
+    p.add_argument(
+        "--num-state-slots",
+        type=int,
+        default=defaults.num_state_slots,
         help="hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; "
         "their memory comes out of the KV budget (default %(default)s)",
     )
     p.add_argument(
-        "--num-state-snapshots", type=int, default=defaults.num_state_snapshots,
+        "--num-state-snapshots",
+        type=int,
+        default=defaults.num_state_snapshots,
         help="hybrid models: recurrent-state snapshots at block boundaries, what their prefix cache resumes from "
         "(each the size of a slot, out of the KV budget; default: one per slot, within a quarter of what the slots leave)",
     )
-    p.add_argument("--swarm-index", action="store_true", default=defaults.use_swarm_index, help="also draft from other requests' outputs")
+    p.add_argument(
+        "--swarm-index",
+        action="store_true",
+        default=defaults.use_swarm_index,
+        help="also draft from other requests' outputs",
+    )
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -83,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip timing forward passes at start-up (the scheduler's cost model then starts from a prior)",
     )
     p.add_argument(
-        "--log-format", default="auto", choices=LOG_FORMATS, help="auto: console on a terminal, else JSON lines (default %(default)s)"
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="auto: console on a terminal, else JSON lines (default %(default)s)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(

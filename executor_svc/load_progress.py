@@ -52,5 +52,13 @@ def load_progress(gguf: GGUFFile, stream=None, min_bytes: int = MIN_PROGRESS_BYT
     from tqdm import tqdm
 
     # mininterval=0: a redraw per tensor, a few hundred in all.
-    with tqdm(total=total, desc=f"loading {gguf.path.name}", unit="B", unit_scale=True, file=stream, leave=False, mininterval=0) as bar:
+    with tqdm(
+        total=total,
+        desc=f"loading {gguf.path.name}",
+        unit="B",
+        unit_scale=True,
+        file=stream,
+        leave=False,
+        mininterval=0,
+    ) as bar:
         yield dataclasses.replace(gguf, tensors=_ProgressTensors(gguf.tensors, bar))

@@ -26,7 +26,10 @@ async def run(args: argparse.Namespace) -> None:
     engine = await loop.run_in_executor(engine_thread, Engine, config_from_args(args))
     calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, engine.calibrate)
     log.info("calibrated", num_samples=len(calibration))
-    log.debug("calibration_samples", samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration])
+    log.debug(
+        "calibration_samples",
+        samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration],
+    )
     server = await serve(
         engine,
         args.listen,

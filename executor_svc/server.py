@@ -27,16 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from swarmserve.executor.v1 import executor_pb2 as pb
-from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
 from executor_svc.engine.engine import Engine
+from executor_svc.engine.step_messages import CostSample, StepRequest
 from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.kv.kv_cache import bytes_per_block
 from executor_svc.observability.step_interceptor import executor_interceptors
-from executor_svc.engine.step_messages import CostSample, StepRequest
 from service_common.bearer_keys import BearerKeyInterceptor, load_keys, server_port
 from service_common.errors import InvalidRequestError
+from swarmserve.executor.v1 import executor_pb2 as pb
+from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
 
@@ -158,7 +158,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             return
         async with self._step_done:
             try:
-                await asyncio.wait_for(self._step_done.wait_for(lambda: self._last_step_id >= after), STEP_ORDER_TIMEOUT_S)
+                await asyncio.wait_for(
+                    self._step_done.wait_for(lambda: self._last_step_id >= after), STEP_ORDER_TIMEOUT_S
+                )
             except asyncio.TimeoutError:
                 await context.abort(
                     grpc.StatusCode.ABORTED, f"step {request.step_id} follows step {after}, which never arrived"
@@ -205,7 +207,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # a bug, not bad input: say so, keep serving
                 log.exception("step_failed", step_id=request.step_id)
-                await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {type(exc).__name__}: {exc}")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"step {request.step_id} failed: {type(exc).__name__}: {exc}"
+                )
 
 
 def _interceptors(tracer, metrics, scheduler_token_file: str | None) -> list:
@@ -243,7 +247,7 @@ async def serve(
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
-        ]
+        ],
     )
     pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration, engine_thread), server)
     health_servicer = health.aio.HealthServicer()

@@ -17,13 +17,13 @@ from collections.abc import Iterable
 
 import grpc
 import structlog
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.intake import intake
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_loop import StepLoop
 from service_common.errors import InvalidRequestError
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 log = structlog.get_logger()
 

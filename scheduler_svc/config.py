@@ -25,7 +25,9 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission keeps free for running decodes
     executor_timeout_s: float = 60.0  # one Step RPC
     executor_reconnect_timeout_s: float = 60.0  # streams wait this long for a lost executor (0: fail at once)
-    drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long (deploy's stop grace matches)
+    drain_timeout_s: float = (
+        30.0  # on SIGTERM, requests in flight may finish for this long (deploy's stop grace matches)
+    )
     connect_timeout_s: float = 2.0  # one connection attempt to the executor
     spec: str = "goodput"  # draft budgets: off | fixed:K | even | goodput
     decode_latency_target_s: float | None = None  # cap prefill chunks so a step stays within this (cost model)
@@ -89,7 +91,9 @@ class SchedulerConfig:
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if not (math.isfinite(self.executor_reconnect_timeout_s) and self.executor_reconnect_timeout_s >= 0):
-            raise ValueError(f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}")
+            raise ValueError(
+                f"executor_reconnect_timeout_s must be a finite number >= 0, got {self.executor_reconnect_timeout_s}"
+            )
         if self.min_prefill_chunk <= 0:
             raise ValueError(f"min_prefill_chunk must be positive, got {self.min_prefill_chunk}")
         if bool(self.tls_cert) != bool(self.tls_key):

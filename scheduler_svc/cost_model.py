@@ -96,7 +96,9 @@ class StepTimeSample:
         if self.num_kv_tokens < 0:
             raise ValueError(f"num_kv_tokens must be non-negative, got {self.num_kv_tokens}")
         if not 0 <= self.num_logits_rows <= self.num_tokens:
-            raise ValueError(f"num_logits_rows must be in [0, num_tokens={self.num_tokens}], got {self.num_logits_rows}")
+            raise ValueError(
+                f"num_logits_rows must be in [0, num_tokens={self.num_tokens}], got {self.num_logits_rows}"
+            )
         if not 1 <= self.num_requests <= self.num_tokens:
             raise ValueError(f"num_requests must be in [1, num_tokens={self.num_tokens}], got {self.num_requests}")
         if not (math.isfinite(self.step_s) and self.step_s > 0):
@@ -124,7 +126,9 @@ class StepCost:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be non-negative and finite, got {value}")
 
-    def predict(self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1) -> float:
+    def predict(
+        self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1
+    ) -> float:
         past_knee = num_tokens - self.knee_tokens
         return (
             self.fixed_s
@@ -154,7 +158,14 @@ class CostModelConfig:
     prior: StepCost = field(default_factory=lambda: StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=0.0))
 
     def __post_init__(self) -> None:
-        for name in ("max_online_samples", "refit_every", "max_refit_every", "max_num_tokens", "level_window", "min_level_samples"):
+        for name in (
+            "max_online_samples",
+            "refit_every",
+            "max_refit_every",
+            "max_num_tokens",
+            "level_window",
+            "min_level_samples",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("half_life_samples", "calibration_weight"):
@@ -203,7 +214,12 @@ class CostModel:
         self.refit()
 
     def observe(
-        self, num_tokens: float, num_kv_tokens: float, step_s: float, num_logits_rows: float = 1, num_requests: float = 1
+        self,
+        num_tokens: float,
+        num_kv_tokens: float,
+        step_s: float,
+        num_logits_rows: float = 1,
+        num_requests: float = 1,
     ) -> None:
         """Add one step's measurement; refits on the early schedule, then as the class docstring says."""
         sample = StepTimeSample(num_tokens, num_kv_tokens, step_s, num_logits_rows, num_requests)
@@ -230,7 +246,8 @@ class CostModel:
         recent = _newest(self._online, self.config.level_window)
         if len(recent) >= self.config.min_level_samples:
             ratios = [
-                s.step_s / max(self.fitted.predict(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests), 1e-12)
+                s.step_s
+                / max(self.fitted.predict(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests), 1e-12)
                 for s in recent
             ]
             self.level = float(np.median(ratios))
@@ -276,7 +293,9 @@ class CostModel:
 
     # ----------------------------------------------------------------- queries
 
-    def predict(self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1) -> float:
+    def predict(
+        self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1
+    ) -> float:
         """Predicted seconds for a step computing `num_tokens` over `num_kv_tokens` cached tokens,
         with `num_logits_rows` rows of logits, for `num_requests` requests."""
         return self.coefficients.predict(num_tokens, num_kv_tokens, num_logits_rows, num_requests)
@@ -325,7 +344,10 @@ class CostModel:
         requests = (num_other_tokens if num_requests is None else num_requests) + 1
 
         def fits(n: int) -> bool:
-            return self.predict(num_other_tokens + n, num_kv_tokens + n, min(rows, num_other_tokens + n), requests) <= target_step_s
+            return (
+                self.predict(num_other_tokens + n, num_kv_tokens + n, min(rows, num_other_tokens + n), requests)
+                <= target_step_s
+            )
 
         if cap == 0 or not fits(1):
             return min_chunk
@@ -434,7 +456,9 @@ def _knee_candidates(distinct_tokens: np.ndarray) -> np.ndarray:
 
 
 def _evaluate(coefficients: np.ndarray, knee: float, features: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-    return coefficients[0] + features @ coefficients[1:_HINGE] + coefficients[_HINGE] * np.maximum(0.0, num_tokens - knee)
+    return (
+        coefficients[0] + features @ coefficients[1:_HINGE] + coefficients[_HINGE] * np.maximum(0.0, num_tokens - knee)
+    )
 
 
 def _weighted_nnls(

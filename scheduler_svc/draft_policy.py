@@ -92,7 +92,9 @@ class DraftAllocation:
         return sum(self.draft_budgets.values())
 
 
-def _step_time(cost_model: CostModel, step: DraftStep, num_candidates: int, num_tokens: int, num_kv_tokens: int, num_drafts: int) -> float:
+def _step_time(
+    cost_model: CostModel, step: DraftStep, num_candidates: int, num_tokens: int, num_kv_tokens: int, num_drafts: int
+) -> float:
     """The cost model's time for the step with `num_drafts` drafts in all: each draft is a token and a logits row."""
     num_logits_rows = num_candidates + step.num_prefill_output_tokens + num_drafts
     return cost_model.predict(num_tokens, num_kv_tokens, num_logits_rows, max(step.num_requests, num_candidates, 1))
@@ -139,7 +141,9 @@ class DraftPolicy(ABC):
             draft_budgets=budgets,
             num_free_tokens=cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE),
             num_expected_tokens=expected,
-            predicted_step_s=_step_time(cost_model, step, len(candidates), num_tokens, num_kv_tokens, sum(budgets.values())),
+            predicted_step_s=_step_time(
+                cost_model, step, len(candidates), num_tokens, num_kv_tokens, sum(budgets.values())
+            ),
         )
 
 
@@ -286,7 +290,9 @@ class GoodputPolicy(DraftPolicy):
             kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
                 c.num_context_tokens, k, step.query_tile_tokens
             )
-            next_step_s = _step_time(cost_model, step, len(candidates), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1)
+            next_step_s = _step_time(
+                cost_model, step, len(candidates), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1
+            )
             if not (expected + gain) * step_s > expected * next_step_s:
                 continue
             budgets[request_id] = k + 1

@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-from swarmserve.executor.v1 import executor_pb2 as pb
-from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from scheduler_svc.intake import ModelLimits
+from swarmserve.executor.v1 import executor_pb2 as pb
+from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
 
 class ExecutorLink:

@@ -37,6 +37,8 @@ class GrammarChecker:
 
     def check(self, spec: StructuredOutput) -> None:
         """InvalidRequestError (worded as the executor's compile error) when the grammar does not compile."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(spec.to_llguidance(), self.ll_tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            spec.to_llguidance(), self.ll_tokenizer
+        )
         if is_error:
             raise InvalidRequestError(f"structured_output.{spec.kind} is invalid: {messages[0]}")

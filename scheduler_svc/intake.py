@@ -21,7 +21,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from tokenizers import Tokenizer
 
 from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
@@ -33,6 +32,7 @@ from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request, check_retention_s, check_room_to_generate
 from service_common.sampling_params import SamplingParams
 from service_common.structured_output import StructuredOutput
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_SESSION_RETENTION_S = 30.0  # an agent's tool call usually returns well within this (capped by max_retention_s)
@@ -63,7 +63,9 @@ class Intake:
 
 def _sampling(msg: pb.GenerateRequest) -> SamplingParams:
     # The public API's num_logprobs beside the sampling message is what an unset sampling.num_logprobs takes.
-    return SamplingParams.from_pb(msg.sampling, SamplingParams(temperature=DEFAULT_TEMPERATURE, num_logprobs=msg.num_logprobs))
+    return SamplingParams.from_pb(
+        msg.sampling, SamplingParams(temperature=DEFAULT_TEMPERATURE, num_logprobs=msg.num_logprobs)
+    )
 
 
 def _structured_output(msg: pb.GenerateRequest, limits: ModelLimits) -> StructuredOutput | None:
@@ -99,7 +101,9 @@ def _chat_message(index: int, m: pb.ChatMessage) -> dict:
                 "type": "function",
                 "function": {
                     "name": call.name,
-                    "arguments": _json_object(call.arguments or "{}", f"chat.messages[{index}].tool_calls[{j}].arguments"),
+                    "arguments": _json_object(
+                        call.arguments or "{}", f"chat.messages[{index}].tool_calls[{j}].arguments"
+                    ),
                 },
             }
             for j, call in enumerate(m.tool_calls)
@@ -187,7 +191,9 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
     return Intake(request=request, stop_strings=list(msg.stop), include_special_tokens=msg.include_special_tokens)
 
 
-def _max_new_tokens(msg: pb.GenerateRequest, num_prompt_tokens: int, context_length: int, config: SchedulerConfig) -> int:
+def _max_new_tokens(
+    msg: pb.GenerateRequest, num_prompt_tokens: int, context_length: int, config: SchedulerConfig
+) -> int:
     """The client's, if it fits the context (0 is check_new_request's to refuse); else the server's default, cut to fit."""
     room = context_length - num_prompt_tokens
     if not msg.HasField("max_new_tokens"):

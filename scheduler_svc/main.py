@@ -33,8 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarmserve-scheduler", description=__doc__)
     p.add_argument("--listen", default=defaults.listen, help="address to serve on (default %(default)s)")
     p.add_argument("--executor", default=defaults.executor, help="the executor's address (default %(default)s)")
-    p.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests, help="batch size cap (default %(default)s)")
-    p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests, help="queue cap (default %(default)s)")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=defaults.max_running_requests,
+        help="batch size cap (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-queued-requests", type=int, default=defaults.max_queued_requests, help="queue cap (default %(default)s)"
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -85,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         "default: no HTTP)",
     )
     http.add_argument(
-        "--max-choices", type=int, default=defaults.max_choices, help="OpenAI's n: completions per request (default %(default)s)"
+        "--max-choices",
+        type=int,
+        default=defaults.max_choices,
+        help="OpenAI's n: completions per request (default %(default)s)",
     )
     http.add_argument(
         "--tool-call-parser",
@@ -114,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a text prompt, or all chat messages together, in UTF-8 bytes (default %(default)s)",
     )
     limits.add_argument(
-        "--max-chat-messages", type=int, default=defaults.max_chat_messages, help="messages per chat (default %(default)s)"
+        "--max-chat-messages",
+        type=int,
+        default=defaults.max_chat_messages,
+        help="messages per chat (default %(default)s)",
     )
     limits.add_argument(
         "--max-message-bytes",
@@ -129,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a structured_output's JSON schema, Lark grammar or regex, in bytes (default %(default)s)",
     )
     limits.add_argument(
-        "--max-stop-strings", type=int, default=defaults.max_stop_strings, help="stop strings per request (default %(default)s)"
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help="stop strings per request (default %(default)s)",
     )
     limits.add_argument(
         "--max-stop-string-chars",
@@ -160,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.executor_token_file,
         help="the token the executor requires (the first line of its --scheduler-token-file; default: none)",
     )
-    p.add_argument("--tls-cert", default=defaults.tls_cert, help="serve over TLS with this certificate (PEM; with --tls-key)")
+    p.add_argument(
+        "--tls-cert", default=defaults.tls_cert, help="serve over TLS with this certificate (PEM; with --tls-key)"
+    )
     p.add_argument("--tls-key", default=defaults.tls_key, help="the private key of --tls-cert (PEM)")
     p.add_argument(
         "--executor-ca",
@@ -178,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="attach even if the executor serves another scheduler, which is then refused (default: refuse to)",
     )
     p.add_argument(
-        "--log-format", default="auto", choices=LOG_FORMATS, help="auto: console on a terminal, else JSON lines (default %(default)s)"
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="auto: console on a terminal, else JSON lines (default %(default)s)",
     )
     p.add_argument("--log-level", default="info")
     add_observability_flags(p)

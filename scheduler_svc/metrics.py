@@ -26,15 +26,22 @@ class SchedulerMetrics:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Requests waiting (queued or preempted)", registry=r)
         self.running_requests = Gauge(PREFIX + "running_requests", "Requests in the batch", registry=r)
-        self.kv_blocks_free = Gauge(PREFIX + "kv_blocks_free", "Free KV blocks, as the executor last reported", registry=r)
-        self.kv_blocks_used = Gauge(PREFIX + "kv_blocks_used", "KV blocks in use, as the executor last reported", registry=r)
+        self.kv_blocks_free = Gauge(
+            PREFIX + "kv_blocks_free", "Free KV blocks, as the executor last reported", registry=r
+        )
+        self.kv_blocks_used = Gauge(
+            PREFIX + "kv_blocks_used", "KV blocks in use, as the executor last reported", registry=r
+        )
         self.executor_connected = Gauge(PREFIX + "executor_connected", "1 while the executor is attached", registry=r)
         self.free_token_budget = Gauge(
             PREFIX + "free_token_budget", "The free-token budget S the draft policy saw at the last step", registry=r
         )
         self.steps = Counter(PREFIX + "steps", "Steps run", registry=r)
         self.step_duration = Histogram(
-            PREFIX + "step_duration_seconds", "One step: plan sent to result back", buckets=buckets.STEP_SECONDS, registry=r
+            PREFIX + "step_duration_seconds",
+            "One step: plan sent to result back",
+            buckets=buckets.STEP_SECONDS,
+            registry=r,
         )
         self.step_predicted_duration = Histogram(
             PREFIX + "step_predicted_duration_seconds",
@@ -44,17 +51,27 @@ class SchedulerMetrics:
         )
         self.batch_size = Histogram(PREFIX + "batch_size", "Requests per step", buckets=buckets.BATCH_SIZE, registry=r)
         self.step_tokens = Histogram(
-            PREFIX + "step_tokens", "Tokens computed per step (prefill, decode and draft)", buckets=buckets.STEP_TOKENS, registry=r
+            PREFIX + "step_tokens",
+            "Tokens computed per step (prefill, decode and draft)",
+            buckets=buckets.STEP_TOKENS,
+            registry=r,
         )
         self.prefill_tokens = Counter(PREFIX + "prefill_tokens", "Prompt tokens computed (prefill chunks)", registry=r)
-        self.decode_tokens = Counter(PREFIX + "decode_tokens", "Decode tokens computed (one per decoding request and step)", registry=r)
+        self.decode_tokens = Counter(
+            PREFIX + "decode_tokens", "Decode tokens computed (one per decoding request and step)", registry=r
+        )
         self.generated_tokens = Counter(PREFIX + "generated_tokens", "Tokens streamed to requests", registry=r)
         self.draft_tokens_allocated = Counter(PREFIX + "draft_tokens_allocated", "Draft budget allocated", registry=r)
         self.draft_tokens = Counter(PREFIX + "draft_tokens", "Draft tokens proposed and verified", registry=r)
         self.draft_tokens_accepted = Counter(PREFIX + "draft_tokens_accepted", "Draft tokens accepted", registry=r)
-        self.preemptions = Counter(PREFIX + "preemptions", "Requests preempted (KV freed, recomputed later)", registry=r)
+        self.preemptions = Counter(
+            PREFIX + "preemptions", "Requests preempted (KV freed, recomputed later)", registry=r
+        )
         self.requests_finished = Counter(
-            PREFIX + "requests_finished", "Requests ended, by finish reason ('error' for a failed one)", ["finish_reason"], registry=r
+            PREFIX + "requests_finished",
+            "Requests ended, by finish reason ('error' for a failed one)",
+            ["finish_reason"],
+            registry=r,
         )
         self.queue_time = Histogram(
             PREFIX + "queue_time_seconds", "Arrival to first scheduled step", buckets=buckets.TTFT_SECONDS, registry=r
@@ -63,9 +80,14 @@ class SchedulerMetrics:
             PREFIX + "time_to_first_token_seconds", "Arrival to first token", buckets=buckets.TTFT_SECONDS, registry=r
         )
         self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time per token after the first", buckets=buckets.ITL_SECONDS, registry=r
+            PREFIX + "inter_token_latency_seconds",
+            "Time per token after the first",
+            buckets=buckets.ITL_SECONDS,
+            registry=r,
         )
-        self.rpc_errors = Counter(PREFIX + "rpc_errors", "RPCs ended with a status other than OK", RPC_ERROR_LABELS, registry=r)
+        self.rpc_errors = Counter(
+            PREFIX + "rpc_errors", "RPCs ended with a status other than OK", RPC_ERROR_LABELS, registry=r
+        )
         self._last_token_s: dict[str, float] = {}  # request id -> when its last tokens were delivered
 
     def watch(self, loop) -> None:

@@ -47,14 +47,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from swarmserve.executor.v1 import executor_pb2 as epb
-
 from scheduler_svc.acceptance import AcceptanceTracker
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel
 from scheduler_svc.draft_policy import DraftAllocation, DraftCandidate, DraftStep, parse_draft_policy
 from scheduler_svc.request import Request, RequestStatus
 from service_common.finish_reason import FinishReason
+from swarmserve.executor.v1 import executor_pb2 as epb
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,9 @@ class ScheduledRequest:
     draft_budget: int = 0
 
     def to_pb(self) -> epb.ScheduledRequest:
-        return epb.ScheduledRequest(request_id=self.request_id, num_tokens=self.num_tokens, draft_budget=self.draft_budget)
+        return epb.ScheduledRequest(
+            request_id=self.request_id, num_tokens=self.num_tokens, draft_budget=self.draft_budget
+        )
 
 
 @dataclass
@@ -224,7 +225,9 @@ class Planner:
 
     def add(self, request: Request) -> None:
         if request.executor_request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r}: executor id {request.executor_request_id!r} is already in flight")
+            raise ValueError(
+                f"request {request.request_id!r}: executor id {request.executor_request_id!r} is already in flight"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.executor_request_id] = request
         self.waiting.append(request)
@@ -401,7 +404,9 @@ class Planner:
         """Preempt the newest running requests not scheduled yet until `need` blocks are free for `request`
         (or no one is left to preempt)."""
         while need > room.num_free_blocks:
-            victim = next((r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None)
+            victim = next(
+                (r for r in reversed(self.running) if r is not request and r.executor_request_id not in scheduled), None
+            )
             if victim is None:
                 return
             room.num_free_blocks += victim.num_exclusive_blocks  # blocks it shares stay held by others
@@ -426,7 +431,9 @@ class Planner:
                 break
             if request.executor_request_id in scheduled or request.num_pending_tokens <= 1:
                 continue
-            fits = (request.num_blocks(self.block_size) + room.num_free_blocks) * self.block_size - request.num_expected_computed_tokens
+            fits = (
+                request.num_blocks(self.block_size) + room.num_free_blocks
+            ) * self.block_size - request.num_expected_computed_tokens
             n = min(request.num_pending_tokens, room.num_prefill_tokens, fits)
             if n <= 0:
                 continue
@@ -441,7 +448,11 @@ class Planner:
         admitted: list[str] = []
         while self.waiting and room.num_prefill_tokens > 0 and len(self.running) < self.max_running_requests:
             request = self.waiting[0]
-            if self.config.batching == "static" and not forming_static_batch and request.executor_request_id not in self._static_batch:
+            if (
+                self.config.batching == "static"
+                and not forming_static_batch
+                and request.executor_request_id not in self._static_batch
+            ):
                 break
             need_total = self.blocks_for(request.num_known_tokens + 1)
             if not self.can_ever_fit(request.num_known_tokens + 1):
@@ -480,9 +491,7 @@ class Planner:
 
     def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> tuple[dict[str, int], int]:
         """Draft budgets by request id, and the free blocks they leave."""
-        decoding = [
-            r for r in self.running if scheduled.get(r.executor_request_id) == 1 and r.num_pending_tokens == 1
-        ]
+        decoding = [r for r in self.running if scheduled.get(r.executor_request_id) == 1 and r.num_pending_tokens == 1]
         if not decoding or self.max_draft_tokens == 0 or self.draft_policy.name == "off":
             self.last_allocation = None
             return {}, free
@@ -490,7 +499,12 @@ class Planner:
             DraftCandidate(
                 request_id=r.executor_request_id,
                 num_draftable_tokens=max(
-                    0, min(r.num_draftable_tokens, self.max_draft_tokens, r.max_new_tokens - r.num_expected_output_tokens - 1)
+                    0,
+                    min(
+                        r.num_draftable_tokens,
+                        self.max_draft_tokens,
+                        r.max_new_tokens - r.num_expected_output_tokens - 1,
+                    ),
                 ),
                 acceptance=self.acceptance.estimate(r.executor_request_id),
                 num_context_tokens=r.num_expected_computed_tokens + 1,
@@ -569,7 +583,9 @@ class Planner:
             request.num_draftable_tokens = result.num_draftable_tokens
             request.num_exclusive_blocks = result.num_exclusive_blocks
             if result.num_drafted_tokens:
-                self.acceptance.observe(request.executor_request_id, result.num_drafted_tokens, result.num_accepted_tokens)
+                self.acceptance.observe(
+                    request.executor_request_id, result.num_drafted_tokens, result.num_accepted_tokens
+                )
             if result.new_token_ids:
                 request.output_token_ids.extend(result.new_token_ids)
                 if request.first_token_time is None:

@@ -17,10 +17,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from swarmserve.executor.v1 import executor_pb2 as epb
-
 from service_common.sampling_params import SamplingParams
 from service_common.structured_output import StructuredOutput
+from swarmserve.executor.v1 import executor_pb2 as epb
 
 
 class RequestStatus(enum.Enum):

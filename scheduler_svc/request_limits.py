@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-
 from scheduler_svc.config import SchedulerConfig
 from service_common.errors import InvalidRequestError
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 # Ids are re-sent in every step plan and copied into logs, spans and timelines:
 # short, printable, no whitespace, nothing a log or trace viewer would interpret.

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from tokenizers import Tokenizer
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import Request
 from scheduler_svc.stop_strings import StopStringMatcher
 from service_common.finish_reason import FinishReason
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class StreamError:
 
 
 class RequestStream:
-    def __init__(self, request: Request, tokenizer: Tokenizer, stop_strings: list[str], include_special_tokens: bool) -> None:
+    def __init__(
+        self, request: Request, tokenizer: Tokenizer, stop_strings: list[str], include_special_tokens: bool
+    ) -> None:
         self.request = request
         self.events: asyncio.Queue[pb.GenerateResponse | StreamError] = asyncio.Queue()
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, not include_special_tokens)
@@ -59,7 +61,11 @@ class RequestStream:
         """Send the held-back text (unless a stop string matched) and the final message."""
         if self.is_closed:
             return
-        tail = "" if reason == FinishReason.STOP_STRING else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        tail = (
+            ""
+            if reason == FinishReason.STOP_STRING
+            else self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        )
         if self._stops.matched is not None:
             # The held-back tail completed a stop string: the output ends there.
             reason = FinishReason.STOP_STRING
@@ -78,7 +84,11 @@ class RequestStream:
             accepted_tokens=r.num_accepted_tokens,
             num_preemptions=r.num_preemptions,
         )
-        final = pb.GenerateFinal(finish_reason=FinishReason(reason).to_pb(pb.FinishReason), usage=usage, stop_string=self._stops.matched or "")
+        final = pb.GenerateFinal(
+            finish_reason=FinishReason(reason).to_pb(pb.FinishReason),
+            usage=usage,
+            stop_string=self._stops.matched or "",
+        )
         self._put(pb.GenerateResponse(request_id=self.request_id, final=final))
         self.finish_reason = reason
         self.is_closed = True

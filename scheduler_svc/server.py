@@ -15,8 +15,6 @@ import socket
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.api_keys import api_key_interceptor
@@ -28,6 +26,8 @@ from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.telemetry import Telemetry
 from scheduler_svc.timeline import timeline_to_pb
 from service_common.bearer_keys import bearer_key_interceptors, load_keys, server_port
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
 
@@ -67,7 +67,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.AbortResponse(was_found=self.loop.abort(request.request_id))
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
         loop, info, planner = self.loop, self.loop.link.info, self.loop.planner
         return pb.GetServerInfoResponse(
             model_name=info.model_name if info else "",
@@ -92,7 +94,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             matmul=info.matmul if info else "",
         )
 
-    async def GetTimeline(self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext) -> pb.GetTimelineResponse:
+    async def GetTimeline(
+        self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTimelineResponse:
         planner = self.loop.planner
         return timeline_to_pb(
             self.loop.history, request.max_steps, planner.num_kv_blocks if planner else 0, self.loop.history.maxlen or 0
@@ -103,7 +107,9 @@ async def _track_health(loop: StepLoop, health_servicer: health.aio.HealthServic
     """SERVING while the executor is attached and the step loop runs, NOT_SERVING otherwise."""
     last = None
     while True:
-        status = health_pb2.HealthCheckResponse.SERVING if loop.is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if loop.is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         if status != last:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
@@ -158,7 +164,10 @@ async def serve(
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
     server.bound_port = port  # type: ignore[attr-defined]
-    tasks = [asyncio.create_task(loop.run(), name="step-loop"), asyncio.create_task(_track_health(loop, health_servicer))]
+    tasks = [
+        asyncio.create_task(loop.run(), name="step-loop"),
+        asyncio.create_task(_track_health(loop, health_servicer)),
+    ]
     server.http_server = None  # type: ignore[attr-defined]
     if config.http_listen:
         # Imported here: FastAPI and uvicorn load only when HTTP is on.

@@ -41,17 +41,17 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from swarmserve.executor.v1 import executor_pb2 as epb
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.planner import Plan, Planner, RequestUpdate, RequestResult
+from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
 from scheduler_svc.telemetry import StepScope, Telemetry
 from service_common.finish_reason import FinishReason
+from swarmserve.executor.v1 import executor_pb2 as epb
 
 log = structlog.get_logger()
 
@@ -259,7 +259,9 @@ class StepLoop:
             self._connected.clear()
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._orphans:
                 # Another scheduler has the executor: the requests waiting for it will not get it back.
-                self._end_orphans(f"the executor at {self.link.address} refuses this scheduler ({self.last_connect_error})")
+                self._end_orphans(
+                    f"the executor at {self.link.address} refuses this scheduler ({self.last_connect_error})"
+                )
             return False
         except Exception as exc:  # e.g. a tokenizer the scheduler cannot load: keep retrying, say why
             log.exception("attach_failed", executor=self.link.address)
@@ -342,7 +344,13 @@ class StepLoop:
             step.context.run(self._step_failed, step, asyncio.CancelledError("the executor is being re-attached"))
 
     def _apply_step(
-        self, plan: Plan, response: epb.StepResponse, start: float, decode_ids: set[str], client_ids: dict[str, str], step_scope
+        self,
+        plan: Plan,
+        response: epb.StepResponse,
+        start: float,
+        decode_ids: set[str],
+        client_ids: dict[str, str],
+        step_scope,
     ) -> None:
         """Fold the executor's answer in: cost model, planner state, client streams, the step history."""
         end = time.monotonic()
@@ -369,7 +377,9 @@ class StepLoop:
                     response.num_computed_tokens / runs,
                     response.num_kv_tokens / runs,
                     (t.prepare_s + t.forward_s + t.sample_s) / runs,
-                    response.num_logits_rows / runs if response.num_requests else 1,  # 0 requests: an executor that does not say
+                    response.num_logits_rows / runs
+                    if response.num_requests
+                    else 1,  # 0 requests: an executor that does not say
                     max(1.0, response.num_requests / runs),
                 )
 
@@ -408,7 +418,9 @@ class StepLoop:
             wall_s=end - start,
             num_requests=len(plan.scheduled),
             num_prefill_tokens=plan.num_scheduled_tokens - len(decode_ids),
-            num_decode_tokens=sum(r.num_runs for r in results if r.request_id in decode_ids),  # one per run (drafts aside)
+            num_decode_tokens=sum(
+                r.num_runs for r in results if r.request_id in decode_ids
+            ),  # one per run (drafts aside)
             num_new_requests=len(plan.new_requests),
             num_preempted=len(plan.preempted),
             num_free_kv_blocks=response.num_free_kv_blocks,
@@ -431,7 +443,11 @@ class StepLoop:
         Refused (a bug, bad state, another scheduler took over): end them all. Either way re-attach."""
         code = exc.code()
         log.error("step_failed", code=code.name, details=exc.details())
-        unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        unreachable = code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        )
         # FAILED_PRECONDITION: the executor restarted (it does not know us) or another scheduler took
         # it over; which one, the re-attach tells (see _attach).
         lost = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
@@ -447,7 +463,9 @@ class StepLoop:
             self._connected.clear()
             return
         status = grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL
-        message = f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
+        message = (
+            f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
+        )
         self._reset(status, message)
 
     def _resubmit_orphans(self, info: epb.GetInfoResponse) -> None:
@@ -509,7 +527,11 @@ class StepLoop:
             self._reset(grpc.StatusCode.INTERNAL, message)
             return
         planner.requeue_releases(plan)
-        affected = {s.request_id for s in plan.scheduled} | {r.executor_request_id for r in plan.new_requests} | set(plan.preempted)
+        affected = (
+            {s.request_id for s in plan.scheduled}
+            | {r.executor_request_id for r in plan.new_requests}
+            | set(plan.preempted)
+        )
         for stream in [s for s in self.streams.values() if s.request.executor_request_id in affected]:
             planner.finish(stream.request)  # no-op if it already ended; else its release goes out next step
             self._fail_stream(stream.request_id, grpc.StatusCode.INTERNAL, message)

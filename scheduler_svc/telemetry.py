@@ -148,12 +148,17 @@ class Telemetry:
             context=extract_context(invocation_metadata) or otel_context.Context(),
             kind=SpanKind.SERVER,
             start_time=_epoch_ns(request.arrival_time),
-            attributes={"swarmserve.request_id": request.request_id, "swarmserve.max_new_tokens": request.max_new_tokens},
+            attributes={
+                "swarmserve.request_id": request.request_id,
+                "swarmserve.max_new_tokens": request.max_new_tokens,
+            },
         )
         self._request_spans[request.executor_request_id] = span
         context = span.get_span_context()
         if context.is_valid:
-            structlog.contextvars.bind_contextvars(trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x"))
+            structlog.contextvars.bind_contextvars(
+                trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
+            )
 
     def request_ended(self, stream) -> None:
         """The Generate call is over (finished, failed or abandoned): close the span, log, count."""
@@ -175,7 +180,9 @@ class Telemetry:
             finish_reason=reason,
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=len(request.output_token_ids),
-            ttft_s=None if request.first_token_time is None else round(request.first_token_time - request.arrival_time, 6),
+            ttft_s=None
+            if request.first_token_time is None
+            else round(request.first_token_time - request.arrival_time, 6),
         )
         if span is not None:
             span.end(end_time=_epoch_ns(request.finish_time) if request.finish_time is not None else None)

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
-def timeline_to_pb(history: Sequence, max_steps: int, num_kv_blocks: int, max_steps_kept: int) -> pb.GetTimelineResponse:
+def timeline_to_pb(
+    history: Sequence, max_steps: int, num_kv_blocks: int, max_steps_kept: int
+) -> pb.GetTimelineResponse:
     """`history`: StepRecords, oldest first; the last `max_steps` of them (0: all)."""
     records = list(history)
     if max_steps:

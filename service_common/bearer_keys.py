@@ -58,7 +58,9 @@ class BearerKeyInterceptor(grpc.aio.ServerInterceptor):
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
 
-        serializers = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        serializers = dict(
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(refuse, **serializers)
         return grpc.unary_unary_rpc_method_handler(refuse, **serializers)

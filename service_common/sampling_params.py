@@ -6,9 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from swarmserve.common.v1 import sampling_pb2 as pb
-
 from service_common.errors import InvalidRequestError
+from swarmserve.common.v1 import sampling_pb2 as pb
 
 MAX_LOGPROBS = 20
 # Below this, logits / temperature overflows float32 (1e-38 gave NaN probabilities and a
@@ -61,4 +60,6 @@ class SamplingParams:
 
     def to_pb(self) -> pb.SamplingParams:
         """Every field set but a None seed (the executor draws one)."""
-        return pb.SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None})
+        return pb.SamplingParams(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        )

@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 
 import llguidance
-from swarmserve.common.v1 import sampling_pb2 as pb
 
 from service_common.errors import InvalidRequestError
+from swarmserve.common.v1 import sampling_pb2 as pb
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")
 # JSON output may put whitespace between tokens, but a bounded run of it: unbounded
@@ -35,7 +35,9 @@ class StructuredOutput:
             return None
         if kind == "json_object":
             if not msg.json_object:
-                raise InvalidRequestError("structured_output.json_object must be true (leave structured_output unset instead)")
+                raise InvalidRequestError(
+                    "structured_output.json_object must be true (leave structured_output unset instead)"
+                )
             return cls(kind)
         return cls(kind, getattr(msg, kind))
 

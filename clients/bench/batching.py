@@ -28,7 +28,16 @@ from clients.bench.swarm import AGENT_OUTPUT_LENGTHS
 from clients.client import AsyncSwarmClient
 
 BATCH_SLOTS = 8
-TOPICS = ("a unit test", "a refactor plan", "a grep result", "a file rewrite", "a code review", "a bug report", "an API doc", "a design note")
+TOPICS = (
+    "a unit test",
+    "a refactor plan",
+    "a grep result",
+    "a file rewrite",
+    "a code review",
+    "a bug report",
+    "an API doc",
+    "a design note",
+)
 
 
 async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
@@ -79,7 +88,9 @@ async def run_mode(mode: str, args: argparse.Namespace, log_file) -> dict:
 
 
 def print_report(results: list[dict]) -> None:
-    print(f"{'mode':>10} | {'tokens':>6} | {'wall s':>7} | {'tok/s':>6} | {'steps':>5} | {'step ms':>7} | {'slot util':>9} | {'TTFT mean/p50/max s':>20}")
+    print(
+        f"{'mode':>10} | {'tokens':>6} | {'wall s':>7} | {'tok/s':>6} | {'steps':>5} | {'step ms':>7} | {'slot util':>9} | {'TTFT mean/p50/max s':>20}"
+    )
     for r in results:
         print(
             f"{r['mode']:>10} | {r['useful_tokens']:6d} | {r['wall_s']:7.1f} | {r['useful_tokens_per_s']:6.1f} | "
@@ -97,8 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="executor dtype (default: the executor's)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--waves", type=int, default=4, help="groups of 8 agents (default %(default)s: one queued behind the first)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every output length (e.g. 0.25 for a quick run)")
+    parser.add_argument(
+        "--waves", type=int, default=4, help="groups of 8 agents (default %(default)s: one queued behind the first)"
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every output length (e.g. 0.25 for a quick run)"
+    )
     parser.add_argument("--modes", default="static,continuous")
     parser.add_argument(
         "--spec", default="off", help="the scheduler's draft policy (default %(default)s: batching alone is measured)"

@@ -29,7 +29,9 @@ MESSAGES = [{"role": "user", "content": "Write a unit test for the payment servi
 
 async def grpc_stream(client: AsyncSwarmClient, num_tokens: int) -> int:
     num = 0
-    async with client.generate(messages=MESSAGES, max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True) as stream:
+    async with client.generate(
+        messages=MESSAGES, max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True
+    ) as stream:
         async for event in stream:
             if isinstance(event, TokenEvent):
                 num += len(event.token_ids)
@@ -104,11 +106,15 @@ def print_report(results: list[dict]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' or a .gguf (a tiny one shows the front's cost best)")
+    parser.add_argument(
+        "--model", default="default", help="'default' or a .gguf (a tiny one shows the front's cost best)"
+    )
     parser.add_argument("--kv-cache-gb", type=float, default=0.25)
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per stream (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per transport, interleaved (default %(default)s)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds per transport, interleaved (default %(default)s)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--log", default="bench_http.log", help="where the services' logs go (default %(default)s)")
 

@@ -39,7 +39,14 @@ class LlamaCompletion:
 
 
 def llama_server_command(
-    binary: str, model: str, *, num_slots: int, context_length: int, threads: int, port: int, extra_args: Sequence[str] = ()
+    binary: str,
+    model: str,
+    *,
+    num_slots: int,
+    context_length: int,
+    threads: int,
+    port: int,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     """`-c` is the whole KV cache; llama-server splits it across the `-np` slots."""
     return [
@@ -64,7 +71,9 @@ def completion_body(prompt: str, max_tokens: int) -> dict:
     }
 
 
-async def _wait_healthy(http: httpx.AsyncClient, url: str, process: asyncio.subprocess.Process, timeout_s: float) -> None:
+async def _wait_healthy(
+    http: httpx.AsyncClient, url: str, process: asyncio.subprocess.Process, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.returncode is not None:
@@ -93,7 +102,13 @@ async def start_llama_server(
     """A llama-server on a free loopback port, healthy (model loaded); stopped on exit, errors included."""
     port = free_port()
     command = llama_server_command(
-        binary, model, num_slots=num_slots, context_length=context_length, threads=threads, port=port, extra_args=extra_args
+        binary,
+        model,
+        num_slots=num_slots,
+        context_length=context_length,
+        threads=threads,
+        port=port,
+        extra_args=extra_args,
     )
     process = await asyncio.create_subprocess_exec(*command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     try:

@@ -30,7 +30,12 @@ async def run_batch(address: str, batch_size: int, num_tokens: int) -> dict:
         t0 = time.monotonic()
         completions = await asyncio.gather(
             *(
-                client.complete(f"Agent {i}: write a unit test for the payment service.", max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+                client.complete(
+                    f"Agent {i}: write a unit test for the payment service.",
+                    max_new_tokens=num_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
                 for i in range(batch_size)
             )
         )
@@ -59,16 +64,27 @@ async def _main(args: argparse.Namespace) -> list[dict]:
     results = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     with open(args.log, "ab") as log_file:
-        async with start_services(log_file, model=args.model, kv_cache_gb=args.kv_cache_gb, scheduler_args=(MODES["sync"],)) as services:
+        async with start_services(
+            log_file, model=args.model, kv_cache_gb=args.kv_cache_gb, scheduler_args=(MODES["sync"],)
+        ) as services:
             for repeat in range(args.repeats):
                 for mode in args.modes.split(","):
                     async with start_scheduler(
-                        services.executor_address, log_file, MODES[mode], "--spec", args.spec, max_running_requests=max(batch_sizes)
+                        services.executor_address,
+                        log_file,
+                        MODES[mode],
+                        "--spec",
+                        args.spec,
+                        max_running_requests=max(batch_sizes),
                     ) as address:
-                        async with AsyncSwarmClient(address) as client:  # the model's first steps are slow: not measured
+                        async with AsyncSwarmClient(
+                            address
+                        ) as client:  # the model's first steps are slow: not measured
                             await client.complete("warm up", max_new_tokens=24, ignore_eos=True)
                         for batch_size in batch_sizes:
-                            results.append({"mode": mode, "repeat": repeat, **await run_batch(address, batch_size, args.tokens)})
+                            results.append(
+                                {"mode": mode, "repeat": repeat, **await run_batch(address, batch_size, args.tokens)}
+                            )
     return results
 
 
@@ -76,7 +92,9 @@ def print_report(results: list[dict]) -> None:
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
 
-    print(f"{'mode':>10} | {'B':>3} | {'tok/s':>6} | {'steps':>5} | {'period ms':>9} | {'executor ms':>11} | {'sched+RPC':>9} | {'pred err p50/p90':>16}")
+    print(
+        f"{'mode':>10} | {'B':>3} | {'tok/s':>6} | {'steps':>5} | {'period ms':>9} | {'executor ms':>11} | {'sched+RPC':>9} | {'pred err p50/p90':>16}"
+    )
     for r in results:
         print(
             f"{r['mode']:>10} | {r['batch_size']:3d} | {r['tokens_per_s']:6.1f} | {r['steps']:5d} | {fmt(r['period_ms'], '9.1f')} | "
@@ -88,7 +106,9 @@ def print_report(results: list[dict]) -> None:
         sync = by_key.get(("sync", batch_size, repeat))
         if mode == "overlapped" and sync is not None:
             same = "identical tokens" if sync["token_ids"] == r["token_ids"] else "TOKENS DIFFER"
-            print(f"B={batch_size} (run {repeat}): overlapped / sync tokens/s {r['tokens_per_s'] / sync['tokens_per_s']:.2f}x, {same}")
+            print(
+                f"B={batch_size} (run {repeat}): overlapped / sync tokens/s {r['tokens_per_s'] / sync['tokens_per_s']:.2f}x, {same}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream (default %(default)s)")
     parser.add_argument("--modes", default="sync,overlapped")
-    parser.add_argument("--repeats", type=int, default=1, help="run every mode this many times, interleaved (default %(default)s)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="run every mode this many times, interleaved (default %(default)s)"
+    )
     parser.add_argument("--spec", default="off", help="the scheduler's draft policy (default %(default)s)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--log", default="bench_overlap.log", help="where the services' logs go (default %(default)s)")

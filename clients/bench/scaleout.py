@@ -39,9 +39,13 @@ from clients.serve_fleet import FleetConfig, gateway_command, wait_gateway_ready
 POLICIES = ("cache_aware", "round_robin")
 
 
-async def agent(client: httpx.AsyncClient, url: str, model: str, tag: str, index: int, turns: int, tokens: int) -> list[dict]:
+async def agent(
+    client: httpx.AsyncClient, url: str, model: str, tag: str, index: int, turns: int, tokens: int
+) -> list[dict]:
     """One agent's turns: [{latency_s, prompt_tokens, cached_tokens}] per turn."""
-    messages = [{"role": "system", "content": f"{tag}/{index:03d}: you are agent {index}, refactoring module {index}. " * 6}]
+    messages = [
+        {"role": "system", "content": f"{tag}/{index:03d}: you are agent {index}, refactoring module {index}. " * 6}
+    ]
     turns_done = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Turn {turn}: continue with step {turn} of the plan."})
@@ -100,7 +104,11 @@ async def _main(args: argparse.Namespace) -> dict:
         scheduler_listen=f"127.0.0.1:{args.base_port + 11}",
         http_listen=f"127.0.0.1:{args.base_port}",
         executor_args=(
-            "--model", args.model, "--kv-cache-gb", str(args.kv_cache_gb), "--no-calibration",
+            "--model",
+            args.model,
+            "--kv-cache-gb",
+            str(args.kv_cache_gb),
+            "--no-calibration",
             *(("--threads", str(args.threads)) if args.threads else ()),
         ),  # fmt: skip
         scheduler_args=("--spec", "off"),
@@ -108,7 +116,13 @@ async def _main(args: argparse.Namespace) -> dict:
     fleet = FleetConfig(base, num_replicas=2)
     log = open(args.log, "ab")
     pairs = [Supervisor(replica, log_file=log) for replica in fleet.replicas]
-    results: dict = {"agents": args.agents, "turns": args.turns, "tokens": args.tokens, "threads": args.threads, "runs": {}}
+    results: dict = {
+        "agents": args.agents,
+        "turns": args.turns,
+        "tokens": args.tokens,
+        "threads": args.threads,
+        "runs": {},
+    }
     try:
         ready = await asyncio.gather(*(pair.start() for pair in pairs))
         model = ready[0].model_name
@@ -125,7 +139,11 @@ async def _main(args: argparse.Namespace) -> dict:
                 if policy == "cache_aware":
                     direct = await mean_latency(pair_urls[0], model, "direct", args.probes)
                     through = await mean_latency(entry, model, "gateway", args.probes)
-                    results["gateway_latency"] = {"direct_s": direct, "through_gateway_s": through, "added_s": through - direct}
+                    results["gateway_latency"] = {
+                        "direct_s": direct,
+                        "through_gateway_s": through,
+                        "added_s": through - direct,
+                    }
             finally:
                 await stop_process(gateway, 10)
     finally:
@@ -160,7 +178,14 @@ def plot(results: dict, path: Path) -> None:
     box(2.9, 3.9, 2.5, 2.2, "SMG\nsmg launch\n--policy cache_aware\n(one entry point)", "#dbe9f6")
     arrow(2.2, 5.0, 2.8, 5.0, "HTTP")
     for i, y in enumerate((6.6, 1.4)):
-        box(6.0, y, 3.7, 2.0, f"pair {i}\nscheduler (HTTP front, /v1/loads,\nvllm:* gauges)  +  executor (KV)", "#e3f1dc")
+        box(
+            6.0,
+            y,
+            3.7,
+            2.0,
+            f"pair {i}\nscheduler (HTTP front, /v1/loads,\nvllm:* gauges)  +  executor (KV)",
+            "#e3f1dc",
+        )
         arrow(5.5, 5.0, 5.95, y + 1.0)
     topology.text(5.0, 0.1, "cache_aware: a prefix tree per pair sends an agent's turns back to the pair\nholding its prefix in KV; load from /v1/loads, health from /health",
                   ha="center", fontsize=8, color="#333")  # fmt: skip
@@ -169,19 +194,32 @@ def plot(results: dict, path: Path) -> None:
     runs = results["runs"]
     names = list(runs)
     x = range(len(names))
-    bars.bar([i - 0.2 for i in x], [runs[n]["requests_per_s"] for n in names], width=0.4, label="requests/s", color="#4c78a8")
+    bars.bar(
+        [i - 0.2 for i in x], [runs[n]["requests_per_s"] for n in names], width=0.4, label="requests/s", color="#4c78a8"
+    )
     bars.set_ylabel("requests/s")
     bars.set_xticks(list(x), names, rotation=15, fontsize=8)
     hits = bars.twinx()
-    hits.bar([i + 0.2 for i in x], [runs[n]["prefix_hit_rate"] for n in names], width=0.4, label="prefix hit rate", color="#f58518")
+    hits.bar(
+        [i + 0.2 for i in x],
+        [runs[n]["prefix_hit_rate"] for n in names],
+        width=0.4,
+        label="prefix hit rate",
+        color="#f58518",
+    )
     hits.set_ylim(0, 1)
     hits.set_ylabel("prefix hit rate (later turns)")
     latency = results.get("gateway_latency")
     subtitle = f", gateway adds {latency['added_s'] * 1000:.1f} ms/request" if latency else ""
     threads = f", {results['threads']} thread(s) per executor" if results.get("threads") else ""
-    bars.set_title(f"{results['agents']} agents x {results['turns']} turns x {results['tokens']} tokens{threads}{subtitle}", fontsize=9)
+    bars.set_title(
+        f"{results['agents']} agents x {results['turns']} turns x {results['tokens']} tokens{threads}{subtitle}",
+        fontsize=9,
+    )
     handles = bars.get_legend_handles_labels()[0] + hits.get_legend_handles_labels()[0]
-    bars.legend(handles, ["requests/s", "prefix hit rate"], loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
+    bars.legend(
+        handles, ["requests/s", "prefix hit rate"], loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -190,7 +228,9 @@ def plot(results: dict, path: Path) -> None:
 def print_report(results: dict) -> None:
     print(f"{'run':<20} {'req/s':>7} {'makespan s':>10} {'mean latency s':>14} {'prefix hits':>11}")
     for name, run in results["runs"].items():
-        print(f"{name:<20} {run['requests_per_s']:>7.2f} {run['makespan_s']:>10.2f} {run['mean_latency_s']:>14.3f} {run['prefix_hit_rate']:>11.1%}")
+        print(
+            f"{name:<20} {run['requests_per_s']:>7.2f} {run['makespan_s']:>10.2f} {run['mean_latency_s']:>14.3f} {run['prefix_hit_rate']:>11.1%}"
+        )
     latency = results.get("gateway_latency")
     if latency:
         print(
@@ -202,12 +242,21 @@ def print_report(results: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="the executors' --model (a small GGUF on a CPU machine)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.05)
-    parser.add_argument("--threads", type=int, default=None, help="each executor's torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="each executor's torch threads (default: torch's choice)"
+    )
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="output tokens per turn (default %(default)s)")
-    parser.add_argument("--probes", type=int, default=20, help="sequential requests for the gateway's latency (default %(default)s)")
-    parser.add_argument("--base-port", type=int, default=18000, help="the gateway's port; the pairs take the next ones (default %(default)s)")
+    parser.add_argument(
+        "--probes", type=int, default=20, help="sequential requests for the gateway's latency (default %(default)s)"
+    )
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=18000,
+        help="the gateway's port; the pairs take the next ones (default %(default)s)",
+    )
     parser.add_argument("--out", default="scale-out", help="prefix of the .json and .png written (default %(default)s)")
     parser.add_argument("--log", default="bench_scaleout.log", help="where the services' logs go (default %(default)s)")
 

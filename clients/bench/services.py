@@ -35,7 +35,10 @@ async def start_scheduler(
         executor_listen=executor_address,
         scheduler_listen=f"127.0.0.1:{free_port()}",
         http_listen=http_listen,
-        scheduler_args=(*flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]), *extra_args),
+        scheduler_args=(
+            *flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]),
+            *extra_args,
+        ),
     )
     process = await asyncio.create_subprocess_exec(*scheduler_command(config), stdout=log_file, stderr=log_file)
     try:
@@ -65,10 +68,15 @@ async def start_services(
         scheduler_listen=f"127.0.0.1:{free_port()}",
         http_listen=http_listen,
         executor_args=(
-            *flag_args([("--model", model), ("--dtype", dtype), ("--kv-cache-gb", kv_cache_gb), ("--log-format", "json")]),
+            *flag_args(
+                [("--model", model), ("--dtype", dtype), ("--kv-cache-gb", kv_cache_gb), ("--log-format", "json")]
+            ),
             *executor_args,
         ),
-        scheduler_args=(*flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]), *scheduler_args),
+        scheduler_args=(
+            *flag_args([("--max-running-requests", max_running_requests), ("--log-format", "json")]),
+            *scheduler_args,
+        ),
     )
     supervisor = Supervisor(config, log_file=log_file)
     try:

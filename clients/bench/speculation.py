@@ -30,14 +30,14 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 NOISE = 0.10  # "within noise": within 10% of the best policy at that B
 
 SNIPPETS = [
-    '''def parse_config(path):
+    """def parse_config(path):
     with open(path) as f:
         data = json.load(f)
     if "version" not in data:
         raise ValueError("missing version")
     return Config(version=data["version"], name=data.get("name", "default"), debug=data.get("debug", False))
-''',
-    '''class LRUCache:
+""",
+    """class LRUCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.items = OrderedDict()
@@ -47,22 +47,22 @@ SNIPPETS = [
             return None
         self.items.move_to_end(key)
         return self.items[key]
-''',
-    '''async def fetch_all(session, urls):
+""",
+    """async def fetch_all(session, urls):
     results = []
     for url in urls:
         async with session.get(url) as response:
             response.raise_for_status()
             results.append(await response.json())
     return results
-''',
-    '''SELECT users.id, users.email, COUNT(orders.id) AS num_orders
+""",
+    """SELECT users.id, users.email, COUNT(orders.id) AS num_orders
 FROM users
 LEFT JOIN orders ON orders.user_id = users.id
 WHERE users.created_at > '2024-01-01'
 GROUP BY users.id, users.email
 ORDER BY num_orders DESC;
-''',
+""",
 ]
 FREE_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -114,11 +114,18 @@ async def _main(args: argparse.Namespace) -> list[dict]:
     with open(args.log, "ab") as log_file:
         # One executor for every configuration; each (policy, B) gets a fresh scheduler, which
         # takes the executor over from the one before (an executor serves one scheduler).
-        async with start_services(log_file, model=args.model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb) as services:
+        async with start_services(
+            log_file, model=args.model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb
+        ) as services:
             for policy in args.policies.split(","):
                 for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
                     async with start_scheduler(
-                        services.executor_address, log_file, "--spec", policy, "--take-over", max_running_requests=batch_size
+                        services.executor_address,
+                        log_file,
+                        "--spec",
+                        policy,
+                        "--take-over",
+                        max_running_requests=batch_size,
                     ) as address:
                         for kind in args.workloads.split(","):
                             row = await run_config(address, kind, batch_size, args.num_new_tokens)
@@ -156,7 +163,9 @@ def print_report(results: list[dict], summary: dict) -> None:
         print(f"{'B':>3} | " + " | ".join(f"{p:>8}" for p in policies) + " | goodput/best | goodput/off")
         for b, entry in by_b.items():
             cells = " | ".join(f"{entry['tokens_per_s'].get(p, float('nan')):8.1f}" for p in policies)
-            print(f"{b:>3} | {cells} | {entry.get('goodput_vs_best', float('nan')):12.2f} | {entry.get('goodput_vs_off', float('nan')):11.2f}")
+            print(
+                f"{b:>3} | {cells} | {entry.get('goodput_vs_best', float('nan')):12.2f} | {entry.get('goodput_vs_off', float('nan')):11.2f}"
+            )
         print(f"{kind}: acceptance and waste (drafted-but-rejected tokens per useful token), averaged over B")
         for p in policies:
             rows = [r for r in results if r["workload"] == kind and r["policy"] == p]
@@ -165,8 +174,13 @@ def print_report(results: list[dict], summary: dict) -> None:
             tokens = sum(r["tokens"] for r in rows)
             rate = accepted / drafted if drafted else 0.0
             print(f"  {p:>8}: acceptance {rate:5.0%}, waste {(drafted - accepted) / tokens:.2f}")
-        ok = all(entry.get("goodput_vs_best", 0) >= 1 - NOISE and entry.get("goodput_vs_off", 0) >= 1 - NOISE for entry in by_b.values())
-        print(f"{kind}: goodput within {NOISE:.0%} of the best policy and not below off at every B: {'yes' if ok else 'NO'}")
+        ok = all(
+            entry.get("goodput_vs_best", 0) >= 1 - NOISE and entry.get("goodput_vs_off", 0) >= 1 - NOISE
+            for entry in by_b.values()
+        )
+        print(
+            f"{kind}: goodput within {NOISE:.0%} of the best policy and not below off at every B: {'yes' if ok else 'NO'}"
+        )
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -179,7 +193,9 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for policy in dict.fromkeys(r["policy"] for r in results):
-            rows = sorted((r for r in results if r["workload"] == kind and r["policy"] == policy), key=lambda r: r["batch_size"])
+            rows = sorted(
+                (r for r in results if r["workload"] == kind and r["policy"] == policy), key=lambda r: r["batch_size"]
+            )
             ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=policy)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("live batch size B")

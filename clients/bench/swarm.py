@@ -51,15 +51,15 @@ GUIDELINES = [
 ]
 
 TOOL_FILES = [
-    '''def load_users(path):
+    """def load_users(path):
     users = []
     with open(path) as f:
         for line in f:
             name, email, age = line.strip().split(",")
             users.append({"name": name, "email": email, "age": int(age)})
     return users
-''',
-    '''class Retry:
+""",
+    """class Retry:
     def __init__(self, attempts=3, delay=0.5):
         self.attempts = attempts
         self.delay = delay
@@ -71,14 +71,14 @@ TOOL_FILES = [
             except ConnectionError:
                 time.sleep(self.delay * (2 ** i))
         raise RuntimeError("gave up")
-''',
-    '''def summarize(orders):
+""",
+    """def summarize(orders):
     totals = {}
     for order in orders:
         totals.setdefault(order.customer, 0)
         totals[order.customer] += order.amount
     return sorted(totals.items(), key=lambda kv: kv[1], reverse=True)
-''',
+""",
 ]
 
 TASKS = [
@@ -242,7 +242,9 @@ async def run_agent(agent: int, config: SwarmConfig, target, t0: float, records:
     tool_file = TOOL_FILES[agent % len(TOOL_FILES)]
     messages.append({"role": "user", "content": TASKS[agent % len(TASKS)] + "\n\nHere is the file:\n\n" + tool_file})
     for turn in range(config.num_turns):
-        length = max(1, round(AGENT_OUTPUT_LENGTHS[(agent + turn * 3) % len(AGENT_OUTPUT_LENGTHS)] * config.length_scale))
+        length = max(
+            1, round(AGENT_OUTPUT_LENGTHS[(agent + turn * 3) % len(AGENT_OUTPUT_LENGTHS)] * config.length_scale)
+        )
         start = time.monotonic()
         live.append((start - t0, +1))
         result = await target.complete(messages, length, f"agent-{agent}")
@@ -266,7 +268,11 @@ async def run_agent(agent: int, config: SwarmConfig, target, t0: float, records:
         if turn + 1 == config.num_turns:
             break
         messages.append({"role": "assistant", "content": result.text})
-        pause = min(rng.expovariate(1 / config.mean_tool_pause_s), 3 * config.mean_tool_pause_s) if config.mean_tool_pause_s else 0.0
+        pause = (
+            min(rng.expovariate(1 / config.mean_tool_pause_s), 3 * config.mean_tool_pause_s)
+            if config.mean_tool_pause_s
+            else 0.0
+        )
         await asyncio.sleep(pause)
         # The tool's output comes back: the file as it is now, to be repeated with one change.
         messages.append(
@@ -388,7 +394,17 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 
 
 def print_summary(runs: dict[str, dict]) -> None:
-    keys = ["useful_tokens_per_s", "makespan_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "prefix_hit_rate", "draft_acceptance", "kv_use_max"]
+    keys = [
+        "useful_tokens_per_s",
+        "makespan_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "itl_p50_s",
+        "itl_p99_s",
+        "prefix_hit_rate",
+        "draft_acceptance",
+        "kv_use_max",
+    ]
     print(f"{'':>22} | " + " | ".join(f"{name:>14}" for name in runs))
     for key in keys:
         cells = []
@@ -403,16 +419,22 @@ def print_summary(runs: dict[str, dict]) -> None:
     if len(names) == 2:
         a, b = (runs[n]["summary"] for n in names)
         if a["useful_tokens_per_s"] and b["useful_tokens_per_s"]:
-            print(f"\n{names[0]} / {names[1]} useful tokens/s: {a['useful_tokens_per_s'] / b['useful_tokens_per_s']:.2f}x")
+            print(
+                f"\n{names[0]} / {names[1]} useful tokens/s: {a['useful_tokens_per_s'] / b['useful_tokens_per_s']:.2f}x"
+            )
 
 
 # ------------------------------------------------------------------------ CLI
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="grpc://HOST:PORT (swarmserve) or http://HOST:PORT (OpenAI-compatible)")
+    parser.add_argument(
+        "--target", default=None, help="grpc://HOST:PORT (swarmserve) or http://HOST:PORT (OpenAI-compatible)"
+    )
     parser.add_argument("--start", action="store_true", help="start swarmserve's own services for the run")
-    parser.add_argument("--compare-prefix-caching", action="store_true", help="with --start: run with prefix caching on, then off")
+    parser.add_argument(
+        "--compare-prefix-caching", action="store_true", help="with --start: run with prefix caching on, then off"
+    )
     parser.add_argument("--openai-model", default="default", help="the model name sent to an OpenAI-compatible target")
     parser.add_argument("--model", default="default", help="with --start: the executor's --model")
     parser.add_argument("--dtype", default=None, help="with --start: the executor's --dtype")

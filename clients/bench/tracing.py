@@ -39,7 +39,11 @@ async def run_round(mode: str, args: argparse.Namespace, endpoint: str, log_file
         executor_listen=f"127.0.0.1:{free_port()}",
         scheduler_listen=f"127.0.0.1:{free_port()}",
         http_listen="",
-        executor_args=tuple(flag_args([("--model", args.model), ("--kv-cache-gb", args.kv_cache_gb), ("--threads", args.threads), *tracing])),
+        executor_args=tuple(
+            flag_args(
+                [("--model", args.model), ("--kv-cache-gb", args.kv_cache_gb), ("--threads", args.threads), *tracing]
+            )
+        ),
         scheduler_args=tuple(flag_args([("--max-running-requests", max(1, args.requests)), *tracing])),
     )
     supervisor = Supervisor(config, log_file=log_file)
@@ -96,12 +100,11 @@ async def _time_per_call(make_call, iterations: int, flush) -> float:
 
 async def in_process_costs(endpoint: str, batch_size: int, iterations: int) -> dict:
     """Microseconds per step for the scheduler's and the executor's tracing work, off and on."""
-    from swarmserve.executor.v1 import executor_pb2 as epb
-
     from executor_svc.observability.step_interceptor import StepInterceptor
+    from scheduler_svc.telemetry import Telemetry
     from service_common.observability.trace_context import TraceContextClientInterceptor
     from service_common.observability.tracing import TracingConfig, build_tracer_provider
-    from scheduler_svc.telemetry import Telemetry
+    from swarmserve.executor.v1 import executor_pb2 as epb
 
     provider = build_tracer_provider(TracingConfig(otlp_endpoint=endpoint, sample_ratio=1.0, service_name="bench"))
     tracer = provider.get_tracer("bench")
@@ -113,7 +116,9 @@ async def in_process_costs(endpoint: str, batch_size: int, iterations: int) -> d
         num_free_tokens=24, predicted_step_s=0.02, wall_s=0.021, executor_total_s=0.019, num_free_kv_blocks=900,
         request_ids=tuple(request_ids),
     )  # fmt: skip
-    step_request = epb.StepRequest(step_id=1, scheduled=[epb.ScheduledRequest(request_id=r, num_tokens=1) for r in request_ids])
+    step_request = epb.StepRequest(
+        step_id=1, scheduled=[epb.ScheduledRequest(request_id=r, num_tokens=1) for r in request_ids]
+    )
     step_response = epb.StepResponse(
         step_id=1,
         results=[epb.RequestResult(request_id=r, new_token_ids=[1]) for r in request_ids],
@@ -151,7 +156,9 @@ async def in_process_costs(endpoint: str, batch_size: int, iterations: int) -> d
         if interceptor is None:  # no interceptor is installed when tracing is off
             return await _time_per_call(lambda: behavior(step_request, context), iterations, provider.force_flush)
         observe = interceptor._observe
-        return await _time_per_call(lambda: observe(behavior, metadata, step_request, context), iterations, provider.force_flush)
+        return await _time_per_call(
+            lambda: observe(behavior, metadata, step_request, context), iterations, provider.force_flush
+        )
 
     try:
         return {
@@ -169,7 +176,9 @@ async def in_process_costs(endpoint: str, batch_size: int, iterations: int) -> d
 
 
 def print_report(rounds: list[dict], micro: dict) -> None:
-    print(f"{'mode':>5} | {'steps':>5} | {'wall s':>6} | {'cycle ms':>8} | {'outside model ms (median)':>25} | {'RPC overhead ms':>15}")
+    print(
+        f"{'mode':>5} | {'steps':>5} | {'wall s':>6} | {'cycle ms':>8} | {'outside model ms (median)':>25} | {'RPC overhead ms':>15}"
+    )
     for r in rounds:
         print(
             f"{r['mode']:>5} | {r['steps']:5d} | {r['wall_s']:6.2f} | {r['step_cycle_mean_ms']:8.2f} | "
@@ -194,9 +203,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="executor torch threads")
     parser.add_argument("--requests", type=int, default=8, help="requests at once (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens each (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating off/on (default %(default)s)")
     parser.add_argument(
-        "--iterations", type=int, default=400, help="in-process steps timed (default %(default)s; their spans fit the export queue)"
+        "--rounds", type=int, default=2, help="rounds per mode, alternating off/on (default %(default)s)"
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=400,
+        help="in-process steps timed (default %(default)s; their spans fit the export queue)",
     )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--log", default="bench_tracing.log", help="where the services' logs go (default %(default)s)")
@@ -222,5 +236,7 @@ def run(args: argparse.Namespace) -> int:
     print_report(rounds, micro)
     print(f"spans received by the OTLP receiver: {num_spans}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": rounds, "in_process": micro, "spans_received": num_spans}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"rounds": rounds, "in_process": micro, "spans_received": num_spans}, indent=2)
+        )
     return 0

@@ -68,7 +68,7 @@ STREAM_PROMPTS = (
 
 # A source file an agent has in its context and is asked to reproduce (~400 tokens). Single
 # blank lines: with PEP 8's double ones the 135M default model drops one and paraphrases on.
-COPY_SOURCE = '''import json
+COPY_SOURCE = """import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,12 +119,14 @@ class JobQueue:
                     break
         self.save()
         return finished
-'''
+"""
 COPY_LEAD_LINES = 3  # the answer is started with the file's first lines, as an agent's edit would be
 COPY_REQUEST = "Here is a file:\n```python\n{source}```\nRewrite the file exactly."
 
 
-def copy_prompt(chat_template: str = "", *, bos_token: str | None = None, eos_token: str | None = None, source: str = COPY_SOURCE) -> str:
+def copy_prompt(
+    chat_template: str = "", *, bos_token: str | None = None, eos_token: str | None = None, source: str = COPY_SOURCE
+) -> str:
     """The agent's turn as one raw text, the same for both engines: the model's chat template
     around a request to repeat `source`, and the start of the answer, so greedy decoding copies.
 
@@ -137,7 +139,11 @@ def copy_prompt(chat_template: str = "", *, bos_token: str | None = None, eos_to
     from scheduler_svc.chat_template import render_chat_template  # the scheduler's own rendering
 
     turn = render_chat_template(
-        chat_template, [{"role": "user", "content": request}], add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token
+        chat_template,
+        [{"role": "user", "content": request}],
+        add_generation_prompt=True,
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
     return f"{turn}```python\n{lead}"
 
@@ -145,7 +151,9 @@ def copy_prompt(chat_template: str = "", *, bos_token: str | None = None, eos_to
 def stream_prompts(num_streams: int) -> list[str]:
     """`num_streams` distinct prompts: the list above, then numbered variants of it."""
     return [
-        STREAM_PROMPTS[i % len(STREAM_PROMPTS)] if i < len(STREAM_PROMPTS) else f"{i}. {STREAM_PROMPTS[i % len(STREAM_PROMPTS)]}"
+        STREAM_PROMPTS[i % len(STREAM_PROMPTS)]
+        if i < len(STREAM_PROMPTS)
+        else f"{i}. {STREAM_PROMPTS[i % len(STREAM_PROMPTS)]}"
         for i in range(num_streams)
     ]
 
@@ -226,7 +234,9 @@ def run_result(num_tokens: int, wall_s: float, **extra) -> dict:
 # -- the two engines' sides ---------------------------------------------------------------
 
 
-async def measure_llama_cpp(args: argparse.Namespace, model: str, log_file, prompts: list[str], max_tokens: int) -> dict:
+async def measure_llama_cpp(
+    args: argparse.Namespace, model: str, log_file, prompts: list[str], max_tokens: int
+) -> dict:
     """A fresh llama-server with one slot per prompt; warm up, then all prompts at once."""
     slot_context = max(SLOT_CONTEXT, max(len(p) for p in prompts) + max_tokens + CONTEXT_MARGIN)
     async with start_llama_server(
@@ -341,11 +351,17 @@ async def run_bench(args: argparse.Namespace) -> dict:
             result["swarmserve_dtype"] = info.dtype
             result["swarmserve_matmul"] = info.matmul
             result["swarmserve_spec"] = flag_value(scheduler_args, "--spec") or _scheduler_default("spec")
-            result["swarmserve_decode_runs"] = flag_value(scheduler_args, "--max-decode-runs") or _scheduler_default("max_decode_runs")
+            result["swarmserve_decode_runs"] = flag_value(scheduler_args, "--max-decode-runs") or _scheduler_default(
+                "max_decode_runs"
+            )
             measured_resident = False
             for num_streams in args.streams:
                 prompts = stream_prompts(num_streams)
-                theirs = await measure_llama_cpp(args, model, log_file, prompts, args.max_tokens) if args.llama_server else None
+                theirs = (
+                    await measure_llama_cpp(args, model, log_file, prompts, args.max_tokens)
+                    if args.llama_server
+                    else None
+                )
                 ours = await measure_swarmserve(services.scheduler_address, prompts, args.max_tokens)
                 if not measured_resident:  # after load and a first run: both engines' working set
                     result["swarmserve_resident"] = read_resident(services.executor_pid).to_json()
@@ -355,13 +371,21 @@ async def run_bench(args: argparse.Namespace) -> dict:
                 result["rows"].append(row)
                 _print_progress(row)
             if args.copy_tokens:
-                prompts = [copy_prompt(info.chat_template, bos_token=info.bos_token or None, eos_token=info.eos_token or None)]
-                theirs = await measure_llama_cpp(args, model, log_file, prompts, args.copy_tokens) if args.llama_server else None
+                prompts = [
+                    copy_prompt(info.chat_template, bos_token=info.bos_token or None, eos_token=info.eos_token or None)
+                ]
+                theirs = (
+                    await measure_llama_cpp(args, model, log_file, prompts, args.copy_tokens)
+                    if args.llama_server
+                    else None
+                )
                 ours = await measure_swarmserve(services.scheduler_address, prompts, args.copy_tokens)
                 row = _row("copy", 1, args.copy_tokens, theirs, ours)
                 result["rows"].append(row)
                 _print_progress(row)
-            result["swarmserve_weight_bytes"] = await reported_weight_bytes(services.executor_address, services.scheduler_address)
+            result["swarmserve_weight_bytes"] = await reported_weight_bytes(
+                services.executor_address, services.scheduler_address
+            )
             result["swarmserve_resident_end"] = read_resident(services.executor_pid).to_json()
     return result
 
@@ -407,7 +431,12 @@ def busy_machine_warning(result: dict) -> list[str]:
     them is descheduled the others wait out its time slice. Measured on a shared 2-core
     machine (load ~4): -t 2 gave 3 tok/s for one stream where -t 1 gave 82.
     """
-    loads = [run["load_avg_1m"] for row in result["rows"] for run in (row["llama_cpp"], row["swarmserve"]) if run and "load_avg_1m" in run]
+    loads = [
+        run["load_avg_1m"]
+        for row in result["rows"]
+        for run in (row["llama_cpp"], row["swarmserve"])
+        if run and "load_avg_1m" in run
+    ]
     cpu_count = result.get("cpu_count") or 1
     if not loads or max(loads) <= cpu_count or not result.get("llama_server_version"):
         return []
@@ -466,18 +495,39 @@ def format_report(result: dict) -> str:
         _resident_line("llama-server", result.get("llama_cpp_resident"), gguf),
         _resident_line("swarmserve executor", result.get("swarmserve_resident"), gguf),
         f"  {'swarmserve weights':<22} "
-        + (f"{_mib(weight_bytes)} ({weight_bytes / gguf:.2f}x the GGUF), as GetInfo reports" if weight_bytes else "not reported by GetInfo"),
+        + (
+            f"{_mib(weight_bytes)} ({weight_bytes / gguf:.2f}x the GGUF), as GetInfo reports"
+            if weight_bytes
+            else "not reported by GetInfo"
+        ),
     ]
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server binary (default: run swarmserve only)")
-    parser.add_argument("--model", default="default", help="'default' (the embedded model) or a path to a .gguf; both engines load it")
-    parser.add_argument("--streams", type=stream_counts, default=(1, 8, 16), metavar="N,N,...", help="concurrent streams per run (default 1,8,16)")
+    parser.add_argument(
+        "--llama-server", default=None, metavar="PATH", help="the llama-server binary (default: run swarmserve only)"
+    )
+    parser.add_argument(
+        "--model", default="default", help="'default' (the embedded model) or a path to a .gguf; both engines load it"
+    )
+    parser.add_argument(
+        "--streams",
+        type=stream_counts,
+        default=(1, 8, 16),
+        metavar="N,N,...",
+        help="concurrent streams per run (default 1,8,16)",
+    )
     parser.add_argument("--max-tokens", type=_count(1), default=128, help="tokens per stream (default %(default)s)")
-    parser.add_argument("--copy-tokens", type=_count(0), default=256, help="tokens of the copy-heavy turn; 0 skips it (default %(default)s)")
-    parser.add_argument("--threads", type=_count(1), default=2, help="CPU threads for each engine (default %(default)s)")
+    parser.add_argument(
+        "--copy-tokens",
+        type=_count(0),
+        default=256,
+        help="tokens of the copy-heavy turn; 0 skips it (default %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=_count(1), default=2, help="CPU threads for each engine (default %(default)s)"
+    )
     parser.add_argument(
         "--executor-arg",
         action="append",
@@ -486,10 +536,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra executor flag, repeatable; write it with '=': --executor-arg=--dtype=bfloat16",
     )
     parser.add_argument(
-        "--scheduler-arg", action="append", default=[], metavar="FLAG", help="extra scheduler flag, repeatable: --scheduler-arg=--spec=off"
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra scheduler flag, repeatable: --scheduler-arg=--spec=off",
     )
     parser.add_argument(
-        "--llama-args", default="", metavar="ARGS", help="extra llama-server flags as one string: --llama-args '--poll 0'"
+        "--llama-args",
+        default="",
+        metavar="ARGS",
+        help="extra llama-server flags as one string: --llama-args '--poll 0'",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results to this file")
     parser.add_argument("--log", default="bench_vs.log", help="where both engines' logs go (default %(default)s)")

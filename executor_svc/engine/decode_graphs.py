@@ -27,11 +27,11 @@ from typing import Callable
 
 import torch
 
-from executor_svc.kv.block_allocator import NULL_BLOCK_ID
 from executor_svc.kernels.paged_attention import AttentionMetadata
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID
 from executor_svc.kv.kv_cache import KVCache
-from executor_svc.model.transformer import Transformer
 from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.transformer import Transformer
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 

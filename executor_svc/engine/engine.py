@@ -20,26 +20,33 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
+from executor_svc.config import MATMULS, EngineConfig
+from executor_svc.engine.request_state import FinishReason, NewRequest, RequestState
+from executor_svc.engine.step_messages import (
+    CostSample,
+    RequestResult,
+    ScheduledRequest,
+    StepRequest,
+    StepResponse,
+    StepTimings,
+)
 from executor_svc.errors import OutOfKVBlocksError, UnknownRequestError
-from executor_svc.weights.gguf_file import open_gguf
-from executor_svc.model.hybrid_model import HybridTransformer
+from executor_svc.kv.block_allocator import root_hash
 from executor_svc.kv.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVManager
 from executor_svc.load_progress import load_progress
-from executor_svc.model.transformer import Transformer
-from executor_svc.weights.model_config import ModelConfig
-from executor_svc.weights.model_source import resolve_model_path
-from executor_svc.weights.model_weights import load_weights
+from executor_svc.model.hybrid_model import HybridTransformer
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.engine.request_state import FinishReason, NewRequest, RequestState
-from executor_svc.kv.block_allocator import root_hash
-from executor_svc.config import MATMULS, EngineConfig
+from executor_svc.model.torch_ops import TorchOps
+from executor_svc.model.transformer import Transformer
 from executor_svc.sampling.drafter import Drafter
 from executor_svc.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampling.sampler import SampledToken, SampleSpec, token_logprobs
-from executor_svc.engine.step_messages import CostSample, RequestResult, ScheduledRequest, StepRequest, StepResponse, StepTimings
-from executor_svc.weights.tokenizer import load_tokenizer
-from executor_svc.model.torch_ops import TorchOps
 from executor_svc.sampling.verifier import verify
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_source import resolve_model_path
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.weights.tokenizer import load_tokenizer
 from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request
 
@@ -266,7 +273,9 @@ class Engine:
             with self.kv.scratch(num_requests, context_len + num_tokens) as held:
                 if held is None:
                     continue
-                pieces = [RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held]
+                pieces = [
+                    RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held
+                ]
                 forward_s, step_s = self._time_forward(pieces, reps)
             samples.append(
                 CostSample(
@@ -391,14 +400,20 @@ class Engine:
         computed = {}
         for s in plan.scheduled:
             state = self._requests.get(s.request_id)
-            if state is not None and s.request_id not in leaving and (state.num_computed_tokens or self.kv.block_ids(s.request_id)):
+            if (
+                state is not None
+                and s.request_id not in leaving
+                and (state.num_computed_tokens or self.kv.block_ids(s.request_id))
+            ):
                 continue
             blocks = self.kv.computed_blocks(new[s.request_id].token_ids if state is None else state.token_ids)
             if blocks.block_ids:
                 computed[s.request_id] = blocks
         return computed
 
-    def _num_blocks_needed(self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]) -> int:
+    def _num_blocks_needed(
+        self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]
+    ) -> int:
         """Free KV blocks the plan consumes, from the tokens each scheduled request's KV holds after it."""
         leaving = {*plan.released, *plan.preempted}
         new_lengths = {n.request_id: len(n.token_ids) for n in plan.new_requests}
@@ -421,11 +436,17 @@ class Engine:
         start = state.num_computed_tokens
         end = start + num_tokens
         self.kv.allocate_slots(s.request_id, end + len(draft_ids))
-        if not draft_ids:  # a prefill chunk may hold the prompt's last block boundary: where a hybrid's next turn resumes
+        if (
+            not draft_ids
+        ):  # a prefill chunk may hold the prompt's last block boundary: where a hybrid's next turn resumes
             self.kv.plan_state_snapshot(s.request_id, state.token_ids, start, end)
         num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
         piece = RequestSlice(
-            state.token_ids[start:end] + draft_ids, start, self.kv.block_ids(s.request_id), num_logits, self.kv.state_slot(s.request_id)
+            state.token_ids[start:end] + draft_ids,
+            start,
+            self.kv.block_ids(s.request_id),
+            num_logits,
+            self.kv.state_slot(s.request_id),
         )
         return _Work(state, num_tokens, draft_ids, piece)
 
@@ -581,7 +602,9 @@ class Engine:
             state.finish_reason = self._finish_reason(state, token_id)
             if state.grammar is not None:
                 if not state.grammar.consume(token_id):
-                    log.warning("grammar_failed", request_id=state.request_id, token_id=token_id, error=state.grammar.error)
+                    log.warning(
+                        "grammar_failed", request_id=state.request_id, token_id=token_id, error=state.grammar.error
+                    )
                 # Complete (or failed): the grammar allows nothing more, whatever ignore_eos says.
                 if state.finish_reason is None and state.grammar.is_stopped:
                     state.finish_reason = FinishReason.EOS
@@ -645,7 +668,12 @@ class Engine:
         return None
 
     def _step_response(
-        self, outputs: list[RequestResult], num_tokens: int, num_kv_tokens: int, timings: StepTimings, num_logits_rows: int
+        self,
+        outputs: list[RequestResult],
+        num_tokens: int,
+        num_kv_tokens: int,
+        timings: StepTimings,
+        num_logits_rows: int,
     ) -> StepResponse:
         return StepResponse(
             num_logits_rows=num_logits_rows,

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmserve.executor.v1 import executor_pb2 as pb
-
 from executor_svc.sampling.grammar import GrammarMatcher
 from service_common.finish_reason import FinishReason
 from service_common.sampling_params import SamplingParams
 from service_common.structured_output import StructuredOutput
+from swarmserve.executor.v1 import executor_pb2 as pb
 
 
 @dataclass(frozen=True)

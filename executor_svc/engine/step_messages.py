@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from swarmserve.executor.v1 import executor_pb2 as pb
-
 from executor_svc.engine.request_state import NewRequest
 from executor_svc.sampling.sampler import SampledToken
 from service_common.finish_reason import FinishReason
+from swarmserve.executor.v1 import executor_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,9 @@ class RequestResult:
         return pb.RequestResult(
             request_id=self.request_id,
             new_token_ids=self.new_token_ids,
-            finish_reason=pb.FINISH_REASON_UNSPECIFIED if self.finish_reason is None else self.finish_reason.to_pb(pb.FinishReason),
+            finish_reason=pb.FINISH_REASON_UNSPECIFIED
+            if self.finish_reason is None
+            else self.finish_reason.to_pb(pb.FinishReason),
             num_computed_tokens=self.num_computed_tokens,
             num_drafted_tokens=self.num_drafted_tokens,
             num_accepted_tokens=self.num_accepted_tokens,

@@ -20,16 +20,26 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.model.gated_delta_net import DeltaNetPlan
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
+from executor_svc.model.gated_delta_net import DeltaNetPlan
 
 BLOCK_CHANNELS = 256
 
 
 @triton.jit
 def _window_rows(
-    x_ptr, states_ptr, offsets, row_mask, cols, col_mask, query_start, slot,
-    stride_x, stride_slot, CHANNELS: tl.constexpr, WIDTH: tl.constexpr,
+    x_ptr,
+    states_ptr,
+    offsets,
+    row_mask,
+    cols,
+    col_mask,
+    query_start,
+    slot,
+    stride_x,
+    stride_slot,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):
     """Rows at window offsets `offsets` of one request (offset < WIDTH: its old conv state, else its
     input row query_start + offset − WIDTH) as float32 [len(offsets), BLOCK]."""
@@ -39,7 +49,8 @@ def _window_rows(
     mask = row_mask[:, None] & col_mask[None, :]
     from_state = tl.load(
         states_ptr + slot * stride_slot + state_rows[:, None] * CHANNELS + cols[None, :],
-        mask=mask & in_state[:, None], other=0.0,
+        mask=mask & in_state[:, None],
+        other=0.0,
     )
     from_x = tl.load(x_ptr + x_rows[:, None] * stride_x + cols[None, :], mask=mask & ~in_state[:, None], other=0.0)
     return from_state.to(tl.float32) + from_x.to(tl.float32)
@@ -71,10 +82,22 @@ def _conv_kernel(
     tap_mask = taps < KERNEL
     # Window offset of tap j: (t − query_start) + j; offsets < KERNEL − 1 are the old state.
     rows = _window_rows(
-        x_ptr, states_ptr, t - query_start + taps, tap_mask, cols, col_mask, query_start, slot,
-        stride_x, stride_slot, CHANNELS, KERNEL - 1,
+        x_ptr,
+        states_ptr,
+        t - query_start + taps,
+        tap_mask,
+        cols,
+        col_mask,
+        query_start,
+        slot,
+        stride_x,
+        stride_slot,
+        CHANNELS,
+        KERNEL - 1,
     )  # [TAPS, BLOCK]
-    weights = tl.load(weight_ptr + cols[None, :] * KERNEL + taps[:, None], mask=tap_mask[:, None] & col_mask[None, :], other=0.0)
+    weights = tl.load(
+        weight_ptr + cols[None, :] * KERNEL + taps[:, None], mask=tap_mask[:, None] & col_mask[None, :], other=0.0
+    )
     products = rows * weights.to(tl.float32)
     acc = tl.sum(tl.where(taps[:, None] == 0, products, 0.0), axis=0)
     for j in tl.static_range(1, KERNEL):  # tap by tap, in order: the reference's summation order
@@ -113,21 +136,43 @@ def _state_kernel(
         first = window_start - query_start
         for e in range(first, query_len):
             values = _window_rows(
-                x_ptr, states_ptr, e + 1 + rows, row_mask, cols, col_mask, query_start, slot,
-                stride_x, stride_slot, CHANNELS, WIDTH,
+                x_ptr,
+                states_ptr,
+                e + 1 + rows,
+                row_mask,
+                cols,
+                col_mask,
+                query_start,
+                slot,
+                stride_x,
+                stride_slot,
+                CHANNELS,
+                WIDTH,
             )
             position = (window_index * max_window + e - first) * WIDTH
             tl.store(
                 windows_ptr + (position + rows[:, None]) * CHANNELS + cols[None, :],
-                values.to(windows_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :],
+                values.to(windows_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & col_mask[None, :],
             )
     values = _window_rows(
-        x_ptr, states_ptr, query_len + rows, row_mask, cols, col_mask, query_start, slot,
-        stride_x, stride_slot, CHANNELS, WIDTH,
+        x_ptr,
+        states_ptr,
+        query_len + rows,
+        row_mask,
+        cols,
+        col_mask,
+        query_start,
+        slot,
+        stride_x,
+        stride_slot,
+        CHANNELS,
+        WIDTH,
     )
     tl.store(
         states_ptr + slot * stride_slot + rows[:, None] * CHANNELS + cols[None, :],
-        values.to(states_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :],
+        values.to(states_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
     )
 
 
@@ -158,7 +203,8 @@ def causal_conv1d(
     windows = plan.window_requests
     window_states = (
         torch.empty(len(windows), plan.max_window, kernel - 1, channels, dtype=conv_states.dtype, device=x.device)
-        if windows else None
+        if windows
+        else None
     )
     if num_tokens == 0:
         return out, window_states
@@ -168,13 +214,34 @@ def causal_conv1d(
     num_requests = len(plan.query_lens)
     grid_channels = triton.cdiv(channels, block)
     _conv_kernel[(num_tokens, grid_channels)](
-        x, conv_states, weight, out, plan.kernel_table, plan.token_requests, num_requests,
-        x.stride(0), conv_states.stride(0),
-        CHANNELS=channels, KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK=block, num_warps=4,
+        x,
+        conv_states,
+        weight,
+        out,
+        plan.kernel_table,
+        plan.token_requests,
+        num_requests,
+        x.stride(0),
+        conv_states.stride(0),
+        CHANNELS=channels,
+        KERNEL=kernel,
+        TAPS=triton.next_power_of_2(kernel),
+        BLOCK=block,
+        num_warps=4,
     )
     _state_kernel[(num_requests, grid_channels)](
-        x, conv_states, window_states if window_states is not None else out, plan.kernel_table, num_requests,
-        plan.max_window, x.stride(0), conv_states.stride(0),
-        CHANNELS=channels, WIDTH=kernel - 1, ROWS=triton.next_power_of_2(kernel - 1), BLOCK=block, num_warps=4,
+        x,
+        conv_states,
+        window_states if window_states is not None else out,
+        plan.kernel_table,
+        num_requests,
+        plan.max_window,
+        x.stride(0),
+        conv_states.stride(0),
+        CHANNELS=channels,
+        WIDTH=kernel - 1,
+        ROWS=triton.next_power_of_2(kernel - 1),
+        BLOCK=block,
+        num_warps=4,
     )
     return out, window_states

@@ -30,9 +30,7 @@ def check_tensor(
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} has dtype {tensor.dtype}; expected one of {allowed}")
     if last_dim_contiguous and tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride 1), got strides {tensor.stride()}"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {tensor.stride()}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
@@ -45,4 +43,3 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
     return device
-

@@ -77,8 +77,25 @@ def _unit_lower_inverse(a, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(mixed_ptr, alpha_ptr, beta_ptr, a, dt_bias, t, row_mask, q_scale, stride_mixed, stride_alpha,
-                stride_beta, h, key_head, ks, k_mask, KEY_HEADS: tl.constexpr, DK: tl.constexpr):
+def _load_chunk(
+    mixed_ptr,
+    alpha_ptr,
+    beta_ptr,
+    a,
+    dt_bias,
+    t,
+    row_mask,
+    q_scale,
+    stride_mixed,
+    stride_alpha,
+    stride_beta,
+    h,
+    key_head,
+    ks,
+    k_mask,
+    KEY_HEADS: tl.constexpr,
+    DK: tl.constexpr,
+):
     """One chunk's q, k [C, BK] (L2-normalised, q scaled), log-decays g and strengths β [C]; rows
     past the request's end are zeros with g = β = 0."""
     rows = mixed_ptr + t[:, None] * stride_mixed
@@ -132,10 +149,30 @@ def _chunk_wy_kernel(
         t = tl.load(table_ptr + r).to(tl.int64) + chunk_start + cs  # [C]
         a = tl.load(a_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        _, k, g, b = _load_chunk(mixed_ptr, alpha_ptr, beta_ptr, a, dt_bias, t, row_mask, 1.0, stride_mixed,
-                                 stride_alpha, stride_beta, h, h % KEY_HEADS, ks, k_mask, KEY_HEADS, DK)
-        v = tl.load(mixed_ptr + t[:, None] * stride_mixed + 2 * KEY_HEADS * DK + h * DV + vs[None, :],
-                    mask=row_mask[:, None] & v_mask[None, :], other=0.0).to(tl.float32)  # [C, BDV]
+        _, k, g, b = _load_chunk(
+            mixed_ptr,
+            alpha_ptr,
+            beta_ptr,
+            a,
+            dt_bias,
+            t,
+            row_mask,
+            1.0,
+            stride_mixed,
+            stride_alpha,
+            stride_beta,
+            h,
+            h % KEY_HEADS,
+            ks,
+            k_mask,
+            KEY_HEADS,
+            DK,
+        )
+        v = tl.load(
+            mixed_ptr + t[:, None] * stride_mixed + 2 * KEY_HEADS * DK + h * DV + vs[None, :],
+            mask=row_mask[:, None] & v_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [C, BDV]
         c = tl.cumsum(g, axis=0)  # [C]: log-decay from the chunk's start through each token
         strictly_lower = cs[:, None] > cs[None, :]
         decay = tl.exp(tl.where(strictly_lower, c[:, None] - c[None, :], float("-inf")))
@@ -195,10 +232,28 @@ def _chunk_state_kernel(
     for chunk_start in range(0, query_len, CHUNK):
         row_mask = chunk_start + cs < query_len
         t = query_start + chunk_start + cs  # [C]
-        q, k, g, _ = _load_chunk(mixed_ptr, alpha_ptr, beta_ptr, a, dt_bias, t, row_mask, q_scale, stride_mixed,
-                                 stride_alpha, stride_beta, h, h % KEY_HEADS, ks, k_mask, KEY_HEADS, DK)
-        w = tl.load(w_ptr + (t[:, None] * HEADS + h) * DK + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # [C, BK]
+        q, k, g, _ = _load_chunk(
+            mixed_ptr,
+            alpha_ptr,
+            beta_ptr,
+            a,
+            dt_bias,
+            t,
+            row_mask,
+            q_scale,
+            stride_mixed,
+            stride_alpha,
+            stride_beta,
+            h,
+            h % KEY_HEADS,
+            ks,
+            k_mask,
+            KEY_HEADS,
+            DK,
+        )
+        w = tl.load(
+            w_ptr + (t[:, None] * HEADS + h) * DK + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )  # [C, BK]
         row_tile = row_mask[:, None] & v_mask[None, :]
         u = tl.load(u_ptr + (t[:, None] * HEADS + h) * DV + vs[None, :], mask=row_tile, other=0.0)  # [C, BV]
         c = tl.cumsum(g, axis=0)
@@ -238,14 +293,44 @@ def launch_chunked(
     num_requests = kernel_table.shape[1]
     common = (kernel_table, num_requests, first_launch, mixed.stride(0), alpha.stride(0), beta.stride(0))
     _chunk_wy_kernel[(triton.cdiv(max(query_lens), chunk_tokens), num_launched * heads)](
-        mixed, alpha, beta, a, dt_bias, w, u, *common,
-        HEADS=heads, KEY_HEADS=key_heads, DK=dk, DV=dv, BK=block_k, BDV=max(16, triton.next_power_of_2(dv)),
-        CHUNK=chunk_tokens, num_warps=4,
+        mixed,
+        alpha,
+        beta,
+        a,
+        dt_bias,
+        w,
+        u,
+        *common,
+        HEADS=heads,
+        KEY_HEADS=key_heads,
+        DK=dk,
+        DV=dv,
+        BK=block_k,
+        BDV=max(16, triton.next_power_of_2(dv)),
+        CHUNK=chunk_tokens,
+        num_warps=4,
     )
     # Untuned: 32 value columns keep S, q, k and W of a 128-wide head in registers and give a lone
     # long prompt of Qwen3.5-9B's 32 heads 128 programs.
     value_tile = max(16, min(32, triton.next_power_of_2(dv)))
     _chunk_state_kernel[(triton.cdiv(dv, value_tile), num_launched * heads)](
-        mixed, alpha, beta, a, dt_bias, w, u, states, out, *common, dk**-0.5,
-        HEADS=heads, KEY_HEADS=key_heads, DK=dk, DV=dv, BK=block_k, BV=value_tile, CHUNK=chunk_tokens, num_warps=4,
+        mixed,
+        alpha,
+        beta,
+        a,
+        dt_bias,
+        w,
+        u,
+        states,
+        out,
+        *common,
+        dk**-0.5,
+        HEADS=heads,
+        KEY_HEADS=key_heads,
+        DK=dk,
+        DV=dv,
+        BK=block_k,
+        BV=value_tile,
+        CHUNK=chunk_tokens,
+        num_warps=4,
     )

@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.model.gated_delta_net import DeltaNetPlan, num_key_heads_of
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
 from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS, launch_chunked, log_decay, write_strength
+from executor_svc.model.gated_delta_net import DeltaNetPlan, num_key_heads_of
 
 MAX_VALUE_TILE = 32  # value columns per program: registers hold dk × this many float32
 
@@ -129,7 +129,12 @@ def gated_delta_rule(
     num_tokens = mixed.shape[0]
     _, heads, dk, dv = states.shape
     key_heads = num_key_heads_of(mixed, states)
-    if alpha.shape != (num_tokens, heads) or beta.shape != (num_tokens, heads) or a.shape != (heads,) or dt_bias.shape != (heads,):
+    if (
+        alpha.shape != (num_tokens, heads)
+        or beta.shape != (num_tokens, heads)
+        or a.shape != (heads,)
+        or dt_bias.shape != (heads,)
+    ):
         raise ValueError(
             f"alpha {tuple(alpha.shape)}, beta {tuple(beta.shape)}, a {tuple(a.shape)}, dt_bias {tuple(dt_bias.shape)} "
             f"do not match {num_tokens} tokens of {heads} heads"
@@ -142,7 +147,9 @@ def gated_delta_rule(
         raise ValueError(f"chunk_tokens must be a power of two >= 16, got {chunk_tokens}")
     out = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=mixed.device)
     windows = plan.window_requests
-    window_starts = torch.empty(len(windows), heads, dk, dv, dtype=torch.float32, device=mixed.device) if windows else None
+    window_starts = (
+        torch.empty(len(windows), heads, dk, dv, dtype=torch.float32, device=mixed.device) if windows else None
+    )
     if num_tokens == 0:
         return out, window_starts
     num_requests, num_chunked = len(plan.query_lens), plan.num_chunked
@@ -151,16 +158,43 @@ def gated_delta_rule(
         value_tile = min(MAX_VALUE_TILE, triton.next_power_of_2(dv))
         block_k = triton.next_power_of_2(dk)
         _gated_delta_rule_kernel[(triton.cdiv(dv, value_tile), num_recurrent * heads)](
-            mixed, alpha, beta, a, dt_bias, states, out,
+            mixed,
+            alpha,
+            beta,
+            a,
+            dt_bias,
+            states,
+            out,
             window_starts if window_starts is not None else out,
-            plan.kernel_table, num_requests, mixed.stride(0), alpha.stride(0), beta.stride(0), dk**-0.5,
-            HEADS=heads, KEY_HEADS=key_heads, DK=dk, DV=dv, BK=block_k, BV=value_tile,
+            plan.kernel_table,
+            num_requests,
+            mixed.stride(0),
+            alpha.stride(0),
+            beta.stride(0),
+            dk**-0.5,
+            HEADS=heads,
+            KEY_HEADS=key_heads,
+            DK=dk,
+            DV=dv,
+            BK=block_k,
+            BV=value_tile,
             num_warps=4 if block_k * value_tile >= 2048 else 2,
         )
     if num_chunked:
         chunked_lens = [n for n, chunked in zip(plan.query_lens, plan.chunked) if chunked]
         launch_chunked(
-            mixed, alpha, beta, a, dt_bias, states, out, plan.kernel_table, chunked_lens, num_recurrent, num_chunked,
-            key_heads, chunk_tokens,
+            mixed,
+            alpha,
+            beta,
+            a,
+            dt_bias,
+            states,
+            out,
+            plan.kernel_table,
+            chunked_lens,
+            num_recurrent,
+            num_chunked,
+            key_heads,
+            chunk_tokens,
         )
     return out, window_starts

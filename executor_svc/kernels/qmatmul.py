@@ -76,7 +76,9 @@ def _k_scale_min(s_ptr, sub, mask):
 
 
 @triton.jit
-def _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr, HAS_HIGH_BIT: tl.constexpr):
+def _dequant_k_quant(
+    w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr, HAS_HIGH_BIT: tl.constexpr
+):
     """Q4_K (and Q5_K, HAS_HIGH_BIT): d f16, dmin f16, scales[12], (Q5_K: qh[32]), qs[128]. Value i of
     the 256: sub-block j = i // 32 (its scale and min), nibble j % 2 of qs[32 · (i // 64) + i % 32];
     Q5_K adds bit j of qh[i % 32] as the fifth bit."""
@@ -204,7 +206,9 @@ def qmatmul(x: torch.Tensor, data: torch.Tensor, tensor_type: int, cols: int) ->
     if x.shape[1] != cols:
         raise ValueError(f"x has {x.shape[1]} columns; the weight has {cols}")
     if data.shape[1] != row_bytes or not data.is_contiguous():
-        raise ValueError(f"data {tuple(data.shape)} is not contiguous {PACKED_TYPES[tensor_type][0]} rows of {cols} values")
+        raise ValueError(
+            f"data {tuple(data.shape)} is not contiguous {PACKED_TYPES[tensor_type][0]} rows of {cols} values"
+        )
     num_rows, num_out = x.shape[0], data.shape[0]
     out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_out == 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.model.gated_delta_net import DeltaNetPlan, build_delta_net_plan
 from executor_svc.kernels.causal_conv1d import causal_conv1d
 from executor_svc.kernels.chunk_gated_delta_rule import CHUNK_TOKENS
 from executor_svc.kernels.gated_delta_rule import gated_delta_rule
@@ -22,6 +21,7 @@ from executor_svc.kernels.paged_attention import AttentionMetadata, build_attent
 from executor_svc.kernels.rms_norm import add_rms_norm, rms_norm
 from executor_svc.kernels.rope import apply_rope
 from executor_svc.kernels.silu_mul import silu_mul
+from executor_svc.model.gated_delta_net import DeltaNetPlan, build_delta_net_plan
 from executor_svc.model.ragged_batch import RaggedBatch
 from executor_svc.model.torch_ops import TorchOps, qkv_rope_write
 
@@ -90,23 +90,54 @@ class TritonOps:
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, metadata, scale, kv_tile_keys=self.kv_tile_keys)
 
-    def qkv_rope_write(self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions,
-                       slot_mapping, k_cache, v_cache) -> torch.Tensor:
+    def qkv_rope_write(
+        self,
+        qkv,
+        num_heads,
+        num_kv_heads,
+        q_norm,
+        k_norm,
+        eps,
+        cos_table,
+        sin_table,
+        positions,
+        slot_mapping,
+        k_cache,
+        v_cache,
+    ) -> torch.Tensor:
         """TorchOps.qkv_rope_write, composed of this class's kernels (not yet one fused kernel)."""
         return qkv_rope_write(
-            self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+            self,
+            qkv,
+            num_heads,
+            num_kv_heads,
+            q_norm,
+            k_norm,
+            eps,
+            cos_table,
+            sin_table,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
         )
 
     # ----------------------------------------------------------- Gated DeltaNet (hybrid models)
 
-    def prepare_delta_net(self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None) -> DeltaNetPlan:
+    def prepare_delta_net(
+        self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None
+    ) -> DeltaNetPlan:
         """Per-step DeltaNet metadata, built once and passed to every DeltaNet layer; prefills of at
         least `min_chunked_tokens` take the chunked kernel (None: none, the batch-invariant way).
         Decode and verify rows always take the recurrent kernel: a verify window's rollback replays
         its positions with it (`DeltaRuleWindow`)."""
         return build_delta_net_plan(
-            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots),
-            batch.token_ids.device, min_chunked_tokens=min_chunked_tokens,
+            batch.query_starts,
+            batch.query_lens,
+            list(batch.logits_counts),
+            list(batch.state_slots),
+            batch.token_ids.device,
+            min_chunked_tokens=min_chunked_tokens,
         )
 
     def causal_conv1d(

@@ -50,12 +50,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.kv.block_allocator import BlockAllocator, block_hash
 from executor_svc.errors import OutOfStateSlotsError
+from executor_svc.kv.block_allocator import BlockAllocator, block_hash
 from executor_svc.kv.kv_cache import KVCache
-from executor_svc.weights.model_config import ModelConfig
 from executor_svc.kv.recurrent_state import RecurrentStatePool, bytes_per_slot
 from executor_svc.kv.state_snapshots import StateSnapshots
+from executor_svc.weights.model_config import ModelConfig
 
 # The default number of state snapshots: one per slot, within this share of what the slots leave of the budget.
 MAX_SNAPSHOT_SHARE = 0.25
@@ -107,7 +107,9 @@ class KVManager:
         self.state_pool = state_pool
         self._prefix_root = prefix_root
         # A hybrid's prefix also needs its recurrent state at the block boundary (see the module docstring).
-        self.snapshots = StateSnapshots(state_pool.num_snapshots) if state_pool is not None and enable_prefix_caching else None
+        self.snapshots = (
+            StateSnapshots(state_pool.num_snapshots) if state_pool is not None and enable_prefix_caching else None
+        )
         self.caches_prefixes = enable_prefix_caching and (state_pool is None or state_pool.num_snapshots > 0)
         self._held: dict[str, _RequestKV] = {}
 
@@ -209,7 +211,9 @@ class KVManager:
         """Free blocks once the `leaving` requests (released or preempted) have freed theirs."""
         return self.num_free_blocks + len(self._blocks_freed_by(leaving))
 
-    def num_blocks_needed(self, num_tokens: dict[str, int], computed: dict[str, ComputedBlocks], leaving: Iterable[str]) -> int:
+    def num_blocks_needed(
+        self, num_tokens: dict[str, int], computed: dict[str, ComputedBlocks], leaving: Iterable[str]
+    ) -> int:
         """Free blocks a step consumes when each request of `num_tokens` must hold that many tokens
         of KV after it, starting from its `computed` blocks (if any), once `leaving` have left.
 
@@ -289,7 +293,9 @@ class KVManager:
         held = self._held[request_id]
         self._drop_pending_snapshot(held)
         boundary = len(token_ids) // self.block_size * self.block_size
-        if not start < boundary < end:  # not inside (a step ending on it leaves the state in the slot: commit copies it)
+        if (
+            not start < boundary < end
+        ):  # not inside (a step ending on it leaves the state in the slot: commit copies it)
             return
         num_blocks = boundary // self.block_size
         block_hash_ = self._extend_hashes(token_ids, held.block_hashes, num_blocks)[num_blocks - 1]
@@ -391,7 +397,9 @@ class KVManager:
         """Blocks for `num_tokens` tokens and a state slot for each of `num_requests` scratch
         requests, as (block_ids, state_slot) pairs, given back on exit; None when they do not fit."""
         needed = num_requests * self.cache.num_blocks_for(num_tokens)
-        if needed > self.num_free_blocks or (self.state_pool is not None and not self.state_pool.can_allocate(num_requests)):
+        if needed > self.num_free_blocks or (
+            self.state_pool is not None and not self.state_pool.can_allocate(num_requests)
+        ):
             yield None
             return
         taken = []

@@ -87,7 +87,12 @@ class RecurrentStatePool:
         self._layer_index = {layer: i for i, layer in enumerate(layers)}
         num_rows = num_slots + num_snapshots  # the slots, then the snapshots
         conv_shape = (num_rows, config.conv_kernel - 1, config.conv_dim)
-        recurrent_shape = (num_rows, config.num_linear_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        recurrent_shape = (
+            num_rows,
+            config.num_linear_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
         self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in layers]
         self.recurrent = [torch.zeros(recurrent_shape, dtype=torch.float32, device=device) for _ in layers]
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.cpu_kernels import load
-from executor_svc.weights.model_config import ModelConfig
 from executor_svc.model.ragged_batch import RaggedBatch
 from executor_svc.model.torch_ops import TorchOps
+from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.weight_format import cpu_matmul_parts
 
 
@@ -61,19 +61,36 @@ class CpuLayerStack:
                 return None
             next_norm = weights.layers[i + 1].attn_norm if i + 1 < len(weights.layers) else weights.final_norm
             qkv, o_proj, gate_up, down = matmuls
-            stack.add_layer(qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, o_proj, layer.ffn_norm, gate_up, down, next_norm)
+            stack.add_layer(
+                qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, o_proj, layer.ffn_norm, gate_up, down, next_norm
+            )
         return cls(stack)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, batch: RaggedBatch, metadata: "CpuAttentionMetadata",
-        kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        batch: RaggedBatch,
+        metadata: "CpuAttentionMetadata",
+        kv: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
     ) -> torch.Tensor:
         """x, residual [T, hidden] from the embedding → the last layer's output after the final
         norm (residual is updated in place); kv: the whole cache tensor, one [2, ...] per layer."""
         m = metadata
         return self._stack.forward(
-            x, residual, kv, cos_table, sin_table, batch.positions, batch.slot_mapping,
-            m.query_starts, m.query_lens, m.context_lens, m.block_tables,
+            x,
+            residual,
+            kv,
+            cos_table,
+            sin_table,
+            batch.positions,
+            batch.slot_mapping,
+            m.query_starts,
+            m.query_lens,
+            m.context_lens,
+            m.block_tables,
         )
 
 
@@ -129,7 +146,9 @@ class CpuOps:
         scale: float,
     ) -> torch.Tensor:
         m = metadata
-        return self._k.paged_attention(q, k_cache, v_cache, m.query_starts, m.query_lens, m.context_lens, m.block_tables, scale)
+        return self._k.paged_attention(
+            q, k_cache, v_cache, m.query_starts, m.query_lens, m.context_lens, m.block_tables, scale
+        )
 
     def qkv_rope_write(
         self,
@@ -148,7 +167,18 @@ class CpuOps:
     ) -> torch.Tensor:
         """q [T, heads, head_dim] after q/k RMSNorm and RoPE; K and V written to the cache (in place)."""
         return self._k.qkv_rope_write(
-            qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+            qkv,
+            num_heads,
+            num_kv_heads,
+            q_norm,
+            k_norm,
+            eps,
+            cos_table,
+            sin_table,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
         )
 
     # Gated DeltaNet (hybrid models): no C++ kernel yet; the torch reference, which is batch-invariant.

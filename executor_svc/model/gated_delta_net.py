@@ -205,7 +205,9 @@ def prepare_qkv(
     return q, k, v.reshape(-1, num_value_heads, value_head_dim)
 
 
-def gates(alpha: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gates(
+    alpha: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-decay g = a · softplus(alpha + dt_bias), write strength sigmoid(beta)), each [T, value_heads] float32."""
     g = a.float() * invariant_map(F.softplus, alpha.float() + dt_bias.float())
     return g, invariant_map(torch.sigmoid, beta.float())
@@ -216,7 +218,9 @@ def num_key_heads_of(mixed: torch.Tensor, states: torch.Tensor) -> int:
     heads, dk, dv = states.shape[1:]
     num_key_heads, rest = divmod(mixed.shape[1] - heads * dv, 2 * dk)
     if rest or num_key_heads < 1 or heads % num_key_heads:
-        raise ValueError(f"mixed of width {mixed.shape[1]} does not hold q, k, v for states of shape {tuple(states.shape)}")
+        raise ValueError(
+            f"mixed of width {mixed.shape[1]} does not hold q, k, v for states of shape {tuple(states.shape)}"
+        )
     return num_key_heads
 
 
@@ -242,7 +246,9 @@ def gated_delta_rule(
     for r, (start, n) in enumerate(zip(plan.query_starts, plan.query_lens)):
         rows = slice(start, start + n)
         if plan.chunked[r]:
-            out[rows], request_states[r] = chunked_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], b[rows], request_states[r])
+            out[rows], request_states[r] = chunked_gated_delta_rule(
+                q[rows], k[rows], v[rows], g[rows], b[rows], request_states[r]
+            )
             continue
         s = request_states[r]
         window_offset = n - plan.window_lens[r] if plan.window_lens[r] else -1
@@ -282,7 +288,9 @@ class DeltaRuleWindow:
         states = self.start[None].clone()
         plan = build_delta_net_plan([0], [num_tokens], [1], [0], states.device)
         rows = slice(0, num_tokens)
-        self.ops.gated_delta_rule(self.mixed[rows], self.alpha[rows], self.beta[rows], self.a, self.dt_bias, states, plan)
+        self.ops.gated_delta_rule(
+            self.mixed[rows], self.alpha[rows], self.beta[rows], self.a, self.dt_bias, states, plan
+        )
         return states[0]
 
 

@@ -28,14 +28,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.recurrent_state import RecurrentStatePool, StepCapture
 from executor_svc.model.gated_delta_net import DeltaNetPlan, DeltaRuleWindow, build_delta_net_plan
 from executor_svc.model.invariant_elementwise import invariant_map
-from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.ragged_batch import RaggedBatch
 from executor_svc.model.transformer import Decoder, embed, ffn, lm_head
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_weights import DeltaNetWeights, LayerWeights, ModelWeights
-from executor_svc.model.ragged_batch import RaggedBatch
-from executor_svc.kv.recurrent_state import RecurrentStatePool, StepCapture
 from executor_svc.weights.weight_format import linear
 
 # Prefill slices at least this long take the chunked delta rule when batch invariance is off.
@@ -57,7 +57,9 @@ class CapturePlan:
 
     source_slots: torch.Tensor  # [C] int64: the capturing requests' slots (their state before the step)
     rows: torch.Tensor  # [C] int64: the snapshot rows written
-    conv_rows: torch.Tensor  # [C, kernel − 1] int64: rows of cat(source conv states, step inputs) that are the conv state at the boundary
+    conv_rows: (
+        torch.Tensor
+    )  # [C, kernel − 1] int64: rows of cat(source conv states, step inputs) that are the conv state at the boundary
     window_rows: dict[int, int]  # request index → snapshot row, for requests whose window starts at the boundary
     window_counts: tuple[int, ...]  # [R]: the verify windows, and the capture windows
     replay: DeltaNetPlan | None  # the delta rule over token_rows, onto replay_rows (None: no replays)
@@ -79,7 +81,9 @@ class CapturePlan:
             r = request_of[capture.slot]
             start, n, m = batch.query_starts[r], batch.query_lens[r], capture.num_tokens
             if m >= n or window_counts[r] > 1:
-                raise ValueError(f"slot {capture.slot}: a capture after {m} of a prefill chunk of {n} tokens is not inside it")
+                raise ValueError(
+                    f"slot {capture.slot}: a capture after {m} of a prefill chunk of {n} tokens is not inside it"
+                )
             # As the causal conv's next state: offsets below `width` are the old state, the rest step inputs.
             conv_rows.append([c * width + o if o < width else base + start + o - width for o in range(m, m + width)])
             is_chunked = min_chunked_tokens is not None and n >= min_chunked_tokens
@@ -93,7 +97,9 @@ class CapturePlan:
         replay_rows = [c.row for c in replayed]
         replay = None
         if replayed:
-            replay = build_delta_net_plan(replay_starts, [c.num_tokens for c in replayed], [1] * len(replayed), replay_rows, device)
+            replay = build_delta_net_plan(
+                replay_starts, [c.num_tokens for c in replayed], [1] * len(replayed), replay_rows, device
+            )
         return cls(
             source_slots=as_tensor([c.slot for c in captures]),
             rows=as_tensor([c.row for c in captures]),
@@ -133,7 +139,9 @@ class HybridTransformer(Decoder):
         min_chunked_tokens = None if self.batch_invariant else MIN_CHUNKED_PREFILL_TOKENS
         capture_plan = CapturePlan.build(state_pool.begin_step(), batch, c.conv_kernel, min_chunked_tokens, self.device)
         if capture_plan is not None:  # the ops read windows off the logits counts: add the capture windows
-            delta_net_plan = ops.prepare_delta_net(replace(batch, logits_counts=capture_plan.window_counts), c.conv_kernel, min_chunked_tokens)
+            delta_net_plan = ops.prepare_delta_net(
+                replace(batch, logits_counts=capture_plan.window_counts), c.conv_kernel, min_chunked_tokens
+            )
         else:
             delta_net_plan = ops.prepare_delta_net(batch, c.conv_kernel, min_chunked_tokens)
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
@@ -146,7 +154,9 @@ class HybridTransformer(Decoder):
             x, residual = ffn(x, residual, layer_index, c, w, ops)
         return lm_head(x, batch, w)
 
-    def _gated_attention(self, layer_index: int, layer: LayerWeights, x, batch: RaggedBatch, kv_cache: KVCache, metadata):
+    def _gated_attention(
+        self, layer_index: int, layer: LayerWeights, x, batch: RaggedBatch, kv_cache: KVCache, metadata
+    ):
         c, ops = self.config, self.ops
         t, heads, kv_heads, d, rd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dims
         qkv = linear(x, layer.qkv)  # [T, heads * 2 * head_dim + 2 * kv_heads * head_dim]
@@ -166,7 +176,13 @@ class HybridTransformer(Decoder):
         return linear(attn.reshape(t, heads * d) * invariant_map(torch.sigmoid, gate), layer.o_proj)
 
     def _delta_net(
-        self, layer_index: int, dn: DeltaNetWeights, x, plan: DeltaNetPlan, pool: RecurrentStatePool, captures: CapturePlan | None
+        self,
+        layer_index: int,
+        dn: DeltaNetWeights,
+        x,
+        plan: DeltaNetPlan,
+        pool: RecurrentStatePool,
+        captures: CapturePlan | None,
     ):
         c, ops = self.config, self.ops
         n, heads, dv = plan.token_requests.shape[0], c.num_linear_value_heads, c.linear_value_head_dim
@@ -180,7 +196,9 @@ class HybridTransformer(Decoder):
         if captures is not None and captures.replay is not None:  # the updates before each boundary again
             recurrent_states[captures.replay_rows] = recurrent_states[captures.replay_source_slots]
             rows = captures.token_rows
-            ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], dn.a, dn.dt_bias, recurrent_states, captures.replay)
+            ops.gated_delta_rule(
+                mixed[rows], alpha[rows], beta[rows], dn.a, dn.dt_bias, recurrent_states, captures.replay
+            )
         o, window_starts = ops.gated_delta_rule(mixed, alpha, beta, dn.a, dn.dt_bias, recurrent_states, plan)
         for i, r in enumerate(plan.window_requests):  # keep what restores the state after any kept draft
             if captures is not None and r in captures.window_rows:  # a capture window: only its start is wanted

@@ -95,17 +95,36 @@ class TorchOps:
     ) -> torch.Tensor:
         """The qkv matmul's output → q [T, heads, head_dim]; K and V go to the cache (in place)."""
         return qkv_rope_write(
-            self, qkv, num_heads, num_kv_heads, q_norm, k_norm, eps, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache
+            self,
+            qkv,
+            num_heads,
+            num_kv_heads,
+            q_norm,
+            k_norm,
+            eps,
+            cos_table,
+            sin_table,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
         )
 
     # ----------------------------------------------------------- Gated DeltaNet (hybrid models)
 
-    def prepare_delta_net(self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None) -> DeltaNetPlan:
+    def prepare_delta_net(
+        self, batch: RaggedBatch, conv_kernel: int, min_chunked_tokens: int | None = None
+    ) -> DeltaNetPlan:
         """Per-step DeltaNet metadata, built once and passed to every DeltaNet layer; prefills of at
         least `min_chunked_tokens` take the chunked delta rule (None: none, the batch-invariant way)."""
         return gated_delta_net.build_delta_net_plan(
-            batch.query_starts, batch.query_lens, list(batch.logits_counts), list(batch.state_slots),
-            batch.token_ids.device, conv_kernel, min_chunked_tokens,
+            batch.query_starts,
+            batch.query_lens,
+            list(batch.logits_counts),
+            list(batch.state_slots),
+            batch.token_ids.device,
+            conv_kernel,
+            min_chunked_tokens,
         )
 
     def causal_conv1d(

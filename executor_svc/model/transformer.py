@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from executor_svc.kv.kv_cache import KVCache
-from executor_svc.weights.model_config import ModelConfig
-from executor_svc.weights.model_weights import ModelWeights
 from executor_svc.model.moe import moe_ffn
 from executor_svc.model.ragged_batch import RaggedBatch
 from executor_svc.model.torch_ops import TorchOps
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_weights import ModelWeights
 from executor_svc.weights.weight_format import embedding, linear
 
 
@@ -63,7 +63,12 @@ class Decoder:
     """What every decoder here holds: its ops, compute dtype, weights, RoPE tables and attention scale."""
 
     def __init__(
-        self, config: ModelConfig, weights: ModelWeights, device: torch.device, ops=None, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        device: torch.device,
+        ops=None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.ops = ops or TorchOps()
         # Activations and KV: the norms are loaded in the compute dtype, so they say it by default.
@@ -100,10 +105,22 @@ class Transformer(Decoder):
             k_cache, v_cache = kv_cache.layer(layer_index)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, (heads + 2 * kv_heads) * head_dim]
             q = ops.qkv_rope_write(
-                qkv, c.num_heads, c.num_kv_heads, layer.q_norm, layer.k_norm, c.rms_norm_eps,
-                self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+                qkv,
+                c.num_heads,
+                c.num_kv_heads,
+                layer.q_norm,
+                layer.k_norm,
+                c.rms_norm_eps,
+                self.rope_cos,
+                self.rope_sin,
+                batch.positions,
+                batch.slot_mapping,
+                k_cache,
+                v_cache,
             )  # [T_padded, heads, head_dim]; K and V are in the cache
             attn = ops.attention(q, k_cache, v_cache, metadata, self.scale)  # [T_padded, heads, head_dim]
-            x, residual = ops.add_rms_norm(linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps)
+            x, residual = ops.add_rms_norm(
+                linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps
+            )
             x, residual = ffn(x, residual, layer_index, c, w, ops)
         return lm_head(x, batch, w)

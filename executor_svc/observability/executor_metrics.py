@@ -36,18 +36,27 @@ class ExecutorMetrics:
         )
         self._phase_duration = {phase: phase_duration.labels(phase) for phase in PHASES}
         self.step_tokens = Histogram(
-            PREFIX + "step_tokens", "Tokens computed in one step (prefill, decode and draft)", buckets=buckets.STEP_TOKENS, registry=r
+            PREFIX + "step_tokens",
+            "Tokens computed in one step (prefill, decode and draft)",
+            buckets=buckets.STEP_TOKENS,
+            registry=r,
         )
-        self.computed_tokens = Counter(PREFIX + "computed_tokens", "Tokens computed (prefill, decode and draft)", registry=r)
+        self.computed_tokens = Counter(
+            PREFIX + "computed_tokens", "Tokens computed (prefill, decode and draft)", registry=r
+        )
         self.generated_tokens = Counter(PREFIX + "generated_tokens", "Tokens emitted to requests", registry=r)
         self.draft_tokens = Counter(PREFIX + "draft_tokens", "Draft tokens proposed and verified", registry=r)
         self.draft_tokens_accepted = Counter(PREFIX + "draft_tokens_accepted", "Draft tokens accepted", registry=r)
         self.requests_added = Counter(PREFIX + "requests_added", "Requests a plan added", registry=r)
-        self.preemptions = Counter(PREFIX + "preemptions", "Requests a plan preempted (KV freed, tokens kept)", registry=r)
+        self.preemptions = Counter(
+            PREFIX + "preemptions", "Requests a plan preempted (KV freed, tokens kept)", registry=r
+        )
         self.kv_blocks_free = Gauge(PREFIX + "kv_blocks_free", "Free KV blocks (after the last step)", registry=r)
         self.kv_blocks_used = Gauge(PREFIX + "kv_blocks_used", "KV blocks in use (after the last step)", registry=r)
         self.running_requests = Gauge(PREFIX + "running_requests", "Requests the executor holds", registry=r)
-        self.rpc_errors = Counter(PREFIX + "rpc_errors", "RPCs ended with a status other than OK", RPC_ERROR_LABELS, registry=r)
+        self.rpc_errors = Counter(
+            PREFIX + "rpc_errors", "RPCs ended with a status other than OK", RPC_ERROR_LABELS, registry=r
+        )
 
     def watch(self, engine) -> None:
         """Read what is not in a step's response from the engine."""

@@ -39,9 +39,9 @@ import llguidance
 import numpy as np
 import torch
 
+from executor_svc.weights.tokenizer import TokenizerInfo
 from service_common.errors import InvalidRequestError
 from service_common.structured_output import StructuredOutput
-from executor_svc.weights.tokenizer import TokenizerInfo
 
 MAX_CACHED_GRAMMARS = 64  # agents send the same tool and response schemas again and again
 

@@ -32,6 +32,7 @@ import torch
 
 from executor_svc.sampling.sampler import SampleSpec, draw, token_probabilities, uniform
 
+
 def accept_greedy(argmax_ids: list[int], draft_ids: list[int]) -> tuple[list[int], int]:
     """argmax of rows 0..m and drafts d_1..d_m → (emitted tokens, number of drafts kept)."""
     num_accepted = 0
@@ -59,7 +60,9 @@ def accept_sampled(
     return draft_ids + [draw(probs_of_row(m), uniform_at(m))], m
 
 
-def verify(logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], spec: SampleSpec) -> tuple[list[int], int]:
+def verify(
+    logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], spec: SampleSpec
+) -> tuple[list[int], int]:
     """One request's rows: logits [m + 1, V] float32, their argmax, its m drafts."""
     if spec.params.is_greedy:
         return accept_greedy(argmax_ids, draft_ids)

@@ -17,9 +17,9 @@ import statistics
 import time
 
 from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from service_common.structured_output import StructuredOutput
 from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
+from service_common.structured_output import StructuredOutput
 
 SCHEMA = {
     "type": "object",
@@ -30,7 +30,11 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["street", "city"],
         },
         "role": {"enum": ["admin", "user", "guest"]},
@@ -42,14 +46,24 @@ SCHEMA = {
 PROMPT = "Describe a user as JSON: "
 
 
-def decode_steps(engine: Engine, batch_size: int, num_steps: int, spec: StructuredOutput | None) -> list[tuple[float, float]]:
+def decode_steps(
+    engine: Engine, batch_size: int, num_steps: int, spec: StructuredOutput | None
+) -> list[tuple[float, float]]:
     """(step wall time, grammar mask time) of each decode step while all B requests run."""
     prompt = engine.tokenizer.tokenizer.encode(PROMPT).ids
     requests = [
-        NewRequest(f"b{i}", prompt, SamplingParams(temperature=1.0, seed=i), max_new_tokens=num_steps + 1, structured_output=spec)
+        NewRequest(
+            f"b{i}",
+            prompt,
+            SamplingParams(temperature=1.0, seed=i),
+            max_new_tokens=num_steps + 1,
+            structured_output=spec,
+        )
         for i in range(batch_size)
     ]
-    engine.step(StepRequest(scheduled=[ScheduledRequest(r.request_id, len(prompt)) for r in requests], new_requests=requests))
+    engine.step(
+        StepRequest(scheduled=[ScheduledRequest(r.request_id, len(prompt)) for r in requests], new_requests=requests)
+    )
     running = {r.request_id for r in requests}
     timings = []
     while running:
@@ -83,7 +97,9 @@ def main() -> None:
         mask = statistics.median(masks)
         p90 = masks[int(0.9 * (len(masks) - 1))]
         free_step = statistics.median(s for s, _ in free)
-        print(f"{batch_size:6d} | {mask * 1e3:10.3f} {p90 * 1e3:10.3f}      | {step * 1e3:20.1f} | {mask / step:5.1%} | {free_step * 1e3:10.1f}")
+        print(
+            f"{batch_size:6d} | {mask * 1e3:10.3f} {p90 * 1e3:10.3f}      | {step * 1e3:20.1f} | {mask / step:5.1%} | {free_step * 1e3:10.1f}"
+        )
 
 
 if __name__ == "__main__":

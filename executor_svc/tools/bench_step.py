@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from executor_svc.weights.gguf_file import open_gguf
-from executor_svc.kv.kv_cache import KVCache
 from executor_svc.engine.engine import resolve_ops
-from executor_svc.weights.weight_format import has_int16_dot
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.weights.weight_format import has_int16_dot
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -75,7 +75,9 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
             by_t[t] = time_forward(model, cache, [RequestSlice([11] * t, context, tables[0], 1)], reps, rows)
         by_b = {}
         for b in b_values:
-            by_b[b] = time_forward(model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, rows)
+            by_b[b] = time_forward(
+                model, cache, [RequestSlice([11], context, tables[i], 1) for i in range(b)], reps, rows
+            )
         results["variants"][name] = {
             "step_s_by_tokens": by_t,
             "step_s_by_batch": by_b,
@@ -115,7 +117,9 @@ def print_table(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16)")
+    parser.add_argument(
+        "--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16)"
+    )
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128")

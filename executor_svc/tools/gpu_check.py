@@ -527,10 +527,10 @@ def section_invariance(report: Report, shape: dict, dtype_name: str, device, siz
 
 def section_greedy(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
     """Lockstep greedy decoding: both op sets get the torch path's tokens; every scored row is compared."""
-    from executor_svc.tools.random_model import model_config, random_weights
     from executor_svc.kv.kv_cache import KVCache
-    from executor_svc.model.transformer import Transformer
     from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.tools.random_model import model_config, random_weights
 
     dtype = DTYPES[dtype_name]
     shape = sizes.models[0]
@@ -717,10 +717,10 @@ def section_prefill_timing(report: Report, bench: Bench, shape: dict, device, si
 
 def section_step_timings(report: Report, bench: Bench, shape: dict, device, sizes: Sizes) -> None:
     """A whole decode step, host work included (prepare, launches): what a serving step costs."""
-    from executor_svc.tools.random_model import model_config, random_weights
     from executor_svc.kv.kv_cache import KVCache
-    from executor_svc.model.transformer import Transformer
     from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+    from executor_svc.model.transformer import Transformer
+    from executor_svc.tools.random_model import model_config, random_weights
 
     dtype = torch.bfloat16
     config = model_config(**shape, context_length=4096)
@@ -761,7 +761,9 @@ class DeltaNetInputs:
         hk, h, dk, dv, kernel = (shape[k] for k in ("key_heads", "heads", "dk", "dv", "kernel"))
         t, self.channels = sum(query_lens), 2 * hk * dk + h * dv
         self.num_slots = 2 * len(query_lens) + 1
-        self.slots = torch.randperm(self.num_slots, generator=torch.Generator().manual_seed(0))[: len(query_lens)].tolist()
+        self.slots = torch.randperm(self.num_slots, generator=torch.Generator().manual_seed(0))[
+            : len(query_lens)
+        ].tolist()
         self.query_lens = query_lens
         self.x = torch.randn(t, self.channels, generator=gen, device=device).to(dtype)
         # The conv's output is what the delta rule reads; L2 norms make its scale irrelevant.
@@ -771,7 +773,9 @@ class DeltaNetInputs:
         self.a = (-2 * torch.rand(h, generator=gen, device=device)).to(dtype)
         self.dt_bias = torch.randn(h, generator=gen, device=device).to(dtype)
         self.weight = (0.5 * torch.randn(self.channels, kernel, generator=gen, device=device)).to(dtype)
-        self.conv_states = torch.randn(self.num_slots, kernel - 1, self.channels, generator=gen, device=device).to(dtype)
+        self.conv_states = torch.randn(self.num_slots, kernel - 1, self.channels, generator=gen, device=device).to(
+            dtype
+        )
         self.states = torch.randn(self.num_slots, h, dk, dv, generator=gen, device=device)
         self.kernel = kernel
 
@@ -780,8 +784,13 @@ class DeltaNetInputs:
 
         starts = [sum(self.query_lens[:i]) for i in range(len(self.query_lens))]
         return build_delta_net_plan(
-            starts, self.query_lens, logits_counts, self.slots, self.x.device,
-            self.kernel if torch_conv else None, min_chunked_tokens,
+            starts,
+            self.query_lens,
+            logits_counts,
+            self.slots,
+            self.x.device,
+            self.kernel if torch_conv else None,
+            min_chunked_tokens,
         )
 
 
@@ -805,7 +814,9 @@ def section_correct_delta_net(report: Report, dtype_name: str, device, sizes: Si
         rel, max_abs = relative_error(out.float(), ref.float())
         ok = rel <= tolerance
         summary = f"{rel:.1e} (max {max_abs:.1e})" + ("" if ok else " FAIL")
-        report.add("correct", name, shape["name"], dtype_name, size, rel_err=rel, max_abs=max_abs, ok=ok, summary=summary)
+        report.add(
+            "correct", name, shape["name"], dtype_name, size, rel_err=rel, max_abs=max_abs, ok=ok, summary=summary
+        )
 
     ours, ref = inputs.conv_states.clone(), inputs.conv_states.clone()
     out, windows = triton_ops.causal_conv1d(inputs.x, ours, inputs.weight, inputs.plan(counts))
@@ -814,7 +825,9 @@ def section_correct_delta_net(report: Report, dtype_name: str, device, sizes: Si
     kept = [windows[i, :n] for i, n in enumerate(c for c in counts if c > 1)]
     ref_kept = [ref_windows[i, :n] for i, n in enumerate(c for c in counts if c > 1)]
     exact = torch.equal(ours, ref) and all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
-    report.add("correct", "conv_states", shape["name"], dtype_name, size, ok=exact, summary="exact" if exact else "FAIL")
+    report.add(
+        "correct", "conv_states", shape["name"], dtype_name, size, ok=exact, summary="exact" if exact else "FAIL"
+    )
 
     # The delta rule computes in float32 whatever its inputs' dtype: float32 bounds on both sides.
     ours, ref = inputs.states.clone(), inputs.states.clone()
@@ -823,17 +836,31 @@ def section_correct_delta_net(report: Report, dtype_name: str, device, sizes: Si
     out, window_starts = triton_ops.gated_delta_rule(*args, ours, plan)
     ref_out, ref_window_starts = torch_ops.gated_delta_rule(*args, ref, plan)
     record("gated_delta_rule", out, ref_out, 1e-5)
-    record("delta_rule_states", torch.cat([ours.flatten(), window_starts.flatten()]),
-           torch.cat([ref.flatten(), ref_window_starts.flatten()]), 1e-5)
+    record(
+        "delta_rule_states",
+        torch.cat([ours.flatten(), window_starts.flatten()]),
+        torch.cat([ref.flatten(), ref_window_starts.flatten()]),
+        1e-5,
+    )
 
     # The prefill rows in the chunked form (C = 64), against torch's chunked form and its recurrent one.
     ours, ref = inputs.states.clone(), inputs.states.clone()
     out, _ = triton_ops.gated_delta_rule(*args, ours, inputs.plan(counts, min_chunked_tokens=2))
     ref_out, _ = torch_ops.gated_delta_rule(*args, ref, inputs.plan(counts, min_chunked_tokens=2))
-    record("chunk_gated_delta_rule", torch.cat([out.flatten(), ours.flatten()]), torch.cat([ref_out.flatten(), ref.flatten()]), 1e-5)
+    record(
+        "chunk_gated_delta_rule",
+        torch.cat([out.flatten(), ours.flatten()]),
+        torch.cat([ref_out.flatten(), ref.flatten()]),
+        1e-5,
+    )
     ref = inputs.states.clone()
     ref_out, _ = torch_ops.gated_delta_rule(*args, ref, plan)
-    record("chunk_vs_recurrent", torch.cat([out.flatten(), ours.flatten()]), torch.cat([ref_out.flatten(), ref.flatten()]), 1e-5)
+    record(
+        "chunk_vs_recurrent",
+        torch.cat([out.flatten(), ours.flatten()]),
+        torch.cat([ref_out.flatten(), ref.flatten()]),
+        1e-5,
+    )
 
 
 def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes: Sizes) -> None:
@@ -855,7 +882,9 @@ def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes:
 
         pick = lambda t: torch.cat([t[p] for p in parts])  # noqa: E731
         starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-        plan = build_delta_net_plan(starts, query_lens, logits_counts, slots, device, min_chunked_tokens=min_chunked_tokens)
+        plan = build_delta_net_plan(
+            starts, query_lens, logits_counts, slots, device, min_chunked_tokens=min_chunked_tokens
+        )
         conv_out, _ = ops.causal_conv1d(pick(inputs.x), conv_states, inputs.weight, plan)
         delta_out, _ = ops.gated_delta_rule(
             pick(inputs.mixed), pick(inputs.alpha), pick(inputs.beta), inputs.a, inputs.dt_bias, states, plan
@@ -877,8 +906,14 @@ def section_delta_net_invariance(report: Report, dtype_name: str, device, sizes:
     half = n // 2
     first = run([slice(start, start + half)], [half], [0], [slot], conv_states, states)
     other = inputs.slots[1]  # a decode token of another request beside the second chunk
-    second = run([slice(sum(lens[:1]), sum(lens[:1]) + 1), slice(start + half, start + n)], [1, n - half], [1, 0],
-                 [other, slot], conv_states, states)
+    second = run(
+        [slice(sum(lens[:1]), sum(lens[:1]) + 1), slice(start + half, start + n)],
+        [1, n - half],
+        [1, 0],
+        [other, slot],
+        conv_states,
+        states,
+    )
     chunked = (torch.cat([first[0], second[0][1:]]), torch.cat([first[1], second[1][1:]]), second[2], second[3])
     add("delta_net_request", "alone/batch/2 chunks", max_diff((alone, chunked), batch))
 
@@ -911,8 +946,19 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
     def record(name, b, size, triton_fn, torch_fn, bytes_moved):
         triton_ms, torch_ms = bench.ms(triton_fn), bench.ms(torch_fn)
         gbps = bytes_moved / triton_ms / 1e6
-        report.add("kernel", name, shape["name"], "bf16", size, batch=b, triton_us=1e3 * triton_ms, torch_us=1e3 * torch_ms,
-                   bytes=bytes_moved, gbps=gbps, fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
+        report.add(
+            "kernel",
+            name,
+            shape["name"],
+            "bf16",
+            size,
+            batch=b,
+            triton_us=1e3 * triton_ms,
+            torch_us=1e3 * torch_ms,
+            bytes=bytes_moved,
+            gbps=gbps,
+            fraction_of_copy=gbps / copy_gbps if copy_gbps else None,
+        )
 
     for b in sizes.batch_sizes:
         if report.over_budget():
@@ -922,12 +968,18 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
         args = (inputs.mixed, inputs.alpha, inputs.beta, inputs.a, inputs.dt_bias, inputs.states)
         c = inputs.channels
         timings = [
-            ("causal_conv1d_decode", lambda: triton_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, plan),
-             lambda: torch_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, torch_plan),
-             b * c * elt * (2 * (inputs.kernel - 1) + 2) + c * inputs.kernel * elt),
-            ("delta_rule_decode", lambda: triton_ops.gated_delta_rule(*args, plan),
-             lambda: torch_ops.gated_delta_rule(*args, plan),
-             b * (2 * h * dk * dv * 4 + c * elt + h * dv * 4 + 2 * h * elt)),
+            (
+                "causal_conv1d_decode",
+                lambda: triton_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, plan),
+                lambda: torch_ops.causal_conv1d(inputs.x, inputs.conv_states, inputs.weight, torch_plan),
+                b * c * elt * (2 * (inputs.kernel - 1) + 2) + c * inputs.kernel * elt,
+            ),
+            (
+                "delta_rule_decode",
+                lambda: triton_ops.gated_delta_rule(*args, plan),
+                lambda: torch_ops.gated_delta_rule(*args, plan),
+                b * (2 * h * dk * dv * 4 + c * elt + h * dv * 4 + 2 * h * elt),
+            ),
         ]
         for name, triton_fn, torch_fn, bytes_moved in timings:
             report.run("kernel", f"{name} B={b}", record, name, b, f"B={b}", triton_fn, torch_fn, bytes_moved)
@@ -943,9 +995,18 @@ def section_delta_net_timings(report: Report, bench: Bench, device, sizes: Sizes
         triton_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, plan))
         triton_chunked_ms = bench.ms(lambda: triton_ops.gated_delta_rule(*args, chunked_plan))
         torch_ms = bench.ms(lambda: torch_ops.gated_delta_rule(*args, chunked_plan))
-        report.add("kernel", "delta_rule_prefill", shape["name"], "bf16", f"{n}x{m} tokens", triton_us=1e3 * triton_ms,
-                   triton_chunked_us=1e3 * triton_chunked_ms, torch_us=1e3 * torch_ms,
-                   tokens_per_s=n * m / triton_ms * 1e3, chunked_tokens_per_s=n * m / triton_chunked_ms * 1e3)
+        report.add(
+            "kernel",
+            "delta_rule_prefill",
+            shape["name"],
+            "bf16",
+            f"{n}x{m} tokens",
+            triton_us=1e3 * triton_ms,
+            triton_chunked_us=1e3 * triton_chunked_ms,
+            torch_us=1e3 * torch_ms,
+            tokens_per_s=n * m / triton_ms * 1e3,
+            chunked_tokens_per_s=n * m / triton_chunked_ms * 1e3,
+        )
 
 
 # ----------------------------------------------------------------------------- GGUF dequant-matmul and the decode floor
@@ -1021,13 +1082,25 @@ def section_qmatmul_correct(report: Report, dtype_name: str, device, sizes: Gguf
             rel, max_abs = relative_error(out.double(), ref)
             worst_rel, worst_abs = max(worst_rel, rel), max(worst_abs, max_abs)
             # Batch invariance: the first rows alone (the skinny launch for M <= 32) give the same bits.
-            is_invariant = is_invariant and all(torch.equal(qmatmul(x[:r], data, type_id, k), out[:r]) for r in (1, min(m, 9)))
+            is_invariant = is_invariant and all(
+                torch.equal(qmatmul(x[:r], data, type_id, k), out[:r]) for r in (1, min(m, 9))
+            )
         ok = worst_rel <= REL_TOLERANCE[dtype_name] and is_invariant
         summary = f"rel {worst_rel:.1e} max|err| {worst_abs:.1e}" + ("" if is_invariant else " NOT ROW-INVARIANT")
         summary += "" if ok else " FAIL"
         shapes = " ".join(f"{m}x{n}x{k}" for m, n, k in sizes.correct_shapes)
-        report.add("qmatmul", f"correct_{name}", "", dtype_name, shapes, rel_err=worst_rel, max_abs=worst_abs,
-                   is_invariant=is_invariant, ok=ok, summary=summary)
+        report.add(
+            "qmatmul",
+            f"correct_{name}",
+            "",
+            dtype_name,
+            shapes,
+            rel_err=worst_rel,
+            max_abs=worst_abs,
+            is_invariant=is_invariant,
+            ok=ok,
+            summary=summary,
+        )
 
 
 def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
@@ -1051,25 +1124,40 @@ def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufS
             summary = f"{1e3 * ms:.0f}us {gbps:.0f} GB/s" + (f" = {100 * share:.0f}% of copy" if share else "")
             summary += f" (dense bf16 {1e3 * dense_ms:.0f}us)"
             size = f"M={m} {n}x{k}"
-            report.add("qmatmul", f"bandwidth_{name}", "", "bf16", size, batch=m, us=1e3 * ms, dense_us=1e3 * dense_ms,
-                       gbps=gbps, fraction_of_copy=share, summary=summary)
+            report.add(
+                "qmatmul",
+                f"bandwidth_{name}",
+                "",
+                "bf16",
+                size,
+                batch=m,
+                us=1e3 * ms,
+                dense_us=1e3 * dense_ms,
+                gbps=gbps,
+                fraction_of_copy=share,
+                summary=summary,
+            )
 
 
 class _QuantizedDecodeModel:
     """A random model of GGUF rows (Triton dequant-matmul) with a KV cache of random context."""
 
     def __init__(self, device, sizes: GgufSizes, max_requests: int, max_tokens_per_request: int) -> None:
-        from executor_svc.tools.random_model import model_config, random_packed_weights
         from executor_svc.kernels.triton_ops import TritonOps
         from executor_svc.kv.kv_cache import KVCache
         from executor_svc.model.transformer import Transformer
+        from executor_svc.tools.random_model import model_config, random_packed_weights
 
         self.config = model_config(**sizes.model, context_length=4096)
-        self.weights = random_packed_weights(self.config, _gguf_type_ids()[sizes.model_type], torch.bfloat16, device, seed=23)
+        self.weights = random_packed_weights(
+            self.config, _gguf_type_ids()[sizes.model_type], torch.bfloat16, device, seed=23
+        )
         self.model = Transformer(self.config, self.weights, device, ops=TritonOps(), dtype=torch.bfloat16)
         self.blocks_per_request = math.ceil((sizes.context + max_tokens_per_request) / BLOCK_SIZE)
         num_blocks = 1 + max_requests * self.blocks_per_request
-        self.kv_cache = KVCache(self.config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=device)
+        self.kv_cache = KVCache(
+            self.config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=device
+        )
         self.kv_cache.tensor.normal_()
         self.device, self.context = device, sizes.context
 
@@ -1111,8 +1199,19 @@ def section_decode_floor(report: Report, bench: Bench, device, sizes: GgufSizes)
         if floor_ms:
             summary += f" floor {floor_ms:.2f} ms = {graph_ms / floor_ms:.2f}x"
         size = f"B={b} ctx={run.context} L={run.config.num_layers} {sizes.model_type} {run.streamed_bytes / 1e9:.2f} GB"
-        report.add("decode", "step_vs_floor", sizes.model["name"], "bf16", size, batch=b, graph_ms=graph_ms,
-                   eager_ms=eager_ms, floor_ms=floor_ms, weight_bytes=run.streamed_bytes, summary=summary)
+        report.add(
+            "decode",
+            "step_vs_floor",
+            sizes.model["name"],
+            "bf16",
+            size,
+            batch=b,
+            graph_ms=graph_ms,
+            eager_ms=eager_ms,
+            floor_ms=floor_ms,
+            weight_bytes=run.streamed_bytes,
+            summary=summary,
+        )
 
 
 def section_verify_cost(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
@@ -1128,8 +1227,18 @@ def section_verify_cost(report: Report, bench: Bench, device, sizes: GgufSizes) 
             ms = bench.ms(lambda: run.model.forward(batch, run.kv_cache))
             base_ms = base_ms or ms
             summary = f"{ms:.2f} ms = {ms / base_ms:.2f}x K=0"
-            report.add("decode", f"verify_B{b}", sizes.model["name"], "bf16", f"B={b} K={k}", batch=b, drafts=k, ms=ms,
-                       ratio=ms / base_ms, summary=summary)
+            report.add(
+                "decode",
+                f"verify_B{b}",
+                sizes.model["name"],
+                "bf16",
+                f"B={b} K={k}",
+                batch=b,
+                drafts=k,
+                ms=ms,
+                ratio=ms / base_ms,
+                summary=summary,
+            )
 
 
 # ----------------------------------------------------------------------------- main
@@ -1138,12 +1247,14 @@ def section_verify_cost(report: Report, bench: Bench, device, sizes: GgufSizes) 
 def gguf_plan(report: Report, bench: Bench, device) -> list[tuple]:
     """The dequant-matmul and decode-floor checks (sections qmatmul, decode)."""
     sizes = GgufSizes.full() if device.type != "cpu" else GgufSizes.dry_run()
-    plan = [("qmatmul", f"dequant-matmul {d}", section_qmatmul_correct, (report, d, device, sizes)) for d in ("fp32", "bf16")]
+    plan = [
+        ("qmatmul", f"dequant-matmul {d}", section_qmatmul_correct, (report, d, device, sizes))
+        for d in ("fp32", "bf16")
+    ]
     plan.append(("qmatmul", "dequant-matmul bandwidth", section_qmatmul_bandwidth, (report, bench, device, sizes)))
     plan.append(("decode", "decode step vs floor", section_decode_floor, (report, bench, device, sizes)))
     plan.append(("decode", "verify cost", section_verify_cost, (report, bench, device, sizes)))
     return plan
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1193,7 +1304,9 @@ def main(argv: list[str] | None = None) -> int:
             plan.append(("invariant", f"attention {shape['name']} {dtype_name}", section_invariance, args_))
     for dtype_name in ("bf16", "fp32"):
         args_ = (report, dtype_name, device, sizes)
-        plan.append(("invariant", f"delta net {sizes.delta_net['name']} {dtype_name}", section_delta_net_invariance, args_))
+        plan.append(
+            ("invariant", f"delta net {sizes.delta_net['name']} {dtype_name}", section_delta_net_invariance, args_)
+        )
     for dtype_name in ("fp32", "bf16"):
         plan.append(("greedy", f"lockstep {dtype_name}", section_greedy, (report, dtype_name, device, sizes)))
     plan += gguf_plan(report, bench, device)  # before the timings: the budget may not reach the end
@@ -1201,7 +1314,9 @@ def main(argv: list[str] | None = None) -> int:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("kernel", f"decode kernels {shape['name']}", section_kernel_timings, args_))
         plan.append(("kernel", f"prefill attention {shape['name']}", section_prefill_timing, args_))
-    plan.append(("kernel", f"delta net {sizes.delta_net['name']}", section_delta_net_timings, (report, bench, device, sizes)))
+    plan.append(
+        ("kernel", f"delta net {sizes.delta_net['name']}", section_delta_net_timings, (report, bench, device, sizes))
+    )
     for shape in models:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("step", f"decode step {shape['name']}", section_step_timings, args_))

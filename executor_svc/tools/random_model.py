@@ -61,6 +61,7 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device
 
     h, d = config.hidden_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
+
     def bias(n: int) -> torch.Tensor:
         return (0.1 * torch.randn(n, generator=gen, device=device, dtype=torch.float32)).to(dtype)
 
@@ -101,7 +102,9 @@ _SCALE_FIELDS = {
 }
 
 
-def random_gguf_rows(rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+def random_gguf_rows(
+    rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """Random GGUF rows uint8 [rows, row_bytes] of a weight ~ N(0, 1/cols) in spread: random codes,
     float16 scales set so a row's dot product with an O(1) vector stays O(1)."""
     from executor_svc.weights.gguf_types import PACKED_TYPES
@@ -135,15 +138,26 @@ def random_packed_weights(
 
     def packed(w: torch.Tensor) -> PackedWeight:
         rows, cols = w.shape
-        return PackedWeight(random_gguf_rows(rows, cols, tensor_type, gen, device), tensor_type, (rows, cols), Kernel.TRITON)
+        return PackedWeight(
+            random_gguf_rows(rows, cols, tensor_type, gen, device), tensor_type, (rows, cols), Kernel.TRITON
+        )
 
     layers = [
         LayerWeights(
-            **{**vars(layer), "qkv": packed(layer.qkv), "o_proj": packed(layer.o_proj),
-               "gate_up": packed(layer.gate_up), "down": packed(layer.down)}
+            **{
+                **vars(layer),
+                "qkv": packed(layer.qkv),
+                "o_proj": packed(layer.o_proj),
+                "gate_up": packed(layer.gate_up),
+                "down": packed(layer.down),
+            }
         )
         for layer in dense.layers
     ]
     return ModelWeights(
-        embed=packed(dense.embed), layers=layers, final_norm=dense.final_norm, lm_head=packed(dense.lm_head), rope_freq_factors=None
+        embed=packed(dense.embed),
+        layers=layers,
+        final_norm=dense.final_norm,
+        lm_head=packed(dense.lm_head),
+        rope_freq_factors=None,
     )

@@ -75,9 +75,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ModelLoadError(
-            f"{path} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}"
-        )
+        raise ModelLoadError(f"{path} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}")
     try:
         reader = GGUFReader(path, "r")
     except Exception as exc:  # the reader raises many types on malformed input
@@ -97,8 +95,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         end = int(tensor.data_offset) + int(tensor.n_bytes)
         if end > file_size:
             raise ModelLoadError(
-                f"{path} is truncated: tensor {tensor.name!r} ends at byte {end} "
-                f"but the file has {file_size} bytes"
+                f"{path} is truncated: tensor {tensor.name!r} ends at byte {end} but the file has {file_size} bytes"
             )
         tensor_type = GGMLQuantizationType(tensor.tensor_type)
         if tensor_type not in SUPPORTED_TENSOR_TYPES:

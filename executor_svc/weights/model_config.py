@@ -65,20 +65,33 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ModelLoadError(
-                f"head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}"
-            )
+            raise ModelLoadError(f"head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelLoadError(f"head dimension {self.head_dim} must be even for RoPE")
         if self.rope_dims % 2 or not 0 <= self.rope_dims <= self.head_dim:
-            raise ModelLoadError(f"rope dimension count {self.rope_dims} must be even and at most head_dim {self.head_dim}")
+            raise ModelLoadError(
+                f"rope dimension count {self.rope_dims} must be even and at most head_dim {self.head_dim}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
-            raise ModelLoadError(f"expert_used_count {self.num_experts_per_token} must be in [1, expert_count {self.num_experts}]")
+            raise ModelLoadError(
+                f"expert_used_count {self.num_experts_per_token} must be in [1, expert_count {self.num_experts}]"
+            )
         if self.recurrent_layers:
             if len(self.recurrent_layers) != self.num_layers:
                 raise ModelLoadError(f"{len(self.recurrent_layers)} layer kinds for {self.num_layers} layers")
-            if min(self.conv_kernel, self.num_linear_key_heads, self.num_linear_value_heads, self.linear_key_head_dim, self.linear_value_head_dim) <= 0:
-                raise ModelLoadError("a hybrid model needs positive ssm conv_kernel, group_count, time_step_rank, state_size and inner_size")
+            if (
+                min(
+                    self.conv_kernel,
+                    self.num_linear_key_heads,
+                    self.num_linear_value_heads,
+                    self.linear_key_head_dim,
+                    self.linear_value_head_dim,
+                )
+                <= 0
+            ):
+                raise ModelLoadError(
+                    "a hybrid model needs positive ssm conv_kernel, group_count, time_step_rank, state_size and inner_size"
+                )
             if self.num_linear_value_heads % self.num_linear_key_heads:
                 raise ModelLoadError(
                     f"ssm time_step_rank (value heads) {self.num_linear_value_heads} is not a multiple of "
@@ -129,8 +142,7 @@ class ModelConfig:
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
-                f"{gguf.path}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{gguf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         meta = gguf.metadata
 
@@ -151,7 +163,9 @@ class ModelConfig:
         rope_dims = int(get("rope.dimension_count", head_dim))
         is_hybrid = arch in HYBRID_ARCHITECTURES
         if rope_dims != head_dim and not is_hybrid:
-            raise ModelLoadError(f"{gguf.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported for {arch}")
+            raise ModelLoadError(
+                f"{gguf.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported for {arch}"
+            )
 
         scaling_type = str(get("rope.scaling.type", "none"))
         factor = float(get("rope.scaling.factor", 1.0))
@@ -160,7 +174,9 @@ class ModelConfig:
         elif scaling_type == "linear":
             linear_factor = factor
         else:
-            raise ModelLoadError(f"{gguf.path}: rope scaling {scaling_type!r} is not supported (supported: none, linear)")
+            raise ModelLoadError(
+                f"{gguf.path}: rope scaling {scaling_type!r} is not supported (supported: none, linear)"
+            )
 
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab_size = int(get("vocab_size", len(tokens) if tokens else 0) or 0)
@@ -191,7 +207,9 @@ class ModelConfig:
             value_heads = int(get("ssm.time_step_rank"))
             inner = int(get("ssm.inner_size"))
             if inner % value_heads:
-                raise ModelLoadError(f"{gguf.path}: ssm.inner_size {inner} is not a multiple of time_step_rank {value_heads}")
+                raise ModelLoadError(
+                    f"{gguf.path}: ssm.inner_size {inner} is not a multiple of time_step_rank {value_heads}"
+                )
             recurrent = meta.get(f"{arch}.attention.recurrent_layers")
             if recurrent is None:
                 recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]

@@ -43,7 +43,9 @@ class MoeWeights:
     expert_down: list[Weight]  # per expert [hidden, expert_intermediate]
     shared_gate_up: Weight | None = None  # [2 * shared_intermediate, hidden]
     shared_down: Weight | None = None  # [hidden, shared_intermediate]
-    shared_gate: torch.Tensor | None = None  # [hidden]: the shared expert's output is scaled by sigmoid(x · shared_gate)
+    shared_gate: torch.Tensor | None = (
+        None  # [hidden]: the shared expert's output is scaled by sigmoid(x · shared_gate)
+    )
 
 
 @dataclass
@@ -170,9 +172,14 @@ def load_weights(
         num_experts, rows, cols = shape
         if packed:
             raw = np.asarray(t.raw).view(np.uint8).reshape(num_experts, rows, -1)
-            return [PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols)) for e in range(num_experts)]
+            return [
+                PackedWeight(torch.from_numpy(raw[e].copy()), int(t.tensor_type), (rows, cols))
+                for e in range(num_experts)
+            ]
         values = t.dequantize()
-        return [torch.from_numpy(np.ascontiguousarray(values[e])).to(device=device, dtype=dtype) for e in range(num_experts)]
+        return [
+            torch.from_numpy(np.ascontiguousarray(values[e])).to(device=device, dtype=dtype) for e in range(num_experts)
+        ]
 
     def fuse(parts: list[Weight]) -> Weight:
         if packed:
@@ -200,7 +207,11 @@ def load_weights(
         bias = None
         if config.has_qkv_bias:
             bias = torch.cat(
-                [vector(p + "attn_q.bias", (q_rows,)), vector(p + "attn_k.bias", (kv_rows,)), vector(p + "attn_v.bias", (kv_rows,))]
+                [
+                    vector(p + "attn_q.bias", (q_rows,)),
+                    vector(p + "attn_k.bias", (kv_rows,)),
+                    vector(p + "attn_v.bias", (kv_rows,)),
+                ]
             )
         q_shape = (2 * q_rows if is_gated_attention else q_rows, h)
         return dict(
@@ -219,7 +230,11 @@ def load_weights(
         c = config
         heads = c.num_linear_value_heads
         return dict(
-            qkv=None, qkv_bias=None, q_norm=None, k_norm=None, o_proj=None,
+            qkv=None,
+            qkv_bias=None,
+            q_norm=None,
+            k_norm=None,
+            o_proj=None,
             delta_net=DeltaNetWeights(
                 in_proj=matrix(
                     [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight", p + "ssm_alpha.weight"],

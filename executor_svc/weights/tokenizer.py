@@ -77,9 +77,7 @@ class ByteLevelSplit:
             byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
             if not self.has_individual_digits:
                 return byte_level
-            return pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
+            return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         return pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(self.split_regex), behavior="isolated"),
@@ -334,9 +332,7 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     return [(left, right) for left, right, _ in candidates]
 
 
-def _add_typed_tokens(
-    tokenizer: Tokenizer, tokens: list[str], token_types: list[int], vocab: dict[str, int]
-) -> None:
+def _add_typed_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int], vocab: dict[str, int]) -> None:
     """CONTROL (and UNKNOWN) tokens as special added tokens, USER_DEFINED ones as plain ones.
 
     llama.cpp matches all three whole in the text; transformers adds `<unk>` as
@@ -413,9 +409,7 @@ def _token_types(metadata: dict[str, Any], num_tokens: int) -> list[int]:
     if token_types is None:
         return [int(TokenType.NORMAL)] * num_tokens
     if len(token_types) != num_tokens:
-        raise ModelLoadError(
-            f"tokenizer.ggml.token_type has {len(token_types)} entries for {num_tokens} tokens"
-        )
+        raise ModelLoadError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {num_tokens} tokens")
     return [int(t) for t in token_types]
 
 

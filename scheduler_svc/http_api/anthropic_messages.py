@@ -17,13 +17,8 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.http_api import generation
-from scheduler_svc.http_api.choice import ChoiceOutput
-from scheduler_svc.http_api.errors import ApiError, bad_field
-from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.anthropic_schema import (
     CountTokensRequest,
     MediaBlock,
@@ -32,11 +27,16 @@ from scheduler_svc.http_api.anthropic_schema import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from scheduler_svc.http_api.choice import ChoiceOutput
+from scheduler_svc.http_api.errors import ApiError, bad_field
+from scheduler_svc.http_api.event_stream import EventStream, sse
+from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
 from scheduler_svc.intake import prompt_token_ids
 from scheduler_svc.request_limits import check_request_limits
 from service_common.errors import InvalidRequestError
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
 def _text(blocks, where: str) -> str:
@@ -108,7 +108,9 @@ def _tool_choice(body: CountTokensRequest) -> tuple[str, bool]:
 
 
 @protobuf_values
-def generate_request(front: Front, body: CountTokensRequest, request: HttpRequest | None) -> tuple[pb.GenerateRequest, bool]:
+def generate_request(
+    front: Front, body: CountTokensRequest, request: HttpRequest | None
+) -> tuple[pb.GenerateRequest, bool]:
     """(the GenerateRequest, whether tool calls are parsed from the output)."""
     choice, several = _tool_choice(body)
     if choice != "none" and not body.tools:
@@ -119,7 +121,10 @@ def generate_request(front: Front, body: CountTokensRequest, request: HttpReques
             messages=chat_messages(body),
             tools=tools_json(
                 [
-                    {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+                    {
+                        "type": "function",
+                        "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+                    }
                     for t in tools
                 ]
             ),
@@ -178,7 +183,12 @@ def _usage(final: pb.GenerateFinal) -> dict:
 
 
 def _tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": json.loads(call.arguments)}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
 
 
 async def messages(front: Front, body: MessagesRequest, request: HttpRequest) -> Response:
@@ -236,7 +246,9 @@ async def _stream_events(front: Front, message_id: str, streams, output: ChoiceO
             if parsed.text:
                 if not text_open:
                     block = {"type": "text", "text": ""}
-                    yield sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
+                    yield sse(
+                        {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+                    )
                     text_open = True
                 delta = {"type": "text_delta", "text": parsed.text}
                 yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
@@ -245,7 +257,9 @@ async def _stream_events(front: Front, message_id: str, streams, output: ChoiceO
                     yield stop_block()
                     index, text_open = index + 1, False
                 block = {**_tool_use(call), "input": {}}
-                yield sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
+                yield sse(
+                    {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+                )
                 delta = {"type": "input_json_delta", "partial_json": call.arguments}
                 yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
                 yield stop_block()

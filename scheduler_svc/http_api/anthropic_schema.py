@@ -44,7 +44,9 @@ class ToolResultBlock(_Body):
     is_error: bool | None = None
 
 
-ContentBlock = Annotated[TextBlock | MediaBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ContentBlock = Annotated[
+    TextBlock | MediaBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+]
 
 
 class Message(_Body):

@@ -85,8 +85,11 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
         if keys is not None and request.url.path.startswith("/v1/") and not keys.is_authorized(request):
             return error_response(
                 request.url.path,
-                ApiError(401, "missing or unknown API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
-                         "with a key from the scheduler's --api-key-file"),
+                ApiError(
+                    401,
+                    "missing or unknown API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
+                    "with a key from the scheduler's --api-key-file",
+                ),
             )
         return await call_next(request)
 
@@ -116,7 +119,9 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
         """200 while the scheduler takes requests (executor attached, not draining), else 503."""
         if loop.is_serving:
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "reason": loop.stopped_reason or loop.last_connect_error or "not serving"}, 503)
+        return JSONResponse(
+            {"status": "unavailable", "reason": loop.stopped_reason or loop.last_connect_error or "not serving"}, 503
+        )
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -80,6 +80,10 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, send: Send, size: str) -> None:
         error = ApiError(413, f"the request body is {size}; the limit is {self.max_bytes} bytes (--max-message-bytes)")
         payload = json.dumps(self.error_body(scope["path"], error)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

@@ -3,9 +3,8 @@ logprobs and the final message, accumulated from the gRPC token deltas."""
 
 from __future__ import annotations
 
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-
 from scheduler_svc.http_api.tool_calls import Parsed, ToolCall, ToolCallParser
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
 class ChoiceOutput:

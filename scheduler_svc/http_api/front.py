@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from starlette.requests import Request as HttpRequest
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import SchedulerConfig
@@ -19,6 +18,7 @@ from scheduler_svc.http_api.tool_calls import parser_name_for_template
 from scheduler_svc.intake import ModelLimits
 from scheduler_svc.step_loop import StepLoop
 from service_common.sampling_params import SamplingParams
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 P = ParamSpec("P")
 T = TypeVar("T")

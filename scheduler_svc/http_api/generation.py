@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import TypeVar
 
 from starlette.requests import Request as HttpRequest
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.config import SchedulerConfig
@@ -24,6 +23,7 @@ from scheduler_svc.http_api.errors import ApiError
 from scheduler_svc.http_api.front import param_for_refusal
 from scheduler_svc.request_stream import RequestStream, StreamError
 from scheduler_svc.step_loop import StepLoop
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 T = TypeVar("T")
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput, openai_finish_reason
@@ -27,6 +26,7 @@ from scheduler_svc.http_api.front import (
 from scheduler_svc.http_api.openai_schema import ChatCompletionRequest, ChatMessageIn, TextPart
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
 from scheduler_svc.http_api.tool_grammar import forced_call_grammar
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty", "audio")
 
@@ -40,7 +40,9 @@ def message_text(content, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, TextPart):
-            raise bad_field(f"{where}.content[{j}]", f"{part.type} parts are not supported; this server reads text only")
+            raise bad_field(
+                f"{where}.content[{j}]", f"{part.type} parts are not supported; this server reads text only"
+            )
         texts.append(part.text)
     return "".join(texts)
 
@@ -62,7 +64,9 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[pb.ChatMessage]:
     return out
 
 
-def forced_tool_grammar(front: Front, functions: list[tuple[str, dict | None]], tool_choice, allow_several: bool, param: str) -> str:
+def forced_tool_grammar(
+    front: Front, functions: list[tuple[str, dict | None]], tool_choice, allow_several: bool, param: str
+) -> str:
     """The grammar for tool_choice required / named; 400 if the model's syntax is unknown."""
     parser = front.tool_parser_name()
     if parser == "none":
@@ -87,7 +91,9 @@ def _tool_choice_name(tool_choice) -> str | None:
 
 
 @protobuf_values
-def generate_requests(front: Front, body: ChatCompletionRequest, request: HttpRequest) -> tuple[list[pb.GenerateRequest], bool]:
+def generate_requests(
+    front: Front, body: ChatCompletionRequest, request: HttpRequest
+) -> tuple[list[pb.GenerateRequest], bool]:
     """(one GenerateRequest per choice, whether tool calls are parsed from the output)."""
     refuse_unsupported(body, UNSUPPORTED)
     if body.modalities and body.modalities != ["text"]:
@@ -106,7 +112,9 @@ def generate_requests(front: Front, body: ChatCompletionRequest, request: HttpRe
         if grammar is not None:
             raise bad_field("response_format", "cannot be combined with a forced tool_choice")
         functions = [(f.name, f.parameters) for f in tools]
-        grammar = pb.StructuredOutput(lark=forced_tool_grammar(front, functions, choice, body.parallel_tool_calls, "tool_choice"))
+        grammar = pb.StructuredOutput(
+            lark=forced_tool_grammar(front, functions, choice, body.parallel_tool_calls, "tool_choice")
+        )
     max_tokens = body.max_completion_tokens or body.max_tokens
     num_logprobs = max(body.top_logprobs or 0, 1) if body.logprobs else 0
     msgs = []
@@ -157,7 +165,10 @@ def logprob_entries(front: Front, logprobs: list[pb.TokenLogprob], num_top: int)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top_logprobs[:num_top]]}
+        {
+            **entry(lp.token_id, lp.logprob),
+            "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top_logprobs[:num_top]],
+        }
         for lp in logprobs
     ]
 
@@ -183,7 +194,9 @@ def _completion(front: Front, body: ChatCompletionRequest, completion_id: str, o
         choice = {
             "index": index,
             "message": message,
-            "logprobs": {"content": logprob_entries(front, out.logprobs, body.top_logprobs or 0)} if body.logprobs else None,
+            "logprobs": {"content": logprob_entries(front, out.logprobs, body.top_logprobs or 0)}
+            if body.logprobs
+            else None,
             "finish_reason": openai_finish_reason(out),
         }
         if body.return_token_ids:
@@ -207,7 +220,9 @@ async def _stream_chunks(
     chunk = openai_chunks("chat.completion.chunk", completion_id, front.model_name, include_usage)
 
     for index in range(len(streams)):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        yield chunk(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
     try:
         async for index, event in generation.events(streams):
             out = outputs[index]
@@ -220,7 +235,9 @@ async def _stream_chunks(
                 delta["tool_calls"] = tool_call_dicts(parsed.calls, num_calls, with_index=True)
             choice: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             if body.logprobs and len(out.logprobs) > num_logprobs:
-                choice["logprobs"] = {"content": logprob_entries(front, out.logprobs[num_logprobs:], body.top_logprobs or 0)}
+                choice["logprobs"] = {
+                    "content": logprob_entries(front, out.logprobs[num_logprobs:], body.top_logprobs or 0)
+                }
             if body.return_token_ids and isinstance(event, pb.TokenDelta):
                 choice["token_ids"] = list(event.token_ids)
             if out.is_finished:

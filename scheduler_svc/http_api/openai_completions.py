@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput, openai_finish_reason
@@ -30,6 +29,7 @@ from scheduler_svc.http_api.front import (
 )
 from scheduler_svc.http_api.openai_chat import usage
 from scheduler_svc.http_api.openai_schema import CompletionRequest
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty", "echo", "suffix")
 

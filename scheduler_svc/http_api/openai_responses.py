@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from scheduler_svc.http_api import generation
 from scheduler_svc.http_api.choice import ChoiceOutput
@@ -33,6 +32,7 @@ from scheduler_svc.http_api.openai_schema import (
     ResponsesRequest,
 )
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
 def chat_messages(body: ResponsesRequest) -> list[pb.ChatMessage]:
@@ -53,7 +53,11 @@ def chat_messages(body: ResponsesRequest) -> list[pb.ChatMessage]:
             names[item.call_id] = item.name
         elif isinstance(item, FunctionCallOutputItem):
             content = item.output if isinstance(item.output, str) else message_text(item.output, f"input[{i}].output")
-            out.append(pb.ChatMessage(role="tool", content=content, tool_call_id=item.call_id, name=names.get(item.call_id, "")))
+            out.append(
+                pb.ChatMessage(
+                    role="tool", content=content, tool_call_id=item.call_id, name=names.get(item.call_id, "")
+                )
+            )
         elif isinstance(item, OtherItem):
             raise bad_field(f"input[{i}].type", f"items of type {item.type!r} are not supported")
         # ReasoningItem: dropped
@@ -69,7 +73,9 @@ def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest)
     if body.previous_response_id:
         raise bad_field("previous_response_id", "responses are not stored here; send the whole conversation as input")
     functions = _functions(body)
-    choice = body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else body.tool_choice.name
+    choice = (
+        body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else body.tool_choice.name
+    )
     choice = choice or ("auto" if functions else "none")
     if choice != "none" and not functions:
         raise bad_field("tool_choice", f"is {choice!r} but no function tools are given")
@@ -79,7 +85,14 @@ def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest)
             messages=chat_messages(body),
             tools=tools_json(
                 [
-                    {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters or {"type": "object"}}}
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": t.name,
+                            "description": t.description or "",
+                            "parameters": t.parameters or {"type": "object"},
+                        },
+                    }
                     for t in tools
                 ]
             ),
@@ -90,7 +103,9 @@ def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest)
     if choice not in ("none", "auto"):
         if text_format is not None and text_format.type != "text":
             raise bad_field("text.format", "cannot be combined with a forced tool_choice")
-        grammar = forced_tool_grammar(front, [(t.name, t.parameters) for t in tools], choice, body.parallel_tool_calls, "tool_choice")
+        grammar = forced_tool_grammar(
+            front, [(t.name, t.parameters) for t in tools], choice, body.parallel_tool_calls, "tool_choice"
+        )
         msg.structured_output.lark = grammar
     elif text_format is not None and text_format.type == "json_object":
         msg.structured_output.json_object = True
@@ -144,7 +159,11 @@ def _response(front: Front, body: ResponsesRequest, ids: _Ids, created: int, out
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens,
         }
-    choice = body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else body.tool_choice.model_dump()
+    choice = (
+        body.tool_choice
+        if isinstance(body.tool_choice, str) or body.tool_choice is None
+        else body.tool_choice.model_dump()
+    )
     return {
         "id": ids.response,
         "object": "response",
@@ -207,17 +226,35 @@ async def _stream_events(front, body, ids: _Ids, created: int, streams, output: 
             if parsed.text:
                 if not text_open:
                     text_open = True
-                    yield event("response.output_item.added", output_index=output_index, item=_message_item(ids, "", "in_progress"))
+                    yield event(
+                        "response.output_item.added",
+                        output_index=output_index,
+                        item=_message_item(ids, "", "in_progress"),
+                    )
                     part = {"type": "output_text", "text": "", "annotations": []}
-                    yield event("response.content_part.added", item_id=ids.message, output_index=output_index, content_index=0, part=part)
-                yield event("response.output_text.delta", item_id=ids.message, output_index=output_index, content_index=0, delta=parsed.text)
+                    yield event(
+                        "response.content_part.added",
+                        item_id=ids.message,
+                        output_index=output_index,
+                        content_index=0,
+                        part=part,
+                    )
+                yield event(
+                    "response.output_text.delta",
+                    item_id=ids.message,
+                    output_index=output_index,
+                    content_index=0,
+                    delta=parsed.text,
+                )
             for call in parsed.calls:
                 if text_open:
                     for line in close_text():
                         yield line
                     text_open, output_index = False, output_index + 1
                 item = _call_item(call)
-                yield event("response.output_item.added", output_index=output_index, item=_call_item(call, "in_progress"))
+                yield event(
+                    "response.output_item.added", output_index=output_index, item=_call_item(call, "in_progress")
+                )
                 where = dict(item_id=item["id"], output_index=output_index)
                 yield event("response.function_call_arguments.delta", **where, delta=call.arguments)
                 yield event("response.function_call_arguments.done", **where, arguments=call.arguments)

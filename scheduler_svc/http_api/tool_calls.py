@@ -119,7 +119,10 @@ class HermesParser:
                 start = self._buffer.find(HERMES_OPEN)
                 if start < 0:
                     keep = _partial_suffix(self._buffer, HERMES_OPEN)
-                    ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+                    ready, self._buffer = (
+                        self._buffer[: len(self._buffer) - keep],
+                        self._buffer[len(self._buffer) - keep :],
+                    )
                     self._take_text(ready, out)
                     return out
                 self._take_text(self._buffer[:start], out)

@@ -43,7 +43,12 @@ def start_service_telemetry(
     telemetry.tracer_provider = build_tracer_provider(config)
     if telemetry.tracer_provider is not None:
         telemetry.tracer = telemetry.tracer_provider.get_tracer(instrumentation_name)
-        log.info("tracing_on", otlp_endpoint=config.otlp_endpoint, sample_ratio=config.sample_ratio, service_name=config.service_name)
+        log.info(
+            "tracing_on",
+            otlp_endpoint=config.otlp_endpoint,
+            sample_ratio=config.sample_ratio,
+            service_name=config.service_name,
+        )
     if args.metrics_port:
         telemetry.metrics = make_metrics()
         host = metrics_host(args.listen)

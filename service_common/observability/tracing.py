@@ -53,7 +53,11 @@ class TracingConfig:
             disabled = environ.get("OTEL_SDK_DISABLED", "").lower() in _TRUE
             no_exporter = environ.get("OTEL_TRACES_EXPORTER", "").lower() == "none"
             if not (disabled or no_exporter):
-                endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+                endpoint = (
+                    environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                    or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or None
+                )
         if sample_ratio is None:
             text = environ.get("OTEL_TRACES_SAMPLER_ARG", "")
             try:

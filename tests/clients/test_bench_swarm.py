@@ -53,7 +53,9 @@ def test_swarm_bench_runs_end_to_end_and_reports_every_field(tmp_path):
 
 
 def test_openai_stream_lines_are_parsed():
-    assert parse_sse_line('data: {"choices": [{"delta": {"content": "hi"}}]}') == {"choices": [{"delta": {"content": "hi"}}]}
+    assert parse_sse_line('data: {"choices": [{"delta": {"content": "hi"}}]}') == {
+        "choices": [{"delta": {"content": "hi"}}]
+    }
     assert parse_sse_line("data: [DONE]") is None
     assert parse_sse_line(": keep-alive") is None
     assert parse_sse_line("") is None

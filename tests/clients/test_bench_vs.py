@@ -22,8 +22,8 @@ from clients.bench.vs_llama_cpp import (
     stream_prompts,
     tokens_per_s,
 )
-from clients.serve import flag_value
 from clients.cli import parse_args
+from clients.serve import flag_value
 from tests.support.stack import ROOT
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -48,7 +48,9 @@ def test_flags_parse_with_defaults_and_passthrough():
     assert args.json == "out.json"
 
 
-@pytest.mark.parametrize("argv", [["--streams", "0"], ["--streams", "1,x"], ["--streams", ""], ["--max-tokens", "0"], ["--threads", "0"]])
+@pytest.mark.parametrize(
+    "argv", [["--streams", "0"], ["--streams", "1,x"], ["--streams", ""], ["--max-tokens", "0"], ["--threads", "0"]]
+)
 def test_bad_flags_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exited:
         parse_args(["bench", "vs", *argv])
@@ -93,7 +95,13 @@ def test_helpers():
     assert llama_server_command("bin", "m", num_slots=1, context_length=192, threads=1, port=9, extra_args=["--poll", "0"])[-2:] == [
         "--poll", "0",
     ]  # fmt: skip
-    assert completion_body("p", 128) == {"prompt": "p", "n_predict": 128, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+    assert completion_body("p", 128) == {
+        "prompt": "p",
+        "n_predict": 128,
+        "ignore_eos": True,
+        "temperature": 0,
+        "cache_prompt": False,
+    }
 
 
 def _run(kind, streams, tokens, theirs_tps, ours_tps, text_a="abc", text_b="abd"):
@@ -103,7 +111,13 @@ def _run(kind, streams, tokens, theirs_tps, ours_tps, text_a="abc", text_b="abd"
         "streams": streams,
         "max_tokens": tokens,
         "llama_cpp": theirs,
-        "swarmserve": {"tokens_per_s": ours_tps, "texts": [text_b], "drafted_tokens": 100, "accepted_tokens": 80, "load_avg_1m": 1.5},
+        "swarmserve": {
+            "tokens_per_s": ours_tps,
+            "texts": [text_b],
+            "drafted_tokens": 100,
+            "accepted_tokens": 80,
+            "load_avg_1m": 1.5,
+        },
         "ratio": speed_ratio(ours_tps, theirs_tps),
     }
     if theirs:
@@ -128,7 +142,9 @@ def _result(with_llama: bool, weight_bytes: int | None) -> dict:
             _run("streams", 16, 128, 250.0 if with_llama else None, 500.0),
             _run("copy", 1, 256, 120.0 if with_llama else None, 300.0),
         ],
-        "llama_cpp_resident": {"rss_bytes": 150 * mib, "anon_bytes": 50 * mib, "file_bytes": 100 * mib} if with_llama else None,
+        "llama_cpp_resident": {"rss_bytes": 150 * mib, "anon_bytes": 50 * mib, "file_bytes": 100 * mib}
+        if with_llama
+        else None,
         "swarmserve_resident": {"rss_bytes": 1000 * mib, "anon_bytes": 990 * mib, "file_bytes": 10 * mib},
         "swarmserve_weight_bytes": weight_bytes,
     }

@@ -9,15 +9,29 @@ import sys
 
 import grpc
 import pytest
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from clients import AsyncSwarmClient, Completion, FinishEvent, SwarmClient, SwarmServeError, TokenEvent, Usage
 from clients.cli import parse_args, request_kwargs
-from clients.cli_output import completion_to_json, decode_tokens_per_second, format_error, format_serve_banner, format_summary
+from clients.cli_output import (
+    completion_to_json,
+    decode_tokens_per_second,
+    format_error,
+    format_serve_banner,
+    format_summary,
+)
 from clients.completion import collect_completion
 from clients.events import TokenLogprob, TopLogprob, event_from_pb, finish_reason_name
 from clients.generate_request import build_generate_request
-from clients.serve import ChildExit, ServeConfig, ServeReady, connect_address, describe_exit, executor_command, scheduler_command
+from clients.serve import (
+    ChildExit,
+    ServeConfig,
+    ServeReady,
+    connect_address,
+    describe_exit,
+    executor_command,
+    scheduler_command,
+)
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
 
@@ -156,7 +170,9 @@ def test_delta_becomes_a_token_event():
         delta=pb.TokenDelta(
             token_ids=[5, 6],
             text="ab",
-            logprobs=[pb.TokenLogprob(token_id=5, logprob=-0.5, top_logprobs=[pb.TopLogprob(token_id=5, logprob=-0.5)])],
+            logprobs=[
+                pb.TokenLogprob(token_id=5, logprob=-0.5, top_logprobs=[pb.TopLogprob(token_id=5, logprob=-0.5)])
+            ],
         ),
     )
     assert event_from_pb(response) == TokenEvent(
@@ -166,7 +182,9 @@ def test_delta_becomes_a_token_event():
 
 def test_final_becomes_a_finish_event():
     final = pb.GenerateFinal(
-        finish_reason=pb.FINISH_REASON_STOP_STRING, usage=pb.Usage(prompt_tokens=3, completion_tokens=4, ttft_s=0.5), stop_string="\n"
+        finish_reason=pb.FINISH_REASON_STOP_STRING,
+        usage=pb.Usage(prompt_tokens=3, completion_tokens=4, ttft_s=0.5),
+        stop_string="\n",
     )
     event = event_from_pb(pb.GenerateResponse(request_id="r", final=final))
     assert event == FinishEvent("stop_string", Usage(prompt_tokens=3, completion_tokens=4, ttft_s=0.5), "\n")
@@ -207,7 +225,10 @@ def test_swarmserve_error_reads_like_the_server_said_it():
 
 def test_swarmserve_error_from_an_aio_rpc_error():
     rpc_error = grpc.aio.AioRpcError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="queue is full (64 requests)"
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="queue is full (64 requests)",
     )
     error = SwarmServeError.from_rpc_error(rpc_error)
     assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -249,12 +270,20 @@ def test_decode_rate_excludes_the_first_token():
 def test_summary_line():
     line = format_summary(COMPLETION)
     assert "\n" not in line
-    assert line == "finish=length tokens=3 prompt_tokens=5 cached_tokens=0 ttft=0.250s tok/s=10.0 total=0.450s request_id=r1"
+    assert (
+        line
+        == "finish=length tokens=3 prompt_tokens=5 cached_tokens=0 ttft=0.250s tok/s=10.0 total=0.450s request_id=r1"
+    )
 
 
 def test_summary_mentions_the_stop_string_and_speculation_when_there_is_some():
     completion = Completion(
-        "r", (1,), "a", "stop_string", Usage(completion_tokens=1, drafted_tokens=8, accepted_tokens=6, num_preemptions=2), "\n\n"
+        "r",
+        (1,),
+        "a",
+        "stop_string",
+        Usage(completion_tokens=1, drafted_tokens=8, accepted_tokens=6, num_preemptions=2),
+        "\n\n",
     )
     line = format_summary(completion)
     assert line.startswith("finish=stop_string('\\n\\n') tokens=1")
@@ -265,9 +294,7 @@ def test_summary_mentions_the_stop_string_and_speculation_when_there_is_some():
 def test_serve_banner_lists_every_address():
     ready = ServeReady("127.0.0.1:50052", "127.0.0.1:50051", "SmolLM2")
     assert format_serve_banner(ready.model_name, ready.addresses(ServeConfig())) == (
-        "swarmserve: serving SmolLM2\n"
-        "  executor   grpc://127.0.0.1:50052\n"
-        "  scheduler  grpc://127.0.0.1:50051"
+        "swarmserve: serving SmolLM2\n  executor   grpc://127.0.0.1:50052\n  scheduler  grpc://127.0.0.1:50051"
     )
     with_http = ServeReady("127.0.0.1:50052", "127.0.0.1:50051", "SmolLM2", http_url="http://127.0.0.1:8000")
     config = ServeConfig(executor_listen="0.0.0.0:50052", metrics_port=9100)
@@ -321,14 +348,19 @@ def test_grammar_flags_reach_the_request(tmp_path):
     kwargs = request_kwargs(parse_args(["generate", "hi", "--json-schema", str(schema)]))
     request = build_generate_request("hi", **kwargs)
     assert request.structured_output.json_schema == schema.read_text()
-    assert build_generate_request("hi", **request_kwargs(parse_args(["chat", "--regex", "a+"]))).structured_output.regex == "a+"
-    assert build_generate_request("hi", **request_kwargs(parse_args(["chat", "--json-object"]))).structured_output.json_object
+    assert (
+        build_generate_request("hi", **request_kwargs(parse_args(["chat", "--regex", "a+"]))).structured_output.regex
+        == "a+"
+    )
+    assert build_generate_request(
+        "hi", **request_kwargs(parse_args(["chat", "--json-object"]))
+    ).structured_output.json_object
     lark = tmp_path / "g.lark"
     lark.write_text('start: "yes" | "no"')
     assert request_kwargs(parse_args(["chat", "--lark", str(lark)]))["structured_output"] == {"lark": lark.read_text()}
-    assert build_generate_request("hi", structured_output={"json_schema": {"type": "object"}}).structured_output.json_schema == (
-        '{"type": "object"}'
-    )
+    assert build_generate_request(
+        "hi", structured_output={"json_schema": {"type": "object"}}
+    ).structured_output.json_schema == ('{"type": "object"}')
     for bad in ({}, {"json_object": False}, {"regex": 1}, {"json_schema": "{}", "regex": "a"}, {"yaml": "x"}):
         with pytest.raises(ValueError, match="structured_output"):
             build_generate_request("hi", structured_output=bad)
@@ -382,7 +414,11 @@ def test_chat_flags():
 def test_serve_flag_defaults():
     config = parse_args(["serve"]).config
     assert config == ServeConfig()
-    assert (config.executor_listen, config.scheduler_listen, config.model) == ("127.0.0.1:50052", "127.0.0.1:50051", "default")
+    assert (config.executor_listen, config.scheduler_listen, config.model) == (
+        "127.0.0.1:50052",
+        "127.0.0.1:50051",
+        "default",
+    )
     assert config.executor_args == config.scheduler_args == ()
 
 
@@ -455,7 +491,17 @@ def test_children_get_their_own_flags():
     )
     executor = executor_command(config, "py")
     scheduler = scheduler_command(config, "py")
-    assert executor == ["py", "-m", "executor_svc.main", "--listen", "0.0.0.0:6002", "--model", "m.gguf", "--threads", "4"]
+    assert executor == [
+        "py",
+        "-m",
+        "executor_svc.main",
+        "--listen",
+        "0.0.0.0:6002",
+        "--model",
+        "m.gguf",
+        "--threads",
+        "4",
+    ]
     assert scheduler == [
         "py", "-m", "scheduler_svc.main", "--listen", "127.0.0.1:6001", "--http-listen", "0.0.0.0:6003",
         "--executor", "127.0.0.1:6002",  # the wildcard listen address, made dialable

@@ -17,7 +17,10 @@ def step(step_id, start, duration, executor, predicted=0.0, requests=4):
 
 
 def test_prediction_error_skips_the_first_steps_and_compares_with_the_executor_time():
-    steps = [step(i, i * 0.02, 0.02, 0.010, predicted=0.010 * (2.0 if i <= 20 else 1.1 if i % 2 else 1.0)) for i in range(1, 41)]
+    steps = [
+        step(i, i * 0.02, 0.02, 0.010, predicted=0.010 * (2.0 if i <= 20 else 1.1 if i % 2 else 1.0))
+        for i in range(1, 41)
+    ]
     summary = prediction_error(steps)
     assert summary.num_steps == 20
     assert summary.median == pytest.approx(0.05)

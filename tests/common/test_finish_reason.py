@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from swarmserve.executor.v1 import executor_pb2 as epb
-from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
 from service_common.finish_reason import FinishReason
+from swarmserve.executor.v1 import executor_pb2 as epb
+from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))

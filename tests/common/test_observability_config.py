@@ -38,8 +38,14 @@ def test_standard_variables_configure_tracing_and_flags_win():
         "OTEL_SERVICE_NAME": "agents-scheduler",
     }
     config = TracingConfig.resolve(None, None, "swarmserve-scheduler", environ=env)
-    assert (config.otlp_endpoint, config.sample_ratio, config.service_name) == ("http://collector:4317", 0.25, "agents-scheduler")
-    traces_only = TracingConfig.resolve(None, None, "x", environ={**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4317"})
+    assert (config.otlp_endpoint, config.sample_ratio, config.service_name) == (
+        "http://collector:4317",
+        0.25,
+        "agents-scheduler",
+    )
+    traces_only = TracingConfig.resolve(
+        None, None, "x", environ={**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4317"}
+    )
     assert traces_only.otlp_endpoint == "http://t:4317"
     flags = scheduler_parser().parse_args(["--otlp-endpoint", "http://here:4317", "--trace-sample-ratio", "0.5"])
     config = tracing_config(flags, "swarmserve-scheduler", environ=env)
@@ -64,7 +70,9 @@ def test_sampling_is_parent_based_trace_id_ratio():
     provider = build_tracer_provider(TracingConfig(sample_ratio=0.0), SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     assert not tracer.start_span("root").is_recording()  # ratio 0: no new trace is sampled
-    sampled_parent = SpanContext(trace_id=1 << 64, span_id=7, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    sampled_parent = SpanContext(
+        trace_id=1 << 64, span_id=7, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+    )
     child = tracer.start_span("child", context=trace.set_span_in_context(NonRecordingSpan(sampled_parent)))
     assert child.is_recording()  # ... but a sampled parent's children are, on either service
     child.end()
@@ -96,7 +104,10 @@ def test_log_lines_are_json_with_bound_ids_and_the_current_span(restore_logging,
     inside, library, outside = lines
     context = span.get_span_context()
     assert inside["event"] == "inside" and inside["request_id"] == "r1" and inside["step_id"] == 3
-    assert (inside["trace_id"], inside["span_id"]) == (format(context.trace_id, "032x"), format(context.span_id, "016x"))
+    assert (inside["trace_id"], inside["span_id"]) == (
+        format(context.trace_id, "032x"),
+        format(context.span_id, "016x"),
+    )
     assert library["event"] == "export failed: UNAVAILABLE" and library["level"] == "warning"
     assert library["trace_id"] == inside["trace_id"] and library["request_id"] == "r1"
     assert "trace_id" not in outside and outside["step_id"] == 3
@@ -113,7 +124,9 @@ def test_serve_passes_the_observability_flags_to_both_services():
         assert command[command.index("--metrics-port") + 1] == port
         assert command[command.index("--log-format") + 1] == "json"
     plain = ServeConfig()
-    assert not {"--otlp-endpoint", "--trace-sample-ratio", "--metrics-port"} & set(executor_command(plain) + scheduler_command(plain))
+    assert not {"--otlp-endpoint", "--trace-sample-ratio", "--metrics-port"} & set(
+        executor_command(plain) + scheduler_command(plain)
+    )
     for bad in ({"metrics_port": 65535}, {"metrics_port": 0}):
         with pytest.raises(ValueError):
             ServeConfig(**bad)

@@ -20,9 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarmserve.common.v1 import sampling_pb2 as common_pb
-from swarmserve.executor.v1 import executor_pb2 as epb
-from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 
 from executor_svc.engine.step_messages import StepRequest
 from executor_svc.weights.gguf_file import open_gguf
@@ -33,6 +30,9 @@ from scheduler_svc.planner import Planner
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
 from service_common.structured_output import StructuredOutput
+from swarmserve.common.v1 import sampling_pb2 as common_pb
+from swarmserve.executor.v1 import executor_pb2 as epb
+from swarmserve.scheduler.v1 import scheduler_pb2 as spb
 from tests.support.tiny_gguf import TinyModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,9 @@ def test_every_sampling_option_reaches_the_engine(limits, engine):
 
     state = engine.get_request(request.executor_request_id)
     for f in dataclasses.fields(SamplingParams):
-        assert getattr(state.sampling, f.name) == getattr(sampling, f.name), f"SamplingParams.{f.name} was lost on the way"
+        assert getattr(state.sampling, f.name) == getattr(sampling, f.name), (
+            f"SamplingParams.{f.name} was lost on the way"
+        )
     assert state.new.structured_output == StructuredOutput("json_object")
     assert (state.new.prompt_token_ids, state.new.max_new_tokens) == ([5, 6, 7, 8, 9], 4)
     engine.release(request.executor_request_id)
@@ -127,18 +129,29 @@ def test_an_unset_seed_stays_unset_until_the_engine_draws_one():
 
 def test_unset_public_options_take_the_servers_defaults():
     defaults = SamplingParams(temperature=1.0, num_logprobs=3)
-    assert SamplingParams.from_pb(spb.SamplingParams(top_k=4), defaults) == SamplingParams(temperature=1.0, top_k=4, num_logprobs=3)
+    assert SamplingParams.from_pb(spb.SamplingParams(top_k=4), defaults) == SamplingParams(
+        temperature=1.0, top_k=4, num_logprobs=3
+    )
 
 
 VOCAB = 10**6  # beyond any test model's vocabulary
 # Bad contents as a client sends them, and as a scheduler's plan would carry them.
 REFUSED_BY_BOTH = {
     "max_new_tokens is 0": ({"max_new_tokens": 0}, {"max_new_tokens": 0}),
-    "prompt token outside the vocabulary": ({"token_ids": spb.TokenIds(ids=[5, VOCAB])}, {"prompt_token_ids": [5, VOCAB]}),
+    "prompt token outside the vocabulary": (
+        {"token_ids": spb.TokenIds(ids=[5, VOCAB])},
+        {"prompt_token_ids": [5, VOCAB]},
+    ),
     "stop token outside the vocabulary": ({"stop_token_ids": [VOCAB]}, {"stop_token_ids": [VOCAB]}),
-    "no room to generate": ({"token_ids": spb.TokenIds(ids=[5] * SPEC.context_length)}, {"prompt_token_ids": [5] * SPEC.context_length}),
+    "no room to generate": (
+        {"token_ids": spb.TokenIds(ids=[5] * SPEC.context_length)},
+        {"prompt_token_ids": [5] * SPEC.context_length},
+    ),
     "infinite retention": ({"session_id": "s", "retention_s": math.inf}, {"session_id": "s", "retention_s": math.inf}),
-    "temperature below 0": ({"sampling": spb.SamplingParams(temperature=-1.0)}, {"sampling": epb.SamplingParams(temperature=-1.0)}),
+    "temperature below 0": (
+        {"sampling": spb.SamplingParams(temperature=-1.0)},
+        {"sampling": epb.SamplingParams(temperature=-1.0)},
+    ),
     "top_p of 0": ({"sampling": spb.SamplingParams(top_p=0.0)}, {"sampling": epb.SamplingParams(top_p=0.0)}),
     "json_object false": (
         {"structured_output": spb.StructuredOutput(json_object=False)},
@@ -159,7 +172,13 @@ def test_both_services_refuse_bad_contents_in_the_same_words(limits, engine, cas
         intake(msg, limits, SchedulerConfig())
 
     new = epb.NewRequest(
-        **{"request_id": "r", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 4, "sampling": SamplingParams().to_pb(), **plan_fields}
+        **{
+            "request_id": "r",
+            "prompt_token_ids": [5, 6, 7],
+            "max_new_tokens": 4,
+            "sampling": SamplingParams().to_pb(),
+            **plan_fields,
+        }
     )
     with pytest.raises(InvalidRequestError) as by_executor:
         engine.step(StepRequest.from_pb(epb.StepRequest(new_requests=[new])))
@@ -190,13 +209,17 @@ def test_a_new_sampling_option_needs_only_the_proto_and_the_params_type(tmp_path
     params.write_text(
         _with_new_option(params.read_text(), "\n    def __post_init__", "    new_test_option: float = 0.0\n")
     )
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     sources = [str(p.relative_to(protos)) for p in protos.rglob("*.proto")]
     include = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = [f"--proto_path={protos}", f"--proto_path={include}", f"--python_out={protos}", f"--grpc_python_out={protos}"]
+    args = [
+        f"--proto_path={protos}",
+        f"--proto_path={include}",
+        f"--python_out={protos}",
+        f"--grpc_python_out={protos}",
+    ]
     assert protoc.main(["protoc", *args, *sources]) == 0
 
     script = (
@@ -209,7 +232,12 @@ def test_a_new_sampling_option_needs_only_the_proto_and_the_params_type(tmp_path
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [protos, packages, ROOT / "protos", ROOT]))}
     run = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__))], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script, str(Path(__file__))],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert re.search(r"\b2 passed\b", run.stdout), run.stdout[-2000:]
@@ -222,7 +250,9 @@ def test_the_http_bodies_pass_options_of_the_same_name_through():
 
     messages = [{"role": "user", "content": "hi"}]
     chat = ChatCompletionRequest(model="m", messages=messages, temperature=0.5, top_p=0.5, top_k=7, min_p=0.5, seed=7)
-    assert SamplingParams.from_pb(sampling(chat, index=1)) == SamplingParams(temperature=0.5, top_p=0.5, top_k=7, min_p=0.5, seed=8)
+    assert SamplingParams.from_pb(sampling(chat, index=1)) == SamplingParams(
+        temperature=0.5, top_p=0.5, top_k=7, min_p=0.5, seed=8
+    )
     # A body that lacks an option, or leaves it unset, leaves it to the server's default.
     anthropic = MessagesRequest(model="m", max_tokens=4, messages=messages, top_k=3)
     assert sampling(anthropic).ListFields() == [(common_pb.SamplingParams.DESCRIPTOR.fields_by_name["top_k"], 3)]

@@ -72,7 +72,10 @@ def test_compose_config_validates(variant, tmp_path):
         assert service.get("restart") == "unless-stopped", name
         assert service["healthcheck"]["test"][0] == "CMD", name
     executor = services["executor"]
-    assert any(str(v).endswith(":/models:ro") or (isinstance(v, dict) and v.get("target") == "/models") for v in executor["volumes"])
+    assert any(
+        str(v).endswith(":/models:ro") or (isinstance(v, dict) and v.get("target") == "/models")
+        for v in executor["volumes"]
+    )
     assert "--model=default" in executor["command"]
     if variant == "rocm":
         assert sorted(executor["devices"]) == ["/dev/dri", "/dev/kfd"]
@@ -152,7 +155,9 @@ def test_every_dockerfile_copies_what_exists_in_its_context():
                 num_sources += 1
                 assert list(context.glob(source)), f"{dockerfile.relative_to(ROOT)}: COPY {source}: not in {context}"
                 for pattern in dockerignore_patterns(context):
-                    assert not fnmatch.fnmatch(source.rstrip("/"), pattern), f"{source} is excluded by .dockerignore ({pattern})"
+                    assert not fnmatch.fnmatch(source.rstrip("/"), pattern), (
+                        f"{source} is excluded by .dockerignore ({pattern})"
+                    )
     assert num_sources >= 3 * 6  # the three swarmserve images copy the package sources
     smg = dockerfile_instructions(DEPLOY / "smg" / "Dockerfile")
     assert ("RUN", "pip install smg==1.13.0") in smg  # the gateway pinned, like every image
@@ -169,7 +174,11 @@ def test_compose_images_are_pinned():
 def exported_samples() -> dict[str, set[str]]:
     """Every sample name the two services' registries can export -> the family's label names."""
     samples: dict[str, set[str]] = {}
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "gauge": ("",)}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "gauge": ("",),
+    }
     for registry in (SchedulerMetrics().registry, ExecutorMetrics().registry):
         collectors = registry._names_to_collectors  # name -> the metric object, which knows its label names
         for family in registry.collect():
@@ -228,7 +237,9 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     services = load(COMPOSE)["services"]
     prometheus = load(DEPLOY / "prometheus" / "prometheus.yml")
     targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
-    assert targets == {f"{name}:{_flag(services[name]['command'], '--metrics-port')}" for name in ("executor", "scheduler")}
+    assert targets == {
+        f"{name}:{_flag(services[name]['command'], '--metrics-port')}" for name in ("executor", "scheduler")
+    }
     collector = load(DEPLOY / "otel-collector" / "config.yaml")
     grpc_port = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
     for name in ("executor", "scheduler"):
@@ -245,7 +256,11 @@ def test_prometheus_scrapes_the_metrics_ports_and_traces_reach_jaeger():
     assert f"http://127.0.0.1:{ui_port}/" in services["jaeger"]["healthcheck"]["test"]
     health_port = collector["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]
     assert f"http://127.0.0.1:{health_port}/" in services["otel-collector"]["healthcheck"]["test"]
-    for name, mounts in (("otel-collector", "otel-collector/config.yaml"), ("jaeger", "jaeger/config.yaml"), ("prometheus", "prometheus/prometheus.yml")):
+    for name, mounts in (
+        ("otel-collector", "otel-collector/config.yaml"),
+        ("jaeger", "jaeger/config.yaml"),
+        ("prometheus", "prometheus/prometheus.yml"),
+    ):
         assert any(v.startswith(f"./{mounts}:") for v in services[name]["volumes"]), name
     grafana = services["grafana"]
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
@@ -284,7 +299,13 @@ def _compose_config(tmp_path, *files: Path) -> dict:
             pytest.fail("neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)")
         pytest.skip("no docker compose tool here (apt-get install docker-compose)")
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
-    result = subprocess.run([*command, *(a for f in files for a in ("-f", str(f))), "config"], capture_output=True, text=True, env=env, cwd=DEPLOY)
+    result = subprocess.run(
+        [*command, *(a for f in files for a in ("-f", str(f))), "config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=DEPLOY,
+    )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -300,7 +321,10 @@ def test_scale_compose_puts_the_pairs_behind_one_gateway(tmp_path):
     started = {name for name, service in merged.items() if not service.get("profiles")}
     pairs = sorted(name for name in started if name.startswith("pair-"))
     assert len(pairs) >= 2 and started == {*pairs, "gateway", "otel-collector", "jaeger", "prometheus", "grafana"}
-    services = {**load(COMPOSE)["services"], **load(SCALE)["services"]}  # as written (each tool renders ports its own way)
+    services = {
+        **load(COMPOSE)["services"],
+        **load(SCALE)["services"],
+    }  # as written (each tool renders ports its own way)
     assert services["executor"]["profiles"] == services["scheduler"]["profiles"] == ["single"]
     for name in started:
         assert merged[name].get("restart") == "unless-stopped", name
@@ -312,7 +336,9 @@ def test_scale_compose_puts_the_pairs_behind_one_gateway(tmp_path):
     urls = command[command.index("--worker-urls") + 1 :]
     urls = urls[: next((i for i, a in enumerate(urls) if a.startswith("--")), len(urls))]
     published = [p for name in started for p in services[name].get("ports", [])]
-    assert [p for p in gateway["ports"]] == ["127.0.0.1:8000:8000"] and all(str(p).startswith("127.0.0.1:") for p in published)
+    assert [p for p in gateway["ports"]] == ["127.0.0.1:8000:8000"] and all(
+        str(p).startswith("127.0.0.1:") for p in published
+    )
     assert not any(services[p].get("ports") for p in pairs), "agents reach the pairs only through the gateway"
     pair_ids = set()
     for name in pairs:
@@ -336,8 +362,13 @@ def test_scale_compose_puts_the_pairs_behind_one_gateway(tmp_path):
     scrape = load(DEPLOY / "prometheus" / "prometheus.scale.yml")
     targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
     metrics_port = int(_flag(services[pairs[0]]["command"], "--metrics-port"))
-    assert targets == {f"{p}:{port}" for p in pairs for port in (metrics_port, metrics_port + 1)} | {f"gateway:{_flag(command, '--prometheus-port')}"}
-    assert any(v.startswith("./prometheus/prometheus.scale.yml:/etc/prometheus/prometheus.yml") for v in services["prometheus"]["volumes"])
+    assert targets == {f"{p}:{port}" for p in pairs for port in (metrics_port, metrics_port + 1)} | {
+        f"gateway:{_flag(command, '--prometheus-port')}"
+    }
+    assert any(
+        v.startswith("./prometheus/prometheus.scale.yml:/etc/prometheus/prometheus.yml")
+        for v in services["prometheus"]["volumes"]
+    )
 
 
 K8S = DEPLOY / "k8s"
@@ -361,7 +392,15 @@ def test_k8s_core_resources_validate_against_the_kubernetes_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     resources = k8s_resources()
     core = [r for r in resources.values() if r["apiVersion"] in CORE_GROUPS]
-    assert {r["kind"] for r in core} >= {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"}
+    assert {r["kind"] for r in core} >= {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+    }
     for resource in core:
         kubernetes_validate.validate(resource, "1.37.0", strict=True)
     # The validator is strict: a misspelt probe field is refused.
@@ -477,7 +516,9 @@ def test_k8s_pieces_fit_together():
     config_path = _arg(epp["args"], "--config-file")
     (mount,) = [m for m in epp["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
     (volume,) = [v for v in epp_pod["volumes"] if v["name"] == mount["name"]]
-    picker_config = yaml.safe_load(resources[("ConfigMap", volume["configMap"]["name"])]["data"][Path(config_path).name])
+    picker_config = yaml.safe_load(
+        resources[("ConfigMap", volume["configMap"]["name"])]["data"][Path(config_path).name]
+    )
     assert picker_config["kind"] == "EndpointPickerConfig"
     defined = {p.get("name", p["type"]) for p in picker_config["plugins"]}
     for profile in picker_config["schedulingProfiles"]:
@@ -487,6 +528,10 @@ def test_k8s_pieces_fit_together():
 
     route = resources[("HTTPRoute", "swarmserve")]
     (backend,) = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
-    assert (backend["group"], backend["kind"], backend["name"]) == ("inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
     (parent,) = route["spec"]["parentRefs"]
     assert ("Gateway", parent["name"]) in resources

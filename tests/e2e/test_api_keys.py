@@ -25,7 +25,9 @@ def test_api_keys_are_required_when_configured(engine, tmp_path):
     async def main():
         executor_address = f"127.0.0.1:{free_port()}"
         executor = await serve_executor(engine, executor_address)
-        config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, api_key_file=str(key_file))
+        config = SchedulerConfig(
+            listen=f"127.0.0.1:{free_port()}", executor=executor_address, api_key_file=str(key_file)
+        )
         server, loop, tasks = await serve_scheduler(config)
         try:
             assert await loop.wait_connected(20)

@@ -27,7 +27,9 @@ NUM_REQUESTS = 2_000 if os.environ.get("SWARMSERVE_LONG_TESTS") == "1" else 200
 
 
 def test_cancel_storm_leaves_no_request_and_no_kv_block(make_tiny_engine):
-    engine = make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=2 << 20)  # small: preemptions happen too
+    engine = make_tiny_engine(
+        TinyModelSpec(context_length=512), kv_cache_bytes=2 << 20
+    )  # small: preemptions happen too
     rng = random.Random(0)
 
     async def main():

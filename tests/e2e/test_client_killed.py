@@ -56,7 +56,9 @@ def test_killed_clients_leave_no_request_and_no_kv_block(make_tiny_engine):
                 await process.wait()
             killed = time.monotonic()
             while num_held_requests(engine) or engine.kv.num_free_blocks != engine.kv.num_usable_blocks:
-                assert time.monotonic() - killed < 1.0, f"{num_held_requests(engine)} requests still held 1 s after the kill"
+                assert time.monotonic() - killed < 1.0, (
+                    f"{num_held_requests(engine)} requests still held 1 s after the kill"
+                )
                 await asyncio.sleep(0.02)
             assert not loop.streams
             async with AsyncSwarmClient(config.listen) as client:

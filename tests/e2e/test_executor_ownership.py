@@ -54,7 +54,9 @@ def test_a_second_scheduler_is_refused_and_a_take_over_is_never_taken_back(engin
             async with scheduler(executor_address) as (first, first_loop), AsyncSwarmClient(first) as client:
                 await wait_for_health(first, health_pb2.HealthCheckResponse.SERVING)
                 streams = [
-                    asyncio.create_task(client.complete(f"agent {i} says", max_new_tokens=120, temperature=0.0, ignore_eos=True))
+                    asyncio.create_task(
+                        client.complete(f"agent {i} says", max_new_tokens=120, temperature=0.0, ignore_eos=True)
+                    )
                     for i in range(4)
                 ]
                 async with scheduler(executor_address) as (second, second_loop), AsyncSwarmClient(second) as intruder:

@@ -48,7 +48,9 @@ async def run(client: AsyncSwarmClient, request: dict, first_token: asyncio.Even
 
 
 def test_streams_survive_an_executor_kill_token_for_token(tiny_model, tmp_path_factory):
-    stack = Stack(["--model", str(tiny_model), "--kv-cache-gb", "0.02"], [], log_dir=tmp_path_factory.mktemp("logs")).start()
+    stack = Stack(
+        ["--model", str(tiny_model), "--kv-cache-gb", "0.02"], [], log_dir=tmp_path_factory.mktemp("logs")
+    ).start()
 
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:

@@ -10,12 +10,12 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from tests.support.stack import free_port, stop_scheduler
 
 
@@ -38,13 +38,17 @@ def test_the_executor_serves_only_a_scheduler_with_its_token(engine, tmp_path):
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 results["health"] = health.status
             for name, token_file in (("wrong", str(wrong)), ("right", str(token))):
-                config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, executor_token_file=token_file)
+                config = SchedulerConfig(
+                    listen=f"127.0.0.1:{free_port()}", executor=executor_address, executor_token_file=token_file
+                )
                 server, loop, tasks = await serve_scheduler(config)
                 try:
                     connected = await loop.wait_connected(3)
                     async with AsyncSwarmClient(config.listen) as client:
                         try:
-                            results[name] = len((await client.complete("hi", max_new_tokens=3, ignore_eos=True)).token_ids)
+                            results[name] = len(
+                                (await client.complete("hi", max_new_tokens=3, ignore_eos=True)).token_ids
+                            )
                         except SwarmServeError as error:
                             results[name] = error
                     results[name + "_connected"] = connected

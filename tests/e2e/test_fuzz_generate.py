@@ -16,12 +16,12 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
-from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from tests.support.engine_driver import num_held_requests
 from tests.support.stack import free_port
 from tests.support.tiny_gguf import TinyModelSpec
@@ -87,19 +87,30 @@ def generate_requests(draw) -> pb.GenerateRequest:
         ignore_eos=draw(st.booleans()),
         include_special_tokens=draw(st.booleans()),
         num_logprobs=draw(mostly(st.integers(0, 3), st.integers(0, 2**32 - 1))),
-        stop=draw(mostly(st.lists(st.text(min_size=1, max_size=8), max_size=3), st.lists(st.text(max_size=30), max_size=8))),
-        stop_token_ids=draw(mostly(st.lists(st.integers(0, 250), max_size=3), st.lists(st.integers(0, 2**32 - 1), max_size=4))),
+        stop=draw(
+            mostly(st.lists(st.text(min_size=1, max_size=8), max_size=3), st.lists(st.text(max_size=30), max_size=8))
+        ),
+        stop_token_ids=draw(
+            mostly(st.lists(st.integers(0, 250), max_size=3), st.lists(st.integers(0, 2**32 - 1), max_size=4))
+        ),
     )
     kind = draw(st.sampled_from(["text", "text", "token_ids", "chat", "none"]))
     if kind == "text":
         msg.text = draw(texts)
     elif kind == "token_ids":
         msg.token_ids.ids.extend(
-            draw(mostly(st.lists(st.integers(0, 250), min_size=1, max_size=20), st.lists(st.integers(0, 2**32 - 1), max_size=140)))
+            draw(
+                mostly(
+                    st.lists(st.integers(0, 250), min_size=1, max_size=20),
+                    st.lists(st.integers(0, 2**32 - 1), max_size=140),
+                )
+            )
         )
     elif kind == "chat":
         roles = mostly(st.sampled_from(["system", "user", "assistant", "tool"]), st.text(max_size=8))
-        for role, content in draw(st.lists(st.tuples(roles, texts), min_size=draw(st.sampled_from([0, 1, 1, 1])), max_size=4)):
+        for role, content in draw(
+            st.lists(st.tuples(roles, texts), min_size=draw(st.sampled_from([0, 1, 1, 1])), max_size=4)
+        ):
             msg.chat.messages.add(role=role, content=content)
     if draw(st.booleans()):
         msg.max_new_tokens = draw(mostly(st.integers(1, 8), st.integers(0, 2**32 - 1)))

@@ -19,10 +19,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swarmserve.executor.v1 import executor_pb2 as epb
-from swarmserve.executor.v1 import executor_pb2_grpc as epb_grpc
 
 from executor_svc.server import serve as serve_executor
+from swarmserve.executor.v1 import executor_pb2 as epb
+from swarmserve.executor.v1 import executor_pb2_grpc as epb_grpc
 from tests.support.stack import free_port
 from tests.support.tiny_gguf import TinyModelSpec
 
@@ -78,7 +78,9 @@ def plans(draw):
         scheduler_id=SCHEDULER_ID,
         new_requests=draw(st.lists(new_requests(), max_size=3)),
         scheduled=[
-            epb.ScheduledRequest(request_id=rid, num_tokens=draw(st.one_of(small, wild)), draft_budget=draw(st.one_of(small, wild)))
+            epb.ScheduledRequest(
+                request_id=rid, num_tokens=draw(st.one_of(small, wild)), draft_budget=draw(st.one_of(small, wild))
+            )
             for rid in draw(st.lists(st.sampled_from(IDS), max_size=4))
         ],
         released=draw(st.lists(st.sampled_from(IDS), max_size=2)),

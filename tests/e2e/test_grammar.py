@@ -76,7 +76,10 @@ def complete_all(stack: Stack, requests: list[dict]):
 def test_sampled_json_validates_against_its_schema_on_20_seeds(stack):
     completions = complete_all(
         stack,
-        [{"structured_output": {"json_schema": SCHEMA}, "temperature": 1.0, "seed": seed, "max_new_tokens": 200} for seed in range(20)],
+        [
+            {"structured_output": {"json_schema": SCHEMA}, "temperature": 1.0, "seed": seed, "max_new_tokens": 200}
+            for seed in range(20)
+        ],
     )
     for completion in completions:
         assert completion.finish_reason == "eos", completion.text
@@ -132,7 +135,11 @@ def test_greedy_under_a_grammar_is_the_same_with_speculation_on_and_off(tiny_mod
     regex = r"[a-z ]{20,60}\."  # free text: the drafter finds repeats to propose
     requests = [
         {"structured_output": {"json_schema": SCHEMA}, "temperature": 0.0, "max_new_tokens": 120},
-        {"structured_output": {"json_schema": {k: v for k, v in SCHEMA.items() if k != "x-guidance"}}, "temperature": 0.0, "max_new_tokens": 120},
+        {
+            "structured_output": {"json_schema": {k: v for k, v in SCHEMA.items() if k != "x-guidance"}},
+            "temperature": 0.0,
+            "max_new_tokens": 120,
+        },
         {"structured_output": {"regex": regex}, "temperature": 0.0, "max_new_tokens": 120},
     ]
     by_policy = {}

@@ -21,7 +21,11 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    },
 }
 
 
@@ -46,12 +50,18 @@ def test_a_message_plain_and_streamed_with_usage(client):
     counted = client.messages.count_tokens(model="m", system=SYSTEM, messages=MESSAGES).input_tokens
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted > 0
 
-    events = list(client.messages.create(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, stream=True, extra_body=GREEDY))
+    events = list(
+        client.messages.create(
+            model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, stream=True, extra_body=GREEDY
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert kinds[1:4] == ["content_block_start", "content_block_delta", "content_block_delta"] or "ping" in kinds
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
-    with client.messages.stream(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, extra_body=GREEDY) as stream:
+    with client.messages.stream(
+        model="m", system=SYSTEM, messages=MESSAGES, max_tokens=10, extra_body=GREEDY
+    ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == reply.content[0].text == final.content[0].text
@@ -61,7 +71,9 @@ def test_a_message_plain_and_streamed_with_usage(client):
 
 
 def test_a_stop_sequence_is_reported(client):
-    seeded = dict(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=24, extra_body={"temperature": 1.0, "seed": 5})
+    seeded = dict(
+        model="m", system=SYSTEM, messages=MESSAGES, max_tokens=24, extra_body={"temperature": 1.0, "seed": 5}
+    )
     full = client.messages.create(**seeded).content[0].text
     stop = pick_stop(full)
     reply = client.messages.create(**seeded, stop_sequences=[stop])
@@ -110,7 +122,12 @@ def test_a_streamed_tool_choice_any_ends_with_tool_use(client):
 
 
 def test_output_config_json_schema_is_followed(client):
-    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 10}}, "required": ["color"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "maxLength": 10}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
     for seed in range(5):
         reply = client.messages.create(
             model="m", messages=MESSAGES, max_tokens=100, output_config={"format": {"type": "json_schema", "schema": schema}},
@@ -122,12 +139,16 @@ def test_output_config_json_schema_is_followed(client):
 
 def test_errors_come_in_anthropics_shape(stack, client):
     with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.create(model="m", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}], max_tokens=4)
+        client.messages.create(
+            model="m", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}], max_tokens=4
+        )
     assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in refused.value.body["error"]["message"]
     missing = httpx.post(stack.http_url + "/v1/messages", json={"model": "m", "messages": MESSAGES})
     assert missing.status_code == 400 and "max_tokens" in missing.json()["error"]["message"]
-    huge = httpx.post(stack.http_url + "/v1/messages", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    huge = httpx.post(
+        stack.http_url + "/v1/messages", content=b"x" * (5 << 20), headers={"content-type": "application/json"}
+    )
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", messages=MESSAGES, max_tokens=4, tool_choice={"type": "any"})

@@ -62,7 +62,9 @@ def test_a_full_queue_is_429(stack):
     stop = threading.Event()
 
     def hold(ready: threading.Event, until_a_token: bool):
-        with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
+        with httpx.stream(
+            "POST", stack.http_url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+        ) as response:
             assert response.status_code == 200
             if until_a_token:  # the first chunk only names the role; the next ones carry tokens
                 lines = response.iter_lines()  # held: a closed line iterator would close the response (an abort)
@@ -71,7 +73,10 @@ def test_a_full_queue_is_429(stack):
             stop.wait(30)
 
     running, waiting = threading.Event(), threading.Event()
-    holders = [threading.Thread(target=hold, args=(running, True)), threading.Thread(target=hold, args=(waiting, False))]
+    holders = [
+        threading.Thread(target=hold, args=(running, True)),
+        threading.Thread(target=hold, args=(waiting, False)),
+    ]
     try:
         holders[0].start()
         assert running.wait(30), "the first request never streamed a token"

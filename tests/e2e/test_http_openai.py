@@ -24,7 +24,11 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
     },
 }
 
@@ -63,7 +67,9 @@ def test_chat_completion_plain_and_streamed_agree_with_usage(client):
     assert len(choice.token_ids) == 12
 
     chunks = list(
-        client.chat.completions.create(messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **_greedy())
+        client.chat.completions.create(
+            messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **_greedy()
+        )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     token_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
@@ -72,7 +78,9 @@ def test_chat_completion_plain_and_streamed_agree_with_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "the same prompt again is read from the prefix cache"
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, (
+        "the same prompt again is read from the prefix cache"
+    )
 
 
 def test_greedy_over_http_is_grpc_token_for_token(client, grpc_client):
@@ -120,7 +128,9 @@ def test_logprobs_come_with_each_token(client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy: the top token
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
     legacy = client.completions.create(model="m", prompt="hi", max_tokens=4, logprobs=2, temperature=0.0)
-    assert len(legacy.choices[0].logprobs.tokens) == 4 and all(len(t) == 2 for t in legacy.choices[0].logprobs.top_logprobs)
+    assert len(legacy.choices[0].logprobs.tokens) == 4 and all(
+        len(t) == 2 for t in legacy.choices[0].logprobs.top_logprobs
+    )
 
 
 def test_models_health_and_metrics(stack, client):
@@ -136,13 +146,17 @@ def test_a_tool_conversation_renders_and_its_next_turn_hits_the_cache(client):
     turn's prompt from the prefix cache; the session id travels as a header."""
     messages = [{"role": "user", "content": "What is the weather in Paris? " * 3}]
     headers = {"x-session-id": "agent-1"}
-    first = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0, extra_headers=headers)
+    first = client.chat.completions.create(
+        model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0, extra_headers=headers
+    )
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content or "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
-    second = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0, extra_headers=headers)
+    second = client.chat.completions.create(
+        model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0, extra_headers=headers
+    )
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16) > 0
 
@@ -162,15 +176,29 @@ def test_agent_loop_with_a_forced_tool_call(client):
     jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
     streamed = list(
         client.chat.completions.create(
-            model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=256, temperature=0.0, tool_choice="required", stream=True
+            model="m",
+            messages=messages,
+            tools=[WEATHER_TOOL],
+            max_tokens=256,
+            temperature=0.0,
+            tool_choice="required",
+            stream=True,
         )
     )
     deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
     assert deltas and deltas[0].function.name == "get_weather" and deltas[0].id
-    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)), WEATHER_TOOL["function"]["parameters"])
+    jsonschema.validate(
+        json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)),
+        WEATHER_TOOL["function"]["parameters"],
+    )
     assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
-    second = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+    ]
+    second = client.chat.completions.create(
+        model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=4, temperature=0.0
+    )
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
@@ -191,11 +219,17 @@ def test_json_schema_output_validates_on_20_seeds(client):
 
 
 def test_responses_api_plain_streamed_and_with_function_call_items(client):
-    reply = client.responses.create(model="m", instructions="Be terse.", input="Hi", max_output_tokens=6, temperature=0.0)
+    reply = client.responses.create(
+        model="m", instructions="Be terse.", input="Hi", max_output_tokens=6, temperature=0.0
+    )
     assert reply.status == "incomplete" and reply.usage.output_tokens == 6
     assert reply.output[0].type == "message" and reply.output_text
 
-    events = list(client.responses.create(model="m", instructions="Be terse.", input="Hi", max_output_tokens=6, temperature=0.0, stream=True))
+    events = list(
+        client.responses.create(
+            model="m", instructions="Be terse.", input="Hi", max_output_tokens=6, temperature=0.0, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
@@ -207,7 +241,9 @@ def test_responses_api_plain_streamed_and_with_function_call_items(client):
         {"type": "function_call_output", "call_id": "call_9", "output": "sunny"},
     ]
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}]
-    follow_up = client.responses.create(model="m", input=conversation, tools=tools, max_output_tokens=4, temperature=0.0, prompt_cache_key="conv-1")
+    follow_up = client.responses.create(
+        model="m", input=conversation, tools=tools, max_output_tokens=4, temperature=0.0, prompt_cache_key="conv-1"
+    )
     assert follow_up.usage.input_tokens > reply.usage.input_tokens
 
 
@@ -217,10 +253,16 @@ def test_a_client_that_hangs_up_frees_its_kv(stack, grpc_client):
 
     def idle() -> bool:  # no request left, and its blocks back (released at the next step)
         info = grpc_client.server_info()
-        return info.num_running_requests == 0 and info.num_queued_requests == 0 and info.num_free_kv_blocks >= num_free_before
+        return (
+            info.num_running_requests == 0
+            and info.num_queued_requests == 0
+            and info.num_free_kv_blocks >= num_free_before
+        )
 
     # Streaming: read a few chunks, then close the connection.
-    with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as response:
+    with httpx.stream(
+        "POST", stack.http_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30
+    ) as response:
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
@@ -251,9 +293,13 @@ def test_bad_requests_get_400s_naming_the_field(stack, client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=MESSAGES, tool_choice="required")
     assert refused.value.body["param"] == "tool_choice"
-    bad_json = httpx.post(stack.http_url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    bad_json = httpx.post(
+        stack.http_url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
-    huge = httpx.post(stack.http_url + "/v1/chat/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    huge = httpx.post(
+        stack.http_url + "/v1/chat/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"}
+    )
     assert huge.status_code == 413 and "--max-message-bytes" in huge.json()["error"]["message"]
     assert httpx.get(stack.http_url + "/v1/nothing").status_code == 404
     assert httpx.get(stack.http_url + "/health").status_code == 200

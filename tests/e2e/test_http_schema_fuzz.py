@@ -35,7 +35,11 @@ def test_generated_requests_never_get_a_5xx_and_the_server_lives(stack, api):
     for operation in operations:
 
         @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(case=st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)))
+        @given(
+            case=st.one_of(
+                operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)
+            )
+        )
         def fuzz(case):
             response = case.call(base_url=stack.http_url, timeout=30)
             statuses.append(response.status_code)
@@ -50,5 +54,9 @@ def test_generated_requests_never_get_a_5xx_and_the_server_lives(stack, api):
     assert not failures, failures
     assert len(statuses) >= 5 * len(operations) and 400 in statuses and 200 in statuses
     assert httpx.get(stack.http_url + "/health").json() == {"status": "ok"}
-    reply = httpx.post(stack.http_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    reply = httpx.post(
+        stack.http_url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
     assert reply.status_code == 200

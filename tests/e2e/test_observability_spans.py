@@ -23,7 +23,11 @@ from service_common.observability.tracing import TracingConfig, build_tracer_pro
 from tests.support.stack import free_port
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
-PROMPTS = {"obs-a": ("the cat sat on the mat, the cat sat", 6), "obs-b": ("in the beginning", 9), "obs-c": ("a b a b a b", 4)}
+PROMPTS = {
+    "obs-a": ("the cat sat on the mat, the cat sat", 6),
+    "obs-b": ("in the beginning", 9),
+    "obs-c": ("a b a b a b", 4),
+}
 
 
 def _attrs(span) -> dict:

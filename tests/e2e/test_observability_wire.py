@@ -26,7 +26,11 @@ from clients.cli import main as cli_main
 from tests.support.stack import Stack, free_port
 from tests.support.tiny_gguf import TinyModelSpec
 
-REQUESTS = {"wire-a": ("the cat sat on the mat, the cat sat on the", 12), "wire-b": ("one two one two one", 7), "wire-c": ("hello", 3)}
+REQUESTS = {
+    "wire-a": ("the cat sat on the mat, the cat sat on the", 12),
+    "wire-b": ("one two one two one", 7),
+    "wire-c": ("hello", 3),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,16 @@ def observed(tiny_gguf_path, tmp_path_factory):
             for name in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER_ARG"):
                 env.delenv(name, raising=False)
             stack = Stack(
-                ["--model", str(model), "--kv-cache-gb", "0.01", "--metrics-port", str(executor_metrics), "--log-level", "debug"],
+                [
+                    "--model",
+                    str(model),
+                    "--kv-cache-gb",
+                    "0.01",
+                    "--metrics-port",
+                    str(executor_metrics),
+                    "--log-level",
+                    "debug",
+                ],
                 ["--metrics-port", str(scheduler_metrics), "--log-level", "debug", "--spec", "fixed:2"],
                 log_dir=log_dir,
             )
@@ -108,7 +121,9 @@ def test_spans_from_both_services_arrive_and_share_a_trace_per_step(observed, wo
     for span in spans:
         by_service.setdefault(span.service_name, []).append(span)
     assert set(by_service) == {"swarmserve-scheduler", "swarmserve-executor"}
-    requests = {s.attribute("swarmserve.request_id"): s for s in by_service["swarmserve-scheduler"] if s.name == "request"}
+    requests = {
+        s.attribute("swarmserve.request_id"): s for s in by_service["swarmserve-scheduler"] if s.name == "request"
+    }
     assert set(requests) == set(REQUESTS)
     for completion in completions:
         span = requests[completion.request_id]
@@ -120,7 +135,12 @@ def test_spans_from_both_services_arrive_and_share_a_trace_per_step(observed, wo
     executor_spans = by_service["swarmserve-executor"]
     for step in steps:
         same_trace = [s for s in executor_spans if s.trace_id == step.trace_id]
-        assert sorted(s.name for s in same_trace) == ["executor.forward", "executor.prepare", "executor.sample", "executor.step"]
+        assert sorted(s.name for s in same_trace) == [
+            "executor.forward",
+            "executor.prepare",
+            "executor.sample",
+            "executor.step",
+        ]
         executor_step = next(s for s in same_trace if s.name == "executor.step")
         assert executor_step.parent_span_id == step.span_id
         assert executor_step.attribute("swarmserve.step_id") == step.attribute("swarmserve.step_id")
@@ -143,9 +163,15 @@ def test_metrics_endpoints_move_as_requests_run(workload):
     assert counter_delta(exec_before, exec_after, "swarmserve_executor_generated_tokens_total") == num_tokens
     assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_step_duration_seconds_count") == num_steps
     assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_batch_size_count") == num_steps
-    assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_time_to_first_token_seconds_count") == len(REQUESTS)
-    assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_inter_token_latency_seconds_count") == num_tokens - len(REQUESTS)
-    assert counter_delta(sched_before, sched_after, 'swarmserve_scheduler_requests_finished_total{finish_reason="length"}') == len(REQUESTS)
+    assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_time_to_first_token_seconds_count") == len(
+        REQUESTS
+    )
+    assert counter_delta(
+        sched_before, sched_after, "swarmserve_scheduler_inter_token_latency_seconds_count"
+    ) == num_tokens - len(REQUESTS)
+    assert counter_delta(
+        sched_before, sched_after, 'swarmserve_scheduler_requests_finished_total{finish_reason="length"}'
+    ) == len(REQUESTS)
     prompt_tokens = sum(c.usage.prompt_tokens for c in completions)
     assert counter_delta(sched_before, sched_after, "swarmserve_scheduler_prefill_tokens_total") == prompt_tokens
     drafted = counter_delta(sched_before, sched_after, "swarmserve_scheduler_draft_tokens_total")
@@ -156,10 +182,16 @@ def test_metrics_endpoints_move_as_requests_run(workload):
     errors = 'swarmserve_scheduler_rpc_errors_total{code="INVALID_ARGUMENT",method="Generate"}'
     assert sched_after.get(errors) == 1
     assert sched_after["swarmserve_scheduler_executor_connected"] == 1
-    assert sched_after["swarmserve_scheduler_queue_depth"] == 0 and sched_after["swarmserve_scheduler_running_requests"] == 0
+    assert (
+        sched_after["swarmserve_scheduler_queue_depth"] == 0
+        and sched_after["swarmserve_scheduler_running_requests"] == 0
+    )
     assert sched_after["swarmserve_scheduler_kv_blocks_used"] == 0 == exec_after["swarmserve_executor_kv_blocks_used"]
     assert exec_after["swarmserve_executor_kv_blocks_free"] > 0
-    assert counter_delta(exec_before, exec_after, 'swarmserve_executor_step_phase_duration_seconds_count{phase="forward"}') == num_steps
+    assert (
+        counter_delta(exec_before, exec_after, 'swarmserve_executor_step_phase_duration_seconds_count{phase="forward"}')
+        == num_steps
+    )
 
 
 def read_log(path) -> list[dict]:
@@ -184,7 +216,10 @@ def test_log_lines_are_json_with_ids_and_trace_ids(observed, workload):
     step_lines = [line for line in scheduler_log if line["event"] == "step_done"]
     assert len(step_lines) == len(step_spans)
     for line in step_lines:
-        assert (line["trace_id"], line["span_id"]) == (step_spans[line["step_id"]].trace_id, step_spans[line["step_id"]].span_id)
+        assert (line["trace_id"], line["span_id"]) == (
+            step_spans[line["step_id"]].trace_id,
+            step_spans[line["step_id"]].span_id,
+        )
     executor_steps = {s.attribute("swarmserve.step_id"): s for s in spans if s.name == "executor.step"}
     executed = [line for line in executor_log if line["event"] == "step_executed"]
     assert len(executed) == len(executor_steps)
@@ -203,7 +238,9 @@ def test_timeline_command_writes_a_chrome_trace_and_a_png(observed, workload, tm
     events = trace["traceEvents"]
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    request_tracks = {name.removeprefix("request "): pid_tid for pid_tid, name in threads.items() if name.startswith("request ")}
+    request_tracks = {
+        name.removeprefix("request "): pid_tid for pid_tid, name in threads.items() if name.startswith("request ")
+    }
     assert set(REQUESTS) <= set(request_tracks)
     assert {processes[pid] for pid, _ in request_tracks.values()} == {"requests"}
     executor_track = next(pid_tid for pid_tid, name in threads.items() if name == "executor")
@@ -246,8 +283,14 @@ def test_exemplars_link_step_durations_and_ttft_to_their_traces(observed, worklo
     spans = receiver.sink.spans
     step_traces = {s.trace_id for s in spans if s.name == "step"}
     request_traces = {s.trace_id for s in spans if s.name == "request"}
-    assert exemplars["swarmserve_scheduler_step_duration_seconds"] and exemplars["swarmserve_scheduler_step_duration_seconds"] <= step_traces
-    assert exemplars["swarmserve_scheduler_time_to_first_token_seconds"] and exemplars["swarmserve_scheduler_time_to_first_token_seconds"] <= request_traces
+    assert (
+        exemplars["swarmserve_scheduler_step_duration_seconds"]
+        and exemplars["swarmserve_scheduler_step_duration_seconds"] <= step_traces
+    )
+    assert (
+        exemplars["swarmserve_scheduler_time_to_first_token_seconds"]
+        and exemplars["swarmserve_scheduler_time_to_first_token_seconds"] <= request_traces
+    )
 
 
 def test_health_probe_answers_for_both_services(observed):

@@ -70,7 +70,10 @@ def test_router_gauges_and_smg_loads_follow_the_queue(stack):
     deadline = time.monotonic() + 60
     while seen is None and time.monotonic() < deadline and any(t.is_alive() for t in threads):
         now = scrape(stack.http_url)
-        full = now["vllm:num_requests_running"][1] == MAX_RUNNING and now["vllm:num_requests_waiting"][1] == NUM_STREAMS - MAX_RUNNING
+        full = (
+            now["vllm:num_requests_running"][1] == MAX_RUNNING
+            and now["vllm:num_requests_waiting"][1] == NUM_STREAMS - MAX_RUNNING
+        )
         # The KV gauges are the executor's last report: wait for one since the running requests were admitted.
         if full and now["swarmserve_scheduler_kv_blocks_used"][1] > 0:
             seen = now

@@ -94,7 +94,9 @@ class Fleet:
         self.banner = banner
         self.log = log
         self.entry_url = re.search(r"\(SMG, cache_aware\)\s+(http://\S+)/v1", banner).group(1)
-        self.replica_urls = [m.group(1) for m in re.finditer(r"replica \d OpenAI/Anthropic HTTP API\s+(http://\S+)/v1", banner)]
+        self.replica_urls = [
+            m.group(1) for m in re.finditer(r"replica \d OpenAI/Anthropic HTTP API\s+(http://\S+)/v1", banner)
+        ]
         self.replica_schedulers = re.findall(r"replica \d scheduler\s+grpc://(\S+)", banner)
         self.replica_executors = re.findall(r"replica \d executor\s+grpc://(\S+)", banner)
         self.model = re.search(r"serving (\S+)", banner).group(1)
@@ -111,23 +113,49 @@ def fleet(tmp_path_factory):
     http, scheduler, executor = free_port(), free_port(), free_port()
     log = workdir / "serve.log"
     with OtlpSinkServer() as receiver:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        )
         for name in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER_ARG"):
             env.pop(name, None)
         proc = subprocess.Popen(
             [
-                sys.executable, "-m", "clients.cli", "serve", "--replicas", "2", "--gateway", "smg",
-                "--http-listen", f"127.0.0.1:{http}",
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "serve",
+                "--replicas",
+                "2",
+                "--gateway",
+                "smg",
+                "--http-listen",
+                f"127.0.0.1:{http}",
                 # Far apart: replica i adds 2*i to each.
-                "--scheduler-listen", f"127.0.0.1:{scheduler}", "--executor-listen", f"127.0.0.1:{executor}",
-                "--gateway-arg=--health-check-interval-secs", "--gateway-arg=1",
+                "--scheduler-listen",
+                f"127.0.0.1:{scheduler}",
+                "--executor-listen",
+                f"127.0.0.1:{executor}",
+                "--gateway-arg=--health-check-interval-secs",
+                "--gateway-arg=1",
                 # cache_aware's spill gate sends a request away from the pair holding its prefix
                 # when that pair has over 1.5x the mean load in flight; 16 agents starting at once
                 # on two pairs trip it. With two pairs no load exceeds 2x the mean: never spill.
-                "--gateway-arg=--balance-rel-threshold", "--gateway-arg=2",
-                "--gateway-arg=--health-failure-threshold", "--gateway-arg=1",
-                "--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration", "--spec", "off",
-                "--default-max-new-tokens", "8",
+                "--gateway-arg=--balance-rel-threshold",
+                "--gateway-arg=2",
+                "--gateway-arg=--health-failure-threshold",
+                "--gateway-arg=1",
+                "--model",
+                str(model),
+                "--kv-cache-gb",
+                repr(kv_gb),
+                "--no-calibration",
+                "--spec",
+                "off",
+                "--default-max-new-tokens",
+                "8",
             ],  # fmt: skip
             cwd=ROOT,
             env=env,
@@ -155,7 +183,12 @@ def fleet(tmp_path_factory):
 def _agent(entry_url: str, model: str, index: int) -> list:
     """One agent's conversation: a system prompt unique from its first token, three turns."""
     with openai.OpenAI(base_url=entry_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        messages = [{"role": "system", "content": f"{index:02d}#{index * 7919:08x} You are agent {index}; you refactor module {index}. " * 6}]
+        messages = [
+            {
+                "role": "system",
+                "content": f"{index:02d}#{index * 7919:08x} You are agent {index}; you refactor module {index}. " * 6,
+            }
+        ]
         usages = []
         for turn in range(NUM_TURNS):
             messages.append({"role": "user", "content": f"Turn {turn}: continue with step {turn} of the plan."})
@@ -167,7 +200,11 @@ def _agent(entry_url: str, model: str, index: int) -> list:
 
 def _finished(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("swarmserve_scheduler_requests_finished_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("swarmserve_scheduler_requests_finished_total")
+    )
 
 
 def test_agents_stick_to_the_pair_holding_their_prefix(fleet):
@@ -188,7 +225,9 @@ def test_trace_context_crosses_the_gateway(fleet):
     fleet, receiver = fleet
     with openai.OpenAI(base_url=fleet.entry_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         client.chat.completions.create(  # "swarmserve", the README's model name: an alias at the gateway
-            model="swarmserve", messages=[{"role": "user", "content": "traced"}], extra_headers={"traceparent": TRACEPARENT}
+            model="swarmserve",
+            messages=[{"role": "user", "content": "traced"}],
+            extra_headers={"traceparent": TRACEPARENT},
         )
     trace_id, parent_id = TRACEPARENT.split("-")[1:3]
     deadline = time.monotonic() + 20
@@ -209,10 +248,27 @@ def test_a_session_header_pins_a_conversation_under_round_robin(fleet):
     port = free_port()
     gateway = subprocess.Popen(
         [
-            sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            "--routing-key-override", "--routing-key-headers", "x-session-id",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
-            "--worker-urls", *fleet.replica_urls,
+            sys.executable,
+            "-m",
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--routing-key-override",
+            "--routing-key-headers",
+            "x-session-id",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+            "--worker-urls",
+            *fleet.replica_urls,
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -296,7 +352,19 @@ def test_fleet_flags_lay_out_ports_and_refuse_what_cannot_work():
     from clients.cli import parse_args
     from clients.serve_fleet import FleetConfig, gateway_command
 
-    config = parse_args(["serve", "--replicas", "3", "--gateway", "smg", "--metrics-port", "9100", "--gateway-arg=--log-level", "--gateway-arg=info"]).config
+    config = parse_args(
+        [
+            "serve",
+            "--replicas",
+            "3",
+            "--gateway",
+            "smg",
+            "--metrics-port",
+            "9100",
+            "--gateway-arg=--log-level",
+            "--gateway-arg=info",
+        ]
+    ).config
     assert isinstance(config, FleetConfig)
     layout = [(r.scheduler_listen, r.executor_listen, r.http_listen, r.metrics_port) for r in config.replicas]
     assert layout == [
@@ -306,14 +374,30 @@ def test_fleet_flags_lay_out_ports_and_refuse_what_cannot_work():
     ]
     command = gateway_command(config, config.gateway_metrics_port, "tiny")
     assert command[command.index("--port") + 1] == "8000" and command[command.index("--prometheus-port") + 1] == "9106"
-    assert command[command.index("--worker-urls") + 1 :][:3] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
+    assert command[command.index("--worker-urls") + 1 :][:3] == [
+        "http://127.0.0.1:8001",
+        "http://127.0.0.1:8002",
+        "http://127.0.0.1:8003",
+    ]
     assert command[-2:] == ["--log-level", "info"]  # after ours, so it wins
     assert command[command.index("--model-alias") + 1] == "swarmserve=tiny"
 
     for argv, message in (
         (["--replicas", "2"], "needs a gateway"),
         (["--replicas", "2", "--gateway", "smg", "--http-listen", ""], "entry address"),
-        (["--replicas", "2", "--gateway", "smg", "--scheduler-listen", "127.0.0.1:7000", "--executor-listen", "127.0.0.1:7002"], "overlap"),
+        (
+            [
+                "--replicas",
+                "2",
+                "--gateway",
+                "smg",
+                "--scheduler-listen",
+                "127.0.0.1:7000",
+                "--executor-listen",
+                "127.0.0.1:7002",
+            ],
+            "overlap",
+        ),
     ):
         with pytest.raises(SystemExit):
             parse_args(["serve", *argv])
@@ -329,6 +413,12 @@ def test_scaleout_bench_draws_its_picture(tmp_path):
     from clients.bench.scaleout import plot
 
     run = {"requests_per_s": 10.0, "makespan_s": 4.8, "mean_latency_s": 1.2, "prefix_hit_rate": 0.8}
-    results = {"agents": 16, "turns": 3, "tokens": 16, "runs": {"1 pair": run, "SMG cache_aware": run}, "gateway_latency": {"added_s": 0.002}}
+    results = {
+        "agents": 16,
+        "turns": 3,
+        "tokens": 16,
+        "runs": {"1 pair": run, "SMG cache_aware": run},
+        "gateway_latency": {"added_s": 0.002},
+    }
     plot(results, tmp_path / "scale-out.png")
     assert (tmp_path / "scale-out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,8 +18,18 @@ def test_serve_starts_both_services_answers_and_stops_cleanly():
     executor, scheduler, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "clients.cli", "serve", "--executor-listen", executor, "--scheduler-listen", scheduler,
-            "--http-listen", http, "--kv-cache-gb", "0.1",
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "serve",
+            "--executor-listen",
+            executor,
+            "--scheduler-listen",
+            scheduler,
+            "--http-listen",
+            http,
+            "--kv-cache-gb",
+            "0.1",
         ],  # fmt: skip
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -10,12 +10,12 @@ import random
 
 import grpc
 import pytest
-from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
 from clients.timeline import fetch_timeline
 from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.tokenizer import load_tokenizer
+from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from tests.support.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
 from tests.support.stack import Stack
 
@@ -36,7 +36,12 @@ SOLO_TOKENS_BY_MODE: dict[str, dict] = {}  # each mode's solo runs: the modes mu
 def stack(request, tmp_path_factory):
     """Every test here runs with one step in flight and with overlapped scheduling (two)."""
     s = start_stack(
-        tmp_path_factory, "--max-running-requests", "16", "--max-num-batched-tokens", "128", SCHEDULING_MODES[request.param]
+        tmp_path_factory,
+        "--max-running-requests",
+        "16",
+        "--max-num-batched-tokens",
+        "128",
+        SCHEDULING_MODES[request.param],
     )
     s.scheduling_mode = request.param
     yield s
@@ -141,7 +146,9 @@ def test_cancellations_under_load_free_all_kv_and_leave_other_streams_alone(stac
 
     async def cancelled_request(client, i):
         kwargs = {"prompt": long_prompt if i % 2 else PLAIN_PROMPTS[i % len(PLAIN_PROMPTS)]}
-        task = asyncio.create_task(client.complete(**kwargs, max_new_tokens=200, temperature=0.8, seed=i, ignore_eos=True))
+        task = asyncio.create_task(
+            client.complete(**kwargs, max_new_tokens=200, temperature=0.8, seed=i, ignore_eos=True)
+        )
         await asyncio.sleep(rng.uniform(0.0, 2.5))
         task.cancel()
         try:
@@ -181,7 +188,9 @@ def test_text_deltas_concatenate_to_the_decoded_output(stack, default_model_path
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             for seed, prompt in enumerate(prompts * 2):
                 texts, ids = [], []
-                async for event in client.generate(prompt, max_new_tokens=48, temperature=1.0, seed=seed, ignore_eos=True):
+                async for event in client.generate(
+                    prompt, max_new_tokens=48, temperature=1.0, seed=seed, ignore_eos=True
+                ):
                     if hasattr(event, "token_ids"):
                         texts.append(event.text)
                         ids.extend(event.token_ids)
@@ -202,7 +211,9 @@ def test_stop_strings_and_finish_reasons(stack, solo_tokens):
             full = await client.complete(PLAIN_PROMPTS[0], max_new_tokens=40, temperature=0.0, ignore_eos=True)
             words = [w for w in full.text.split() if len(w) >= 3]
             stop = words[len(words) // 2]
-            stopped = await client.complete(PLAIN_PROMPTS[0], max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+            stopped = await client.complete(
+                PLAIN_PROMPTS[0], max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]
+            )
             eos = await client.complete(messages=CHAT_MESSAGES[0], max_new_tokens=400, temperature=0.0)
             return full, stop, stopped, eos
 
@@ -217,7 +228,9 @@ def test_duplicate_request_id_is_refused_while_in_flight(stack):
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             # Long enough to outlast the sleep however fast the steps are.
-            first = asyncio.create_task(client.complete("hello", max_new_tokens=300, ignore_eos=True, request_id="same"))
+            first = asyncio.create_task(
+                client.complete("hello", max_new_tokens=300, ignore_eos=True, request_id="same")
+            )
             await asyncio.sleep(0.5)
             with pytest.raises(SwarmServeError) as info:
                 await client.complete("hello", max_new_tokens=5, request_id="same")
@@ -232,9 +245,7 @@ def run_cli(*args, timeout=120):
     import subprocess
     import sys
 
-    return subprocess.run(
-        [sys.executable, "-m", "clients.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_generate_json_and_errors(stack, solo_tokens):
@@ -242,8 +253,16 @@ def test_cli_generate_json_and_errors(stack, solo_tokens):
 
     rid, kwargs, n = workload()[0]
     result = run_cli(
-        "generate", kwargs["prompt"], "--server", stack.scheduler_address, "--max-new-tokens", str(n),
-        "--temperature", "0", "--ignore-eos", "--json",
+        "generate",
+        kwargs["prompt"],
+        "--server",
+        stack.scheduler_address,
+        "--max-new-tokens",
+        str(n),
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -255,7 +274,17 @@ def test_cli_generate_json_and_errors(stack, solo_tokens):
     assert bad.returncode != 0
     assert "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
 
-    streamed = run_cli("generate", kwargs["prompt"], "--server", stack.scheduler_address, "--max-new-tokens", str(n), "--temperature", "0", "--ignore-eos")
+    streamed = run_cli(
+        "generate",
+        kwargs["prompt"],
+        "--server",
+        stack.scheduler_address,
+        "--max-new-tokens",
+        str(n),
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    )
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == out["text"].rstrip("\n")
 
 
@@ -278,7 +307,13 @@ def test_seeded_sampling_is_the_same_whatever_the_scheduling_mode(stack):
         async with AsyncSwarmClient(stack.scheduler_address) as client:
             completions = await asyncio.gather(
                 *(
-                    client.complete(PLAIN_PROMPTS[i % len(PLAIN_PROMPTS)], max_new_tokens=24 + 3 * i, temperature=0.8, seed=100 + i, ignore_eos=True)
+                    client.complete(
+                        PLAIN_PROMPTS[i % len(PLAIN_PROMPTS)],
+                        max_new_tokens=24 + 3 * i,
+                        temperature=0.8,
+                        seed=100 + i,
+                        ignore_eos=True,
+                    )
                     for i in range(6)
                 )
             )

@@ -11,9 +11,9 @@ import time
 
 import grpc
 import pytest
-from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 from clients import AsyncSwarmClient, SwarmServeError
+from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from tests.support.stack import Stack, wait_serving
 from tests.support.tiny_gguf import TinyModelSpec
 
@@ -116,7 +116,9 @@ def test_queue_full_is_resource_exhausted(tiny_model, tmp_path_factory):
     assert all(len(c.token_ids) == 250 for c in done) and len(after.token_ids) == 3
 
 
-SCHEDULING = pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"], ids=["sync", "overlapped"])
+SCHEDULING = pytest.mark.parametrize(
+    "scheduling", ["--no-async-scheduling", "--async-scheduling"], ids=["sync", "overlapped"]
+)
 
 
 @SCHEDULING

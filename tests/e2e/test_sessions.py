@@ -21,7 +21,11 @@ BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × k
 def stack(tiny_gguf_path, tmp_path_factory):
     model = tiny_gguf_path(TinyModelSpec(context_length=1024))
     kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
-    s = Stack(["--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration"], ["--spec", "off"], log_dir=tmp_path_factory.mktemp("logs"))
+    s = Stack(
+        ["--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration"],
+        ["--spec", "off"],
+        log_dir=tmp_path_factory.mktemp("logs"),
+    )
     s.start()
     yield s
     s.stop()
@@ -30,7 +34,12 @@ def stack(tiny_gguf_path, tmp_path_factory):
 def test_session_turns_reuse_kv_and_expired_sessions_are_evicted_first(stack):
     async def turn(client, session, token_ids, retention):
         completion = await client.complete(
-            token_ids=token_ids, max_new_tokens=8, temperature=0.0, ignore_eos=True, session_id=session, retention_s=retention
+            token_ids=token_ids,
+            max_new_tokens=8,
+            temperature=0.0,
+            ignore_eos=True,
+            session_id=session,
+            retention_s=retention,
         )
         return list(completion.token_ids), completion.usage.cached_tokens
 
@@ -64,10 +73,14 @@ def test_a_shared_system_prompt_is_stored_once_and_counted_as_cached(stack):
 
     async def main():
         async with AsyncSwarmClient(stack.scheduler_address) as client:
-            first = await client.complete(token_ids=system + [1, 2, 3], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+            first = await client.complete(
+                token_ids=system + [1, 2, 3], max_new_tokens=4, temperature=0.0, ignore_eos=True
+            )
             others = await asyncio.gather(
                 *(
-                    client.complete(token_ids=system + [10 + i, 11, 12], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+                    client.complete(
+                        token_ids=system + [10 + i, 11, 12], max_new_tokens=4, temperature=0.0, ignore_eos=True
+                    )
                     for i in range(4)
                 )
             )

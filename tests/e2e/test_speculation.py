@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from clients import AsyncSwarmClient
-from tests.support.stack import Stack
 from tests.executor.engine.test_speculation_equivalence import COPY_SOURCE
+from tests.support.stack import Stack
 
 PROMPTS = [
     [{"role": "user", "content": "Repeat this code exactly:\n\n" + COPY_SOURCE}],
@@ -51,7 +51,9 @@ def run_policy(stack: Stack, policy: str, *extra_args: str, prompts=PROMPTS):
 @pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"], ids=["sync", "overlapped"])
 def test_every_policy_streams_the_tokens_of_spec_off(executor, scheduling):
     baseline = [c.token_ids for c in run_policy(executor, "off", "--no-async-scheduling")]
-    for policy in ("off", "fixed:4", "even", "goodput") if scheduling == "--async-scheduling" else ("fixed:4", "even", "goodput"):
+    for policy in (
+        ("off", "fixed:4", "even", "goodput") if scheduling == "--async-scheduling" else ("fixed:4", "even", "goodput")
+    ):
         completions = run_policy(executor, policy, scheduling)
         assert [c.token_ids for c in completions] == baseline, policy
         drafted = sum(c.usage.drafted_tokens for c in completions)

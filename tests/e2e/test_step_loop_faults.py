@@ -19,13 +19,13 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from swarmserve.executor.v1 import executor_pb2 as epb
 
 from clients import AsyncSwarmClient, SwarmServeError
 from executor_svc.engine.engine import Engine
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
+from swarmserve.executor.v1 import executor_pb2 as epb
 from tests.support.engine_driver import num_held_requests
 from tests.support.stack import free_port, stop_scheduler
 
@@ -85,7 +85,9 @@ async def wait_for_health(address: str, status) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status != status:
-            assert time.monotonic() < deadline, f"health did not turn {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            assert time.monotonic() < deadline, (
+                f"health did not turn {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            )
             await asyncio.sleep(0.05)
 
 
@@ -109,16 +111,23 @@ OVERLAPPED = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 @OVERLAPPED
 def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine, async_scheduling):
     async def main():
-        async with servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
+        async with (
+            servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop),
+            AsyncSwarmClient(address) as client,
+        ):
             gate = StepGate(loop.link)
-            reference = await client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="ref")
+            reference = await client.complete(
+                "hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="ref"
+            )
             old = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="X")
             await asyncio.wait_for(first_token(old), TIMEOUT_S)  # X is decoding
             gate.hold_next()
             await asyncio.wait_for(gate.held.wait(), TIMEOUT_S)  # a step carrying X has run; its answer is held
             assert await client.abort("X")
             reuse = asyncio.create_task(
-                client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="X", timeout=TIMEOUT_S)
+                client.complete(
+                    "hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="X", timeout=TIMEOUT_S
+                )
             )
             await wait_until(lambda: reuse.done() or "X" in loop.streams, "the reused id to be refused or queued")
             gate.release()
@@ -148,11 +157,16 @@ def test_reused_request_id_mid_step_never_gets_the_old_requests_results(engine, 
 @pytest.mark.parametrize("where", ["before_send", "after_step"])
 def test_a_step_that_raises_ends_only_its_own_requests(engine, where, async_scheduling):
     async def main():
-        async with servers(engine, spec="off", max_running_requests=1, async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
+        async with (
+            servers(engine, spec="off", max_running_requests=1, async_scheduling=async_scheduling) as (address, loop),
+            AsyncSwarmClient(address) as client,
+        ):
             broken = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True, request_id="A")
             await asyncio.wait_for(first_token(broken), TIMEOUT_S)
             # B waits in the queue (one running request at most): it is in no plan while A runs.
-            queued = asyncio.create_task(client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="B"))
+            queued = asyncio.create_task(
+                client.complete("hi", max_new_tokens=8, temperature=0.0, ignore_eos=True, request_id="B")
+            )
             await wait_until(lambda: loop.planner.num_waiting == 1, "B to queue")
             planner = loop.planner
             target, name = (loop.link, "step") if where == "before_send" else (planner, "apply")
@@ -185,7 +199,10 @@ async def _drain(stream) -> list:
 @OVERLAPPED
 def test_a_dead_step_loop_fails_every_stream_and_reports_not_serving(engine, async_scheduling):
     async def main():
-        async with servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop), AsyncSwarmClient(address) as client:
+        async with (
+            servers(engine, spec="off", async_scheduling=async_scheduling) as (address, loop),
+            AsyncSwarmClient(address) as client,
+        ):
             stream = client.generate(PROMPT, max_new_tokens=200, temperature=0.0, ignore_eos=True)
             await asyncio.wait_for(first_token(stream), TIMEOUT_S)
             await wait_for_health(address, health_pb2.HealthCheckResponse.SERVING)

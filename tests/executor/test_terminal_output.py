@@ -7,8 +7,8 @@ import io
 
 import torch
 
-from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.load_progress import load_progress
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_weights import load_weights
 from service_common.observability.logs import resolve_log_format
@@ -32,7 +32,9 @@ def test_a_bar_follows_the_weights_as_they_load_on_a_terminal(tiny_gguf_path):
     config = ModelConfig.from_gguf(gguf)
     terminal = Terminal()
     with load_progress(gguf, terminal, min_bytes=0) as loading:
-        assert "token_embd.weight" in loading.tensors and "100%" not in terminal.getvalue()  # a membership test reads nothing
+        assert (
+            "token_embd.weight" in loading.tensors and "100%" not in terminal.getvalue()
+        )  # a membership test reads nothing
         weights = load_weights(loading, config, torch.float32, torch.device("cpu"))
         drawn = terminal.getvalue()
     assert weights.num_bytes > 0

@@ -251,8 +251,13 @@ def test_identical_samples_do_not_crash():
 
 
 @pytest.mark.parametrize(
-    "sample", [dict(num_tokens=0, num_kv_tokens=0, step_s=0.01), dict(num_tokens=1, num_kv_tokens=-1, step_s=0.01),
-               dict(num_tokens=1, num_kv_tokens=0, step_s=0.0), dict(num_tokens=1, num_kv_tokens=0, step_s=math.nan)]
+    "sample",
+    [
+        dict(num_tokens=0, num_kv_tokens=0, step_s=0.01),
+        dict(num_tokens=1, num_kv_tokens=-1, step_s=0.01),
+        dict(num_tokens=1, num_kv_tokens=0, step_s=0.0),
+        dict(num_tokens=1, num_kv_tokens=0, step_s=math.nan),
+    ],
 )
 def test_invalid_samples_are_refused(sample):
     with pytest.raises(ValueError):
@@ -362,7 +367,9 @@ def test_old_three_term_shape_is_still_fitted_exactly():
 def test_a_calibration_taken_under_another_load_is_caught_up_within_a_few_steps():
     """Seen live: calibration at start-up on a busy shared CPU was ~2x slow, with a per-token slope
     the one-request decode steps that followed could not correct (their T never varies)."""
-    calibration = [StepTimeSample(t, k + t, 2 * (10 * MS + 2 * MS * t + 1e-6 * k)) for t in (1, 4, 8, 16, 32, 64) for k in (0, 512)]
+    calibration = [
+        StepTimeSample(t, k + t, 2 * (10 * MS + 2 * MS * t + 1e-6 * k)) for t in (1, 4, 8, 16, 32, 64) for k in (0, 512)
+    ]
     model = CostModel(calibration=calibration)
     rng = np.random.default_rng(6)
     for step in range(60):

@@ -80,8 +80,12 @@ def test_kv_pressure_preempts_and_cuts_runs_short_without_changing_tokens(small_
 def decoding(engine, prompts: dict[str, list[int]], max_new_tokens: dict[str, int] | None = None) -> None:
     """Insert and prefill the requests: each is left with one sampled token to decode."""
     max_new_tokens = max_new_tokens or {}
-    new = [NewRequest(rid, p, max_new_tokens=max_new_tokens.get(rid, 50), ignore_eos=True) for rid, p in prompts.items()]
-    engine.step(StepRequest(scheduled=[ScheduledRequest(n.request_id, len(n.token_ids)) for n in new], new_requests=new))
+    new = [
+        NewRequest(rid, p, max_new_tokens=max_new_tokens.get(rid, 50), ignore_eos=True) for rid, p in prompts.items()
+    ]
+    engine.step(
+        StepRequest(scheduled=[ScheduledRequest(n.request_id, len(n.token_ids)) for n in new], new_requests=new)
+    )
 
 
 def release_all(engine) -> None:
@@ -211,7 +215,9 @@ def test_bad_decode_run_settings_are_refused(bad):
 
 def test_each_request_says_how_many_runs_it_took_part_in(engine):
     decoding(engine, {"short": [5, 6, 7], "long": [8, 9, 10]}, max_new_tokens={"short": 3})
-    answer = engine.step(StepRequest(scheduled=[ScheduledRequest("short", 1), ScheduledRequest("long", 1, 2)], max_runs=4))
+    answer = engine.step(
+        StepRequest(scheduled=[ScheduledRequest("short", 1), ScheduledRequest("long", 1, 2)], max_runs=4)
+    )
     by_id = {o.request_id: o for o in answer.outputs}
     assert (by_id["short"].num_runs, by_id["long"].num_runs, answer.num_runs) == (2, 4, 4)
     assert by_id["long"].num_drafted_tokens <= 2 * 4

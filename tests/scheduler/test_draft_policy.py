@@ -63,7 +63,11 @@ def allocate(policy, cands, cost_model, **step_kwargs):
 
 @pytest.mark.parametrize("policy", ALL_POLICIES, ids=lambda p: p.name)
 def test_no_drafts_where_the_index_has_none(policy):
-    cands = [DraftCandidate("a", 0, 0.95, CONTEXT), DraftCandidate("b", 6, 0.95, CONTEXT), DraftCandidate("c", 0, 0.5, 1)]
+    cands = [
+        DraftCandidate("a", 0, 0.95, CONTEXT),
+        DraftCandidate("b", 6, 0.95, CONTEXT),
+        DraftCandidate("c", 0, 0.5, 1),
+    ]
     budgets = allocate(policy, cands, WIDE_SLACK).draft_budgets
     assert budgets["a"] == budgets["c"] == 0
     assert set(budgets) == {"a", "b", "c"}
@@ -178,8 +182,11 @@ def test_even_leftover_tokens_go_to_the_likeliest_accepted():
 
 
 def test_goodput_gives_more_drafts_to_requests_more_likely_accepted():
-    cands = [DraftCandidate("low", 16, 0.4, CONTEXT), DraftCandidate("mid", 16, 0.7, CONTEXT),
-             DraftCandidate("high", 16, 0.9, CONTEXT)]
+    cands = [
+        DraftCandidate("low", 16, 0.4, CONTEXT),
+        DraftCandidate("mid", 16, 0.7, CONTEXT),
+        DraftCandidate("high", 16, 0.9, CONTEXT),
+    ]
     budgets = allocate(GoodputPolicy(), cands, LINEAR).draft_budgets
     assert budgets["high"] > budgets["mid"] > budgets["low"]
 
@@ -284,8 +291,9 @@ def test_even_per_request_drafts_are_about_24_minus_B_over_B():
 
 
 def test_goodput_drafts_several_tokens_alone_and_none_once_the_batch_fills_the_slack():
-    per_request = [allocate(GoodputPolicy(), candidates(b, acceptance=0.8), SMALL_SLACK).num_draft_tokens / b
-                   for b in BATCH_SIZES]
+    per_request = [
+        allocate(GoodputPolicy(), candidates(b, acceptance=0.8), SMALL_SLACK).num_draft_tokens / b for b in BATCH_SIZES
+    ]
     assert per_request[0] >= 5
     assert per_request[-1] == 0  # 16 decodes are past the 8-token slack: a 1 ms draft earns 0.8 token < E/t
 
@@ -295,8 +303,13 @@ def test_goodput_drafts_several_tokens_alone_and_none_once_the_batch_fills_the_s
 
 @pytest.mark.parametrize(
     "text, policy",
-    [("off", OffPolicy()), ("even", EvenSplitPolicy()), ("goodput", GoodputPolicy()), ("fixed:4", FixedPolicy(4)),
-     (" Fixed:12 ", FixedPolicy(12))],
+    [
+        ("off", OffPolicy()),
+        ("even", EvenSplitPolicy()),
+        ("goodput", GoodputPolicy()),
+        ("fixed:4", FixedPolicy(4)),
+        (" Fixed:12 ", FixedPolicy(12)),
+    ],
 )
 def test_parse_draft_policy(text, policy):
     parsed = parse_draft_policy(text)
@@ -306,9 +319,15 @@ def test_parse_draft_policy(text, policy):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("fixed:0", "positive integer"), ("fixed:x", "positive integer"), ("fixed:-2", "positive integer"),
-     ("fixed:", "positive integer"), ("fixed", "draft length"), ("bogus", "off|fixed:K|even|goodput"),
-     ("", "off|fixed:K|even|goodput")],
+    [
+        ("fixed:0", "positive integer"),
+        ("fixed:x", "positive integer"),
+        ("fixed:-2", "positive integer"),
+        ("fixed:", "positive integer"),
+        ("fixed", "draft length"),
+        ("bogus", "off|fixed:K|even|goodput"),
+        ("", "off|fixed:K|even|goodput"),
+    ],
 )
 def test_parse_draft_policy_errors_name_the_flag(text, message):
     with pytest.raises(ValueError, match="--spec") as info:

@@ -24,7 +24,9 @@ HERMES_OUTPUT = (
     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
 )
-LLAMA3_OUTPUT = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+LLAMA3_OUTPUT = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+)
 
 
 def _run(parser, pieces: list[str]) -> Parsed:
@@ -94,8 +96,18 @@ def test_the_parser_is_picked_from_the_chat_template():
         make_parser("mistral")
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import math
 import re
 
 import pytest
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.tokenizer import load_tokenizer
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.intake import ModelLimits, intake
 from service_common.errors import InvalidRequestError
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 from tests.support.tiny_gguf import TinyModelSpec
 
 
@@ -151,7 +151,10 @@ def test_a_grammar_is_carried_to_the_request(limits):
     [
         (pb.StructuredOutput(json_schema="{oops"), "structured_output.json_schema is not a valid JSON schema"),
         (pb.StructuredOutput(json_schema='"a string"'), "must be a JSON object"),
-        (pb.StructuredOutput(json_schema='{"type": "integer", "minimum": "x"}'), "structured_output.json_schema is invalid"),
+        (
+            pb.StructuredOutput(json_schema='{"type": "integer", "minimum": "x"}'),
+            "structured_output.json_schema is invalid",
+        ),
         (pb.StructuredOutput(json_schema='{"$ref": "#/defs/missing"}'), "/defs/missing"),
         (pb.StructuredOutput(regex="a(b"), "unclosed group"),
         (pb.StructuredOutput(lark="start: foo"), 'unknown name: "foo"'),
@@ -167,6 +170,10 @@ def test_a_bad_grammar_is_invalid_argument_naming_the_problem(limits, structured
 
 def test_a_grammar_beyond_the_size_limit_is_refused_before_it_is_compiled(limits):
     config = SchedulerConfig(max_grammar_bytes=64)
-    with pytest.raises(InvalidRequestError, match=r"structured_output.regex is 65 bytes; the limit is 64 \(--max-grammar-bytes\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"structured_output.regex is 65 bytes; the limit is 64 \(--max-grammar-bytes\)"
+    ):
         intake(generate(structured_output=pb.StructuredOutput(regex="a" * 65)), limits, config)
-    assert intake(generate(structured_output=pb.StructuredOutput(regex="a" * 64)), limits, config).request.structured_output
+    assert intake(
+        generate(structured_output=pb.StructuredOutput(regex="a" * 64)), limits, config
+    ).request.structured_output

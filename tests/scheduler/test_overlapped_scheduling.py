@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from executor_svc.engine.engine import ScheduledRequest, StepRequest
-from executor_svc.errors import UnknownRequestError
 from executor_svc.engine.request_state import NewRequest
+from executor_svc.errors import UnknownRequestError
 from service_common.errors import InvalidRequestError
 from tests.support.planner_driver import run, workload
 from tests.support.tiny_gguf import TinyModelSpec
@@ -86,7 +86,9 @@ def test_a_plan_built_ahead_skips_a_request_the_previous_step_finished(engine):
 
 def test_a_plan_built_ahead_computes_at_most_what_is_left(engine):
     prompt = list(range(3, 3 + 40))
-    engine.step(StepRequest(scheduled=[ScheduledRequest("a", 32)], new_requests=[NewRequest("a", prompt, max_new_tokens=4)]))
+    engine.step(
+        StepRequest(scheduled=[ScheduledRequest("a", 32)], new_requests=[NewRequest("a", prompt, max_new_tokens=4)])
+    )
     # 8 prompt tokens are left; a plan built ahead may ask for more (a prefix hit went further than planned).
     output = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 16)], planned_after_step_id=1))
     assert output.num_computed_tokens == 8 and len(output.outputs[0].new_token_ids) == 1
@@ -106,10 +108,10 @@ def test_the_servicer_runs_a_plan_built_ahead_only_after_the_step_it_follows(eng
     import asyncio
 
     import grpc
-    from swarmserve.executor.v1 import executor_pb2 as pb
-    from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
     from executor_svc.server import serve
+    from swarmserve.executor.v1 import executor_pb2 as pb
+    from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
     from tests.support.stack import free_port
 
     async def main():
@@ -123,8 +125,14 @@ def test_the_servicer_runs_a_plan_built_ahead_only_after_the_step_it_follows(eng
                                     sampling=pb.SamplingParams(top_p=1.0))  # fmt: skip
                 # Step 2 arrives first: it must wait for step 1 (it decodes the token step 1 samples).
                 second = asyncio.ensure_future(
-                    stub.Step(pb.StepRequest(step_id=2, scheduler_id="s", planned_after_step_id=1,
-                                             scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)]))  # fmt: skip
+                    stub.Step(
+                        pb.StepRequest(
+                            step_id=2,
+                            scheduler_id="s",
+                            planned_after_step_id=1,
+                            scheduled=[pb.ScheduledRequest(request_id="q", num_tokens=1)],
+                        )
+                    )  # fmt: skip
                 )
                 await asyncio.sleep(0.3)
                 assert not second.done()

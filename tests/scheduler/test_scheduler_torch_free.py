@@ -31,7 +31,9 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in forbidden))
 
 
 def imported_forbidden(modules: list[str], forbidden: tuple[str, ...] = ("torch", "executor_svc")) -> list[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "protos"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "protos"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(forbidden)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.tokenizer import load_tokenizer
@@ -12,6 +11,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.stop_strings import StopStringMatcher
 from service_common.sampling_params import SamplingParams
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 TEXTS = [
     "plain ascii text with spaces  and\ttabs\n",

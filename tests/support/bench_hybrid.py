@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
+from executor_svc.engine.request_state import NewRequest
 from executor_svc.kv.kv_cache import bytes_per_block
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.engine.request_state import NewRequest
 from service_common.sampling_params import SamplingParams
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
@@ -51,11 +51,25 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
-    hybrid_spec = TinyHybridSpec("qwen35", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
-                                 linear_key_heads=2, linear_value_heads=4, linear_head_dim=64, num_layers=8)
+    hybrid_spec = TinyHybridSpec(
+        "qwen35",
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        linear_head_dim=64,
+        num_layers=8,
+    )
     _, hybrid_path = write_tiny_hybrid_model(root / "hybrid.gguf", hybrid_spec)
-    dense_path = write_tiny_model(root / "dense.gguf", TinyModelSpec(
-        "qwen3", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512))
+    dense_path = write_tiny_model(
+        root / "dense.gguf",
+        TinyModelSpec(
+            "qwen3", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512
+        ),
+    )
     engines = {
         name: Engine(EngineConfig(model=str(path), kv_cache_bytes=64 << 20, kernels=args.kernels, num_state_slots=16))
         for name, path in (("dense", dense_path), ("hybrid", hybrid_path))
@@ -65,7 +79,9 @@ def main() -> None:
     for name, e in engines.items():
         per_token = bytes_per_block(e.model_config, 1, e.dtype)
         state = e.kv.state_pool.bytes_per_slot if e.kv.state_pool else 0
-        print(f"  {name:6s} KV/token {per_token:6d}  state {state:7d}  at {args.context} tokens: {per_token * args.context + state}")
+        print(
+            f"  {name:6s} KV/token {per_token:6d}  state {state:7d}  at {args.context} tokens: {per_token * args.context + state}"
+        )
     print("decode step (ms), B requests × 1 token:")
     for b in (1, 4, 8):
         row = [f"{1000 * time_step(e, b, args.context, 1, args.reps)[0]:7.2f}" for e in engines.values()]
@@ -78,13 +94,22 @@ def main() -> None:
     prompt_len = args.context - 6  # its last block boundary falls inside the prefill: captured by the forward pass
     print(f"agent turn 2 on the hybrid: turn 1 = {prompt_len} prompt tokens + 40 generated, turn 2 adds 24:")
     for caching in (False, True):
-        engine = Engine(EngineConfig(model=str(hybrid_path), kv_cache_bytes=64 << 20, kernels=args.kernels,
-                                     num_state_slots=16, enable_prefix_caching=caching))
+        engine = Engine(
+            EngineConfig(
+                model=str(hybrid_path),
+                kv_cache_bytes=64 << 20,
+                kernels=args.kernels,
+                num_state_slots=16,
+                enable_prefix_caching=caching,
+            )
+        )
         turn1_s, computed, ttft_s = agent_turns(engine, prompt_len, 40, 24)
         snapshots = engine.kv.state_pool.num_snapshots
-        print(f"  prefix cache {'on ' if caching else 'off'}: turn-1 prefill {1000 * turn1_s:6.1f} ms; turn 2 computes "
-              f"{computed} prompt tokens, first token after {1000 * ttft_s:6.1f} ms; {snapshots} snapshots of "
-              f"{engine.kv.state_pool.bytes_per_slot} bytes")
+        print(
+            f"  prefix cache {'on ' if caching else 'off'}: turn-1 prefill {1000 * turn1_s:6.1f} ms; turn 2 computes "
+            f"{computed} prompt tokens, first token after {1000 * ttft_s:6.1f} ms; {snapshots} snapshots of "
+            f"{engine.kv.state_pool.bytes_per_slot} bytes"
+        )
 
 
 def agent_turns(engine: Engine, prompt_len: int, num_generated: int, num_added: int) -> tuple[float, int, float]:
@@ -97,8 +122,12 @@ def agent_turns(engine: Engine, prompt_len: int, num_generated: int, num_added: 
         turn1_times.append(turn1_s)
     second = prompt + first + [(11 * i) % 200 + 3 for i in range(num_added)]
     t0 = time.perf_counter()
-    out = engine.step(StepRequest(new_requests=[NewRequest("t2", second, SamplingParams(), 1, ignore_eos=True)],
-                                  scheduled=[ScheduledRequest("t2", len(second))])).outputs[0]
+    out = engine.step(
+        StepRequest(
+            new_requests=[NewRequest("t2", second, SamplingParams(), 1, ignore_eos=True)],
+            scheduled=[ScheduledRequest("t2", len(second))],
+        )
+    ).outputs[0]
     ttft_s = time.perf_counter() - t0
     return min(turn1_times), len(second) - out.num_cached_tokens, ttft_s
 
@@ -107,7 +136,9 @@ def run_turn(engine: Engine, request_id: str, prompt: list[int], num_new_tokens:
     """Greedy decode of a prompt given in one chunk: (its tokens, the prefill step's seconds)."""
     t0 = time.perf_counter()
     request = NewRequest(request_id, prompt, SamplingParams(), num_new_tokens, ignore_eos=True)
-    out = engine.step(StepRequest(new_requests=[request], scheduled=[ScheduledRequest(request_id, len(prompt))])).outputs[0]
+    out = engine.step(
+        StepRequest(new_requests=[request], scheduled=[ScheduledRequest(request_id, len(prompt))])
+    ).outputs[0]
     prefill_s, tokens = time.perf_counter() - t0, list(out.new_token_ids)
     while out.finish_reason is None:
         out = engine.step(StepRequest(scheduled=[ScheduledRequest(request_id, 1)])).outputs[0]

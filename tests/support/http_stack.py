@@ -14,7 +14,8 @@ def http_stack(tmp_path_factory, *scheduler_args: str) -> Stack:
     """Executor + scheduler with --http-listen on a tiny random model whose chat template
     renders tools and tool calls Qwen-style (so the hermes tool-call parser is picked)."""
     model = write_tiny_model(
-        tmp_path_factory.mktemp("m") / "tiny.gguf", TinyModelSpec(context_length=1024, chat_template=HERMES_TOOLS_TEMPLATE, tie_word_embeddings=False)
+        tmp_path_factory.mktemp("m") / "tiny.gguf",
+        TinyModelSpec(context_length=1024, chat_template=HERMES_TOOLS_TEMPLATE, tie_word_embeddings=False),
     )
     kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
     stack = Stack(

@@ -53,7 +53,9 @@ with torch.inference_mode():
 
 
 def find_llama_cpp_dir() -> Path | None:
-    candidates = [os.environ.get("LLAMA_CPP_DIR", "")] + sorted(str(p) for p in Path("/tmp/llamacpp_sdist").glob("*/llama.cpp"))
+    candidates = [os.environ.get("LLAMA_CPP_DIR", "")] + sorted(
+        str(p) for p in Path("/tmp/llamacpp_sdist").glob("*/llama.cpp")
+    )
     for candidate in candidates:
         if candidate and (Path(candidate) / "convert_hf_to_gguf.py").is_file():
             return Path(candidate)
@@ -69,7 +71,10 @@ def convert(hf_model, work_dir: Path, llama_cpp_dir: Path, **options) -> Path:
     out_path = work_dir / "converted.gguf"
     result = subprocess.run(
         [sys.executable, "-c", DRIVER, str(model_dir), str(out_path), str(vocab_path), json.dumps(options)],
-        cwd=llama_cpp_dir, capture_output=True, text=True, timeout=600,
+        cwd=llama_cpp_dir,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if result.returncode != 0:
         raise RuntimeError(f"llama.cpp's converter failed:\n{result.stderr[-4000:]}")

@@ -23,7 +23,14 @@ def to_engine_plan(plan: Plan) -> StepRequest:
     return StepRequest(
         scheduled=[ScheduledRequest(s.request_id, s.num_tokens, s.draft_budget) for s in plan.scheduled],
         new_requests=[
-            NewRequest(r.executor_request_id, list(r.prompt_token_ids), r.sampling, r.max_new_tokens, r.stop_token_ids, r.ignore_eos)
+            NewRequest(
+                r.executor_request_id,
+                list(r.prompt_token_ids),
+                r.sampling,
+                r.max_new_tokens,
+                r.stop_token_ids,
+                r.ignore_eos,
+            )
             for r in plan.new_requests
         ],
         released=list(plan.released),

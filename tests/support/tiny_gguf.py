@@ -201,8 +201,15 @@ def write_tiny_model(path: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     h, q, kv = spec.hidden_size, spec.num_heads * head_dim, spec.num_kv_heads * head_dim
 
     writer = new_writer(
-        path, arch, context_length=spec.context_length, hidden_size=h, num_layers=spec.num_layers,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=head_dim, rope_theta=spec.rope_theta,
+        path,
+        arch,
+        context_length=spec.context_length,
+        hidden_size=h,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=spec.rope_theta,
         chat_template=spec.chat_template or CHATML_TEMPLATE,
     )
     writer.add_name(f"tiny-{arch}-{spec.tensor_type.name}")

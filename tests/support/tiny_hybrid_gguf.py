@@ -25,7 +25,13 @@ from gguf import GGMLQuantizationType
 
 from tests.support.tiny_gguf import add_tensor, new_writer, tiny_vocab, write_file
 
-ROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+ROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e6,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [2, 1, 1],
+    "mrope_interleaved": True,
+}
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,27 @@ def build_hf_model(spec: TinyHybridSpec):
     """A transformers model of the spec with random weights (norms, decays and gates too)."""
     vocab = len(tiny_vocab()[0])
     common = dict(
-        vocab_size=vocab, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.context_length, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.context_length,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
     linear = dict(
-        linear_conv_kernel_dim=spec.conv_kernel, linear_key_head_dim=spec.linear_head_dim,
-        linear_value_head_dim=spec.linear_head_dim, linear_num_key_heads=spec.linear_key_heads,
-        linear_num_value_heads=spec.linear_value_heads, rope_parameters=dict(ROPE),
+        linear_conv_kernel_dim=spec.conv_kernel,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
+        linear_num_key_heads=spec.linear_key_heads,
+        linear_num_value_heads=spec.linear_value_heads,
+        rope_parameters=dict(ROPE),
     )
     moe = dict(
-        num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_token,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_token,
         moe_intermediate_size=spec.expert_intermediate_size,
     )
     if spec.architecture == "qwen35":
@@ -74,12 +90,16 @@ def build_hf_model(spec: TinyHybridSpec):
     elif spec.architecture == "qwen35moe":
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-        config = Qwen3_5MoeTextConfig(shared_expert_intermediate_size=spec.shared_expert_intermediate_size, **common, **linear, **moe)
+        config = Qwen3_5MoeTextConfig(
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size, **common, **linear, **moe
+        )
         model = Qwen3_5MoeForCausalLM(config)
     elif spec.architecture == "qwen3moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        config = Qwen3MoeConfig(intermediate_size=spec.intermediate_size, norm_topk_prob=True, rope_theta=1e6, **common, **moe)
+        config = Qwen3MoeConfig(
+            intermediate_size=spec.intermediate_size, norm_topk_prob=True, rope_theta=1e6, **common, **moe
+        )
         model = Qwen3MoeForCausalLM(config)
     else:
         raise ValueError(f"unknown architecture {spec.architecture!r}")
@@ -106,7 +126,9 @@ def build_hf_model(spec: TinyHybridSpec):
 def _tiled_order(num_key_heads: int, num_value_heads: int, head_dim: int) -> np.ndarray:
     """Row order taking HF's grouped value heads to ggml's tiled ones (the converter's _reorder_v_heads)."""
     per_key = num_value_heads // num_key_heads
-    return np.arange(num_value_heads * head_dim).reshape(num_key_heads, per_key, head_dim).transpose(1, 0, 2).reshape(-1)
+    return (
+        np.arange(num_value_heads * head_dim).reshape(num_key_heads, per_key, head_dim).transpose(1, 0, 2).reshape(-1)
+    )
 
 
 def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
@@ -114,8 +136,15 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
     arch = spec.architecture
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer = new_writer(
-        path, arch, context_length=spec.context_length, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rope_theta=1e6,
+        path,
+        arch,
+        context_length=spec.context_length,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rope_theta=1e6,
     )
     writer.add_name(f"tiny-{arch}")
     if arch != "qwen35moe":
@@ -155,7 +184,9 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
             la = hf + "linear_attn."
             add_tensor(writer, p + "attn_qkv.weight", sd[la + "in_proj_qkv.weight"][qkv_rows], qtype)
             add_tensor(writer, p + "attn_gate.weight", sd[la + "in_proj_z.weight"][v_rows], qtype)
-            add_tensor(writer, p + "ssm_conv1d.weight", sd[la + "conv1d.weight"].squeeze(1)[qkv_rows], GGMLQuantizationType.F32)
+            add_tensor(
+                writer, p + "ssm_conv1d.weight", sd[la + "conv1d.weight"].squeeze(1)[qkv_rows], GGMLQuantizationType.F32
+            )
             add_tensor(writer, p + "ssm_dt.bias", sd[la + "dt_bias"][v_heads], qtype)
             add_tensor(writer, p + "ssm_a", -np.exp(sd[la + "A_log"][v_heads]), qtype)
             add_tensor(writer, p + "ssm_beta.weight", sd[la + "in_proj_b.weight"][v_heads], qtype)
@@ -164,7 +195,12 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
             add_tensor(writer, p + "ssm_out.weight", sd[la + "out_proj.weight"][:, v_rows], qtype)
         else:
             sa = hf + "self_attn."
-            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            for ours, theirs in (
+                ("attn_q", "q_proj"),
+                ("attn_k", "k_proj"),
+                ("attn_v", "v_proj"),
+                ("attn_output", "o_proj"),
+            ):
                 add_tensor(writer, p + ours + ".weight", sd[sa + theirs + ".weight"], qtype)
             add_tensor(writer, p + "attn_q_norm.weight", plus_one(sd[sa + "q_norm.weight"]), qtype)
             add_tensor(writer, p + "attn_k_norm.weight", plus_one(sd[sa + "k_norm.weight"]), qtype)
@@ -177,9 +213,13 @@ def write_gguf(model, path: Path, spec: TinyHybridSpec) -> Path:
             add_tensor(writer, p + "ffn_up_exps.weight", gate_up[:, ff:], qtype)
             add_tensor(writer, p + "ffn_down_exps.weight", sd[mlp + "experts.down_proj"], qtype)
             if mlp + "shared_expert_gate.weight" in sd:
-                add_tensor(writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"], qtype)  # [1, hidden], as converted
+                add_tensor(
+                    writer, p + "ffn_gate_inp_shexp.weight", sd[mlp + "shared_expert_gate.weight"], qtype
+                )  # [1, hidden], as converted
                 for proj in ("gate", "up", "down"):
-                    add_tensor(writer, p + f"ffn_{proj}_shexp.weight", sd[mlp + f"shared_expert.{proj}_proj.weight"], qtype)
+                    add_tensor(
+                        writer, p + f"ffn_{proj}_shexp.weight", sd[mlp + f"shared_expert.{proj}_proj.weight"], qtype
+                    )
         else:
             for proj in ("gate", "up", "down"):
                 add_tensor(writer, p + f"ffn_{proj}.weight", sd[mlp + f"{proj}_proj.weight"], qtype)

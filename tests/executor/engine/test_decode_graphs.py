@@ -17,14 +17,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.kv.block_allocator import NULL_BLOCK_ID  # noqa: E402
 from executor_svc.engine.decode_graphs import DecodeGraphs, bucket_for, is_plain_decode  # noqa: E402
-from executor_svc.tools.random_model import model_config, random_weights  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID  # noqa: E402
 from executor_svc.kv.kv_cache import KVCache  # noqa: E402
-from executor_svc.model.transformer import Transformer  # noqa: E402
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
 from executor_svc.model.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.transformer import Transformer  # noqa: E402
+from executor_svc.tools.random_model import model_config, random_weights  # noqa: E402
 from executor_svc.weights.weight_format import Kernel, PackedWeight  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -56,15 +56,29 @@ def as_triton_weights(weights):
     def packed(w: torch.Tensor) -> PackedWeight:
         return PackedWeight(w.contiguous().view(torch.uint8).reshape(w.shape[0], -1), 0, tuple(w.shape), Kernel.TRITON)
 
-    layers = [replace(l, qkv=packed(l.qkv), o_proj=packed(l.o_proj), gate_up=packed(l.gate_up), down=packed(l.down)) for l in weights.layers]
+    layers = [
+        replace(l, qkv=packed(l.qkv), o_proj=packed(l.o_proj), gate_up=packed(l.gate_up), down=packed(l.down))
+        for l in weights.layers
+    ]
     return replace(weights, embed=packed(weights.embed), lm_head=packed(weights.lm_head), layers=layers)
 
 
 @pytest.fixture(scope="module")
 def model_and_cache():
-    config = model_config("tiny", num_layers=1, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
-                          head_dim=16, vocab_size=120, context_length=128)
-    model = Transformer(config, as_triton_weights(random_weights(config, torch.float32, DEVICE, seed=4)), DEVICE, ops=TritonOps())
+    config = model_config(
+        "tiny",
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=120,
+        context_length=128,
+    )
+    model = Transformer(
+        config, as_triton_weights(random_weights(config, torch.float32, DEVICE, seed=4)), DEVICE, ops=TritonOps()
+    )
     kv_cache = KVCache(config, num_blocks=1 + 5 * 3, block_size=BLOCK_SIZE, dtype=torch.float32, device=DEVICE)
     kv_cache.tensor.normal_(generator=torch.Generator().manual_seed(5))
     return model, kv_cache
@@ -72,7 +86,9 @@ def model_and_cache():
 
 def decode_batch(positions: list[int], tokens: list[int]) -> RaggedBatch:
     """Request r decodes tokens[r] at positions[r], its blocks 1 + 3r .. 3 + 3r."""
-    slices = [RequestSlice([t], p, list(range(1 + 3 * r, 4 + 3 * r)), 1) for r, (p, t) in enumerate(zip(positions, tokens))]
+    slices = [
+        RequestSlice([t], p, list(range(1 + 3 * r, 4 + 3 * r)), 1) for r, (p, t) in enumerate(zip(positions, tokens))
+    ]
     return RaggedBatch.build(slices, BLOCK_SIZE, DEVICE)
 
 
@@ -157,7 +173,9 @@ def test_the_engine_replays_plain_decode_steps_and_gives_the_eager_tokens(make_t
             engine.decode_graphs = DecodeGraphs(engine.model, engine.kv.cache, capture=capture)
         # Request c speculates (its steps run eagerly); a and b decode plainly, from 1 to 3 requests a step.
         budget = lambda step, request_id: 2 if request_id == "c" else 0  # noqa: E731
-        tokens[use_graphs] = drive(engine, requests, chunk_size=4, arrival_steps={"b": 2, "c": 3}, draft_budget=budget).tokens
+        tokens[use_graphs] = drive(
+            engine, requests, chunk_size=4, arrival_steps={"b": 2, "c": 3}, draft_budget=budget
+        ).tokens
         if use_graphs:
             assert capture.num_replays > 0 and capture.num_captures >= 2
     assert tokens[True] == tokens[False]

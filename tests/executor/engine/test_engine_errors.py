@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
-import numpy as np
 
 from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
 from executor_svc.engine.request_state import FinishReason, NewRequest
+from executor_svc.errors import ModelLoadError, OutOfKVBlocksError, UnknownRequestError
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
 from tests.support.engine_driver import drive
@@ -93,14 +93,19 @@ def test_unsupported_tensor_type(tmp_path):
 
 
 def test_prompt_longer_than_context(engine):
-    with pytest.raises(InvalidRequestError, match=r"request 'long': the prompt is 64 tokens; the model's context is 64 tokens, which leaves no room to generate"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"request 'long': the prompt is 64 tokens; the model's context is 64 tokens, which leaves no room to generate",
+    ):
         engine.add_request(NewRequest("long", [40] * 64))
     assert_still_serves(engine)
 
 
 def test_token_ids_outside_vocabulary(engine):
     vocab = engine.model_config.vocab_size
-    with pytest.raises(InvalidRequestError, match=rf"the prompt's token ids \[{vocab}, -1\] are outside the vocabulary \[0, {vocab}\)"):
+    with pytest.raises(
+        InvalidRequestError, match=rf"the prompt's token ids \[{vocab}, -1\] are outside the vocabulary \[0, {vocab}\)"
+    ):
         engine.add_request(NewRequest("bad", [40, vocab, -1]))
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         engine.add_request(NewRequest("bad", [40], stop_token_ids=frozenset({vocab + 5})))
@@ -184,7 +189,12 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
     assert engine.kv.num_free_blocks == 4
     # All or nothing: a refused plan does not even add its new requests.
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepRequest(new_requests=[NewRequest("c", [42] * 50)], scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)]))
+        engine.step(
+            StepRequest(
+                new_requests=[NewRequest("c", [42] * 50)],
+                scheduled=[ScheduledRequest("c", 50), ScheduledRequest("a", 40)],
+            )
+        )
     assert not engine.has_request("c")
     out = engine.step(StepRequest(scheduled=[ScheduledRequest("a", 40)]))
     assert out.outputs[0].num_computed_tokens == 40 and out.num_free_blocks == 1
@@ -196,7 +206,9 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
 def test_finish_reasons(engine):
     greedy = drive(engine, [NewRequest("probe", PROMPT, max_new_tokens=6, ignore_eos=True)]).tokens["probe"]
     stop_at = greedy[3]
-    run = drive(engine, [NewRequest("stop", PROMPT, max_new_tokens=6, stop_token_ids=frozenset({stop_at}), ignore_eos=True)])
+    run = drive(
+        engine, [NewRequest("stop", PROMPT, max_new_tokens=6, stop_token_ids=frozenset({stop_at}), ignore_eos=True)]
+    )
     assert run.tokens["stop"] == greedy[: greedy.index(stop_at) + 1]
     assert run.finish_reasons["stop"] == FinishReason.STOP_TOKEN
     # EOS ends a request unless ignore_eos; pretend the first sampled token is EOS.
@@ -270,7 +282,11 @@ def test_a_prefix_hit_on_blocks_the_same_plan_releases_is_counted_before_anythin
     # Reuses owner's 2 cached blocks and needs 3 more: after owner's 3 go back, 4 are free, 5 are taken.
     reuser = NewRequest("reuser", owner[: 2 * block] + [100] * (2 * block + 8), max_new_tokens=4)
     with pytest.raises(OutOfKVBlocksError):
-        engine.step(StepRequest(released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]))
+        engine.step(
+            StepRequest(
+                released=["owner"], new_requests=[reuser], scheduled=[ScheduledRequest("reuser", 4 * block + 8)]
+            )
+        )
     assert engine.has_request("owner") and not engine.has_request("reuser")
     assert engine.kv.num_free_blocks == 1
 

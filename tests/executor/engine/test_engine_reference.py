@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.model.cpu_ops import CpuOps
 from executor_svc.engine.request_state import FinishReason, NewRequest
+from executor_svc.model.cpu_ops import CpuOps
 from service_common.sampling_params import SamplingParams
 from tests.support.engine_driver import drive
 from tests.support.prompts import CHAT_MESSAGES, PLAIN_PROMPTS
@@ -21,7 +21,9 @@ def prompt_ids(hf_reference):
     tokenizer, _ = hf_reference
     ids = [tokenizer.encode(text, add_special_tokens=True) for text in PLAIN_PROMPTS]
     for messages in CHAT_MESSAGES:
-        ids.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     assert len(ids) >= 8
     return [list(map(int, x)) for x in ids]
 
@@ -87,16 +89,16 @@ def test_greedy_tokens_equal_transformers(hf_reference, prompt_ids, solo_runs):
         our_top = [token_id for token_id, _ in our_logprobs[at].top_logprobs]
         our_gap = our_logprobs[at].top_logprobs[0][1] - our_logprobs[at].top_logprobs[1][1]
         genuine = (
-            their_gap < NEAR_TIE
-            and our_gap < NEAR_TIE
-            and set(their_top) == set(our_top) == {ours[at], theirs[at]}
+            their_gap < NEAR_TIE and our_gap < NEAR_TIE and set(their_top) == set(our_top) == {ours[at], theirs[at]}
         )
         assert genuine, (
             f"prompt {i} diverges from transformers at token {at}: ours {ours[at]} theirs {theirs[at]}; "
             f"transformers top-2 {their_top} gap {their_gap:.2e}, ours top-2 {our_top} gap {our_gap:.2e}"
         )
         near_ties.append((i, at, their_gap))
-    print(f"\nprompts: {len(prompt_ids)}, identical to transformers: {len(prompt_ids) - len(near_ties)}, near-ties: {near_ties}")
+    print(
+        f"\nprompts: {len(prompt_ids)}, identical to transformers: {len(prompt_ids) - len(near_ties)}, near-ties: {near_ties}"
+    )
     # A genuine near-tie is allowed at most rarely; more would hide a real bug.
     assert len(near_ties) <= 1, f"too many near-tie divergences: {near_ties}"
 
@@ -127,10 +129,18 @@ def test_batched_with_unrelated_requests_joining_and_leaving(engine_fp32, prompt
     requests = greedy_requests(prompt_ids[:4])
     # Short-lived neighbours of different lengths come and go around the measured requests.
     noise = [
-        NewRequest(f"noise{i}", prompt_ids[(i + 3) % len(prompt_ids)][: 5 + 9 * i], SamplingParams(), 3 + 5 * i, ignore_eos=True)
+        NewRequest(
+            f"noise{i}",
+            prompt_ids[(i + 3) % len(prompt_ids)][: 5 + 9 * i],
+            SamplingParams(),
+            3 + 5 * i,
+            ignore_eos=True,
+        )
         for i in range(6)
     ]
-    arrivals = {r.request_id: i for i, r in enumerate(requests)} | {n.request_id: 2 + 7 * i for i, n in enumerate(noise)}
+    arrivals = {r.request_id: i for i, r in enumerate(requests)} | {
+        n.request_id: 2 + 7 * i for i, n in enumerate(noise)
+    }
     run = drive(engine_fp32, requests + noise, chunk_size=16, arrival_steps=arrivals)
     for r in requests:
         assert run.tokens[r.request_id] == solo_runs[r.request_id][0], r.request_id
@@ -152,7 +162,9 @@ def all_position_logits(model, token_ids: list[int], dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype,matmul", [("float32", "exact"), ("float32", "int16"), ("bfloat16", "exact")])
-def test_top1_agreement_with_the_dequantized_float32_reference(default_model_path, prompt_ids, solo_runs, dtype, matmul):
+def test_top1_agreement_with_the_dequantized_float32_reference(
+    default_model_path, prompt_ids, solo_runs, dtype, matmul
+):
     """Packed GGUF weights with the C++ kernels against dequantize-then-F.linear in float32
     with the plain-torch ops, teacher-forced over every reference prompt and its 64 greedy
     tokens. The exact float32 path must agree at >= 99% of positions (it measures 100%), and
@@ -163,8 +175,8 @@ def test_top1_agreement_with_the_dequantized_float32_reference(default_model_pat
 
     if matmul == "int16" and not has_int16_dot():
         pytest.skip("this CPU has no integer matmul (it needs AVX2 and FMA)")
-    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
 
@@ -183,5 +195,7 @@ def test_top1_agreement_with_the_dequantized_float32_reference(default_model_pat
         got = all_position_logits(ours, sequence, torch_dtype).argmax(-1)
         agree += int((expected == got).sum())
         total += len(sequence)
-    print(f"\n{dtype}/{matmul}: top-1 agreement with the dequantized float32 reference {agree}/{total} = {agree / total:.4f}")
+    print(
+        f"\n{dtype}/{matmul}: top-1 agreement with the dequantized float32 reference {agree}/{total} = {agree / total:.4f}"
+    )
     assert agree / total >= (0.99 if dtype == "float32" else 0.95)

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from executor_svc.model import gated_delta_net
 from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
 from executor_svc.engine.request_state import NewRequest
+from executor_svc.errors import OutOfKVBlocksError, OutOfStateSlotsError
+from executor_svc.model import gated_delta_net
 from service_common.sampling_params import SamplingParams
 from tests.support.engine_driver import ScriptedDrafter, drive
 from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
@@ -34,7 +34,10 @@ def greedy_requests(n: int, num_new_tokens: int = NUM_NEW_TOKENS) -> list[NewReq
 def models(tmp_path_factory):
     """arch → (transformers model, GGUF path)."""
     root = tmp_path_factory.mktemp("models")
-    return {arch: write_tiny_hybrid_model(root / f"{arch}.gguf", TinyHybridSpec(arch)) for arch in ("qwen35", "qwen35moe", "qwen3moe")}
+    return {
+        arch: write_tiny_hybrid_model(root / f"{arch}.gguf", TinyHybridSpec(arch))
+        for arch in ("qwen35", "qwen35moe", "qwen3moe")
+    }
 
 
 def make_engine(path, **overrides) -> Engine:
@@ -58,7 +61,8 @@ def baseline(engine):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arch,kernels", [("qwen35", "torch"), ("qwen35", "cpu"), ("qwen35moe", "torch"), ("qwen35moe", "cpu"), ("qwen3moe", "torch")]
+    "arch,kernels",
+    [("qwen35", "torch"), ("qwen35", "cpu"), ("qwen35moe", "torch"), ("qwen35moe", "cpu"), ("qwen3moe", "torch")],
 )
 def test_greedy_tokens_match_transformers(models, arch, kernels):
     hf, path = models[arch]
@@ -67,7 +71,9 @@ def test_greedy_tokens_match_transformers(models, arch, kernels):
     for request in greedy_requests(2, 8):
         with torch.inference_mode():
             expected = hf.generate(torch.tensor([request.prompt_token_ids]), max_new_tokens=8, do_sample=False)
-        assert run.tokens[request.request_id] == expected[0, len(request.prompt_token_ids) :].tolist(), request.request_id
+        assert run.tokens[request.request_id] == expected[0, len(request.prompt_token_ids) :].tolist(), (
+            request.request_id
+        )
 
 
 @pytest.mark.slow
@@ -107,7 +113,8 @@ def test_speculation_changes_no_token(engine, baseline, mode):
 @pytest.mark.slow
 def test_seeded_sampling_is_the_same_with_speculation_on_and_off(engine):
     reqs = [
-        NewRequest(f"s{seed}", PROMPT, SamplingParams(temperature=1.5, seed=seed), 10, ignore_eos=True) for seed in range(6)
+        NewRequest(f"s{seed}", PROMPT, SamplingParams(temperature=1.5, seed=seed), 10, ignore_eos=True)
+        for seed in range(6)
     ]
     off = drive(engine, reqs).tokens
     engine.drafter, saved = ScriptedDrafter(off, "partial", engine.model_config.vocab_size), engine.drafter
@@ -131,9 +138,7 @@ def test_preemption_and_recompute_change_no_token(engine, baseline):
     while known:
         if step in (4, 9) and "r1" in known:
             preempted, computed["r1"] = ["r1"], 0
-        scheduled = [
-            ScheduledRequest(rid, min(known[rid] - computed[rid], 4)) for rid in known if rid not in preempted
-        ]
+        scheduled = [ScheduledRequest(rid, min(known[rid] - computed[rid], 4)) for rid in known if rid not in preempted]
         result = engine.step(StepRequest(scheduled=scheduled, new_requests=new, preempted=preempted))
         if preempted:
             assert engine.kv.state_slot("r1") == -1
@@ -156,7 +161,9 @@ def test_running_out_of_state_slots_refuses_the_plan_and_changes_nothing(models)
     engine = make_engine(models["qwen35"][1], num_state_slots=2)
     a, b, c = greedy_requests(3)
     with pytest.raises(OutOfStateSlotsError, match="recurrent-state slots"):
-        engine.step(StepRequest(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)]))
+        engine.step(
+            StepRequest(new_requests=[a, b, c], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b, c)])
+        )
     assert engine.request_ids == [] and engine.kv.state_pool.num_free_slots == 2
     engine.step(StepRequest(new_requests=[a, b], scheduled=[ScheduledRequest(r.request_id, 5) for r in (a, b)]))
     assert engine.kv.state_pool.num_free_slots == 0
@@ -197,7 +204,9 @@ def test_long_prefills_take_the_chunked_delta_rule_when_batch_invariance_is_off(
     fast.drafter = ScriptedDrafter(expected, "partial", fast.model_config.vocab_size)
     calls = []
     chunked = gated_delta_net.chunked_gated_delta_rule
-    monkeypatch.setattr(gated_delta_net, "chunked_gated_delta_rule", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    monkeypatch.setattr(
+        gated_delta_net, "chunked_gated_delta_rule", lambda *a, **k: calls.append(1) or chunked(*a, **k)
+    )
     arrivals = {"long": 3}  # arrives while the others decode with drafts
     run = drive(fast, reqs, arrival_steps=arrivals, draft_budget=3)
     assert len(calls) == 3  # the long prompt's one step, in each of the 3 DeltaNet layers
@@ -214,12 +223,11 @@ def test_services_run_more_requests_than_state_slots_without_refusals(models):
     six concurrent requests on two slots all finish, with the tokens they get alone."""
     import asyncio
 
-    from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
-
     from clients import AsyncSwarmClient
     from executor_svc.server import serve as serve_executor
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.server import serve as serve_scheduler
+    from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
     from tests.support.stack import free_port, stop_scheduler
 
     engine = make_engine(models["qwen35"][1], num_state_slots=2)
@@ -231,15 +239,24 @@ def test_services_run_more_requests_than_state_slots_without_refusals(models):
         executor = await serve_executor(engine, executor_address)
         try:
             async with grpc.aio.insecure_channel(executor_address) as channel:
-                info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(), timeout=10)
-            config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, max_running_requests=16)
+                info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(
+                    executor_pb2.GetInfoRequest(), timeout=10
+                )
+            config = SchedulerConfig(
+                listen=f"127.0.0.1:{free_port()}", executor=executor_address, max_running_requests=16
+            )
             server, loop, tasks = await serve_scheduler(config)
             try:
                 await loop.wait_connected(5)
                 async with AsyncSwarmClient(config.listen) as client:
-                    completions = await asyncio.gather(*(
-                        client.complete(token_ids=r.prompt_token_ids, max_new_tokens=6, ignore_eos=True, temperature=0.0) for r in reqs
-                    ))
+                    completions = await asyncio.gather(
+                        *(
+                            client.complete(
+                                token_ids=r.prompt_token_ids, max_new_tokens=6, ignore_eos=True, temperature=0.0
+                            )
+                            for r in reqs
+                        )
+                    )
             finally:
                 await stop_scheduler(server, loop, tasks)
             return info, completions

@@ -26,7 +26,7 @@ from tests.support.tiny_gguf import TinyModelSpec
 
 NUM_NEW_TOKENS = 40
 
-COPY_SOURCE = '''class RateLimiter:
+COPY_SOURCE = """class RateLimiter:
     def __init__(self, rate, burst):
         self.rate = rate
         self.burst = burst
@@ -41,7 +41,7 @@ COPY_SOURCE = '''class RateLimiter:
             self.tokens -= 1
             return True
         return False
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def requests_for(prompts, copies=2):
     reqs = []
     for c in range(copies):
         for i, ids in enumerate(prompts):
-            reqs.append(NewRequest(f"p{i}c{c}", ids if c == 0 else ids[1:], SamplingParams(), NUM_NEW_TOKENS, ignore_eos=True))
+            reqs.append(
+                NewRequest(f"p{i}c{c}", ids if c == 0 else ids[1:], SamplingParams(), NUM_NEW_TOKENS, ignore_eos=True)
+            )
     return reqs
 
 
@@ -118,7 +120,9 @@ def test_drafts_never_overrun_max_new_tokens_or_stop_tokens(engine_default, prom
     short = NewRequest("short", r.prompt_token_ids, SamplingParams(), 7, ignore_eos=True)
     assert drive(engine_default, [short], draft_budget=16).tokens["short"] == expected[:7]
     stop = expected[12]
-    stopped = NewRequest("stop", r.prompt_token_ids, SamplingParams(), 40, stop_token_ids=frozenset({stop}), ignore_eos=True)
+    stopped = NewRequest(
+        "stop", r.prompt_token_ids, SamplingParams(), 40, stop_token_ids=frozenset({stop}), ignore_eos=True
+    )
     assert drive(engine_default, [stopped], draft_budget=16).tokens["stop"] == expected[: expected.index(stop) + 1]
 
 
@@ -141,7 +145,10 @@ def test_sampling_distribution_is_unchanged_by_speculation(tiny_engine):
     num_seeds = 400
 
     def outcomes(budget):
-        reqs = [NewRequest(f"s{seed}", prompt, SamplingParams(seed=seed, **params), 3, ignore_eos=True) for seed in range(num_seeds)]
+        reqs = [
+            NewRequest(f"s{seed}", prompt, SamplingParams(seed=seed, **params), 3, ignore_eos=True)
+            for seed in range(num_seeds)
+        ]
         run = drive(tiny_engine, reqs, draft_budget=budget)
         return [tuple(run.tokens[r.request_id]) for r in reqs], run
 
@@ -152,8 +159,10 @@ def test_sampling_distribution_is_unchanged_by_speculation(tiny_engine):
         a = Counter(o[position] for o in off)
         b = Counter(o[position] for o in on)
         tokens = [t for t, _ in (a + b).most_common(8)]
-        table = [[a[t] for t in tokens] + [num_seeds - sum(a[t] for t in tokens)],
-                 [b[t] for t in tokens] + [num_seeds - sum(b[t] for t in tokens)]]
+        table = [
+            [a[t] for t in tokens] + [num_seeds - sum(a[t] for t in tokens)],
+            [b[t] for t in tokens] + [num_seeds - sum(b[t] for t in tokens)],
+        ]
         table = [list(col) for col in zip(*[c for c in zip(*table) if sum(c) > 0])]
         _, p_value, _, _ = chi2_contingency(table)
         assert p_value > 0.001, f"position {position}: distributions differ (p={p_value:.2g}) {table}"
@@ -165,7 +174,10 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_and_off(tiny_
     params = dict(temperature=TINY_MODEL_TEMPERATURE)
 
     def tokens(budget):
-        reqs = [NewRequest(f"s{seed}", prompt, SamplingParams(seed=seed, **params), 8, ignore_eos=True) for seed in range(40)]
+        reqs = [
+            NewRequest(f"s{seed}", prompt, SamplingParams(seed=seed, **params), 8, ignore_eos=True)
+            for seed in range(40)
+        ]
         run = drive(tiny_engine, reqs, draft_budget=budget)
         return {r.request_id: run.tokens[r.request_id] for r in reqs}, run
 
@@ -182,7 +194,9 @@ def test_a_request_sent_again_with_its_output_so_far_continues_token_for_token(t
     as output_token_ids; greedy and seeded sampling go on exactly as undisturbed."""
     prompt = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42]
     params = SamplingParams(temperature=temperature, seed=7)
-    whole = drive(tiny_engine, [NewRequest("whole", prompt, params, 24, ignore_eos=True)], draft_budget=4).tokens["whole"]
+    whole = drive(tiny_engine, [NewRequest("whole", prompt, params, 24, ignore_eos=True)], draft_budget=4).tokens[
+        "whole"
+    ]
     for cut in (1, 9, 23):
         again = NewRequest(f"again{cut}", prompt, params, 24, ignore_eos=True, output_token_ids=tuple(whole[:cut]))
         rest = drive(tiny_engine, [again], draft_budget=4).tokens[again.request_id]

@@ -7,14 +7,14 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
 
 from executor_svc.engine.engine import EngineConfig  # noqa: E402
-from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.engine.request_state import NewRequest  # noqa: E402
+from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.model.torch_ops import TorchOps  # noqa: E402
-from tests.support.engine_driver import drive  # noqa: E402
 from executor_svc.weights.weight_format import Kernel, PackedWeight  # noqa: E402
-from gguf import GGMLQuantizationType  # noqa: E402
+from tests.support.engine_driver import drive  # noqa: E402
 from tests.support.tiny_gguf import TinyModelSpec, qwen3_spec  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -24,7 +24,12 @@ pytest.importorskip("triton", reason="triton is not installed")
 @pytest.mark.parametrize("spec", [TinyModelSpec("llama"), qwen3_spec()], ids=["llama", "qwen3"])
 def test_triton_kernels_in_the_engine_give_the_torch_tokens(make_tiny_engine, spec):
     requests = [
-        NewRequest("a", [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57], max_new_tokens=6, ignore_eos=True),
+        NewRequest(
+            "a",
+            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+            max_new_tokens=6,
+            ignore_eos=True,
+        ),
         NewRequest("b", [60, 61, 62], max_new_tokens=6, ignore_eos=True),
     ]
     runs = {}
@@ -52,7 +57,9 @@ def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tok
     qkv = engines["triton"].model.weights.layers[0].qkv
     assert isinstance(qkv, PackedWeight) and qkv.kernel == Kernel.TRITON and qkv.type_name == spec.tensor_type.name
     assert engines["triton"].weight_bytes == engines["cpu"].weight_bytes
-    tokens = {k: drive(e, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens for k, e in engines.items()}
+    tokens = {
+        k: drive(e, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens for k, e in engines.items()
+    }
     assert tokens["triton"] == tokens["cpu"]
 
 

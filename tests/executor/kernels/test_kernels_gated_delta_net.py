@@ -14,9 +14,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.model import gated_delta_net  # noqa: E402
 from executor_svc.model.gated_delta_net import DeltaRuleWindow, build_delta_net_plan  # noqa: E402
-from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -46,7 +46,9 @@ def plan_of(lens, logits_counts, slots, conv_kernel=None):
 
 def conv_inputs(num_tokens, channels, kernel, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = (2 * torch.randn(num_tokens, channels + 5, generator=gen)).to(dtype)[:, :channels]  # rows strided, as split views are
+    x = (2 * torch.randn(num_tokens, channels + 5, generator=gen)).to(dtype)[
+        :, :channels
+    ]  # rows strided, as split views are
     states = torch.randn(NUM_SLOTS, kernel - 1, channels, generator=gen).to(dtype)
     weight = (0.5 * torch.randn(channels, kernel, generator=gen)).to(dtype)
     return x, states, weight
@@ -156,19 +158,25 @@ def torch_chunked(mixed, alpha, beta, a, dt_bias, states, plan, chunk_tokens):
     """TorchOps' gated_delta_rule with its chunked form at C = chunk_tokens."""
     reference = gated_delta_net.chunked_gated_delta_rule
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gated_delta_net, "chunked_gated_delta_rule", lambda *args: reference(*args, chunk_size=chunk_tokens))
+        patch.setattr(
+            gated_delta_net, "chunked_gated_delta_rule", lambda *args: reference(*args, chunk_size=chunk_tokens)
+        )
         return TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, states, plan)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("key_heads,heads,dk,dv", [(2, 4, 16, 16), (1, 3, 12, 40)])  # tiled heads; odd dk, two value tiles
+@pytest.mark.parametrize(
+    "key_heads,heads,dk,dv", [(2, 4, 16, 16), (1, 3, 12, 40)]
+)  # tiled heads; odd dk, two value tiles
 def test_chunked_delta_rule_matches_torch_chunked_and_recurrent_forms(dtype, key_heads, heads, dk, dv):
     mixed, alpha, beta, a, dt_bias, states = delta_inputs(sum(CHUNKED_LENS), key_heads, heads, dk, dv, dtype)
     plan = chunked_plan_of(CHUNKED_LENS, CHUNKED_LOGITS, CHUNKED_SLOTS)
     assert plan.chunked == (True, True, True, False, True, True)
     ours, chunked_ref, recurrent_ref = states.clone(), states.clone(), states.clone()
-    out, window_starts = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, plan)
+    out, window_starts = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(
+        mixed, alpha, beta, a, dt_bias, ours, plan
+    )
     ref_out, ref_window_starts = torch_chunked(mixed, alpha, beta, a, dt_bias, chunked_ref, plan, C)
     recurrent_out, _ = TorchOps().gated_delta_rule(
         mixed, alpha, beta, a, dt_bias, recurrent_ref, plan_of(CHUNKED_LENS, CHUNKED_LOGITS, CHUNKED_SLOTS)
@@ -191,7 +199,9 @@ def test_chunked_delta_rule_at_the_default_chunk_over_several_chunks():
     assert plan.chunked == (True, False)
     ours, recurrent_ref = states.clone(), states.clone()
     out, _ = TritonOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, plan)
-    recurrent_out, _ = TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, recurrent_ref, plan_of([150, 1], [1, 1], [4, 1]))
+    recurrent_out, _ = TorchOps().gated_delta_rule(
+        mixed, alpha, beta, a, dt_bias, recurrent_ref, plan_of([150, 1], [1, 1], [4, 1])
+    )
     torch.testing.assert_close(out, recurrent_out, **CHUNKED_TOLERANCE)
     torch.testing.assert_close(ours, recurrent_ref, **CHUNKED_TOLERANCE)
 
@@ -203,7 +213,9 @@ def test_chunked_delta_rule_with_extreme_gates():
     alpha[:, 0] = torch.tensor([60.0, -60.0, 19.5, 20.5, 60.0, -60.0])
     beta[:, 1] = torch.tensor([80.0, -80.0, 0.0, 30.0, -30.0, 80.0])
     ours, ref = states.clone(), states.clone()
-    out, _ = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(mixed, alpha, beta, a, dt_bias, ours, chunked_plan_of([6], [1], [1]))
+    out, _ = TritonOps(delta_rule_chunk_tokens=C).gated_delta_rule(
+        mixed, alpha, beta, a, dt_bias, ours, chunked_plan_of([6], [1], [1])
+    )
     ref_out, _ = TorchOps().gated_delta_rule(mixed, alpha, beta, a, dt_bias, ref, plan_of([6], [1], [1]))
     assert torch.isfinite(out).all() and torch.isfinite(ours).all()
     torch.testing.assert_close(out, ref_out, **CHUNKED_TOLERANCE)
@@ -222,8 +234,11 @@ def test_chunked_requests_bits_do_not_depend_on_the_batch():
         """The requests (indices into CHUNKED_*) in this order in one launch → (per request: out, state)."""
         pool = states.clone()
         pick = lambda t: torch.cat([t[rows[r]] for r in requests])  # noqa: E731
-        plan = chunked_plan_of([CHUNKED_LENS[r] for r in requests], [CHUNKED_LOGITS[r] for r in requests],
-                               [CHUNKED_SLOTS[r] for r in requests])
+        plan = chunked_plan_of(
+            [CHUNKED_LENS[r] for r in requests],
+            [CHUNKED_LOGITS[r] for r in requests],
+            [CHUNKED_SLOTS[r] for r in requests],
+        )
         out, _ = ops.gated_delta_rule(pick(mixed), pick(alpha), pick(beta), a, dt_bias, pool, plan)
         offsets = [sum(CHUNKED_LENS[q] for q in requests[:i]) for i in range(len(requests))]
         return {r: (out[o : o + CHUNKED_LENS[r]], pool[CHUNKED_SLOTS[r]]) for r, o in zip(requests, offsets)}
@@ -249,8 +264,9 @@ def test_chunked_prefill_split_at_a_chunk_multiple_gives_the_same_bits():
         pool, outs = states.clone(), []
         for start, end in zip([0, *cuts], [*cuts, n]):
             rows = slice(start, end)
-            out, _ = ops.gated_delta_rule(mixed[rows], alpha[rows], beta[rows], a, dt_bias, pool,
-                                          chunked_plan_of([end - start], [1], [2]))
+            out, _ = ops.gated_delta_rule(
+                mixed[rows], alpha[rows], beta[rows], a, dt_bias, pool, chunked_plan_of([end - start], [1], [2])
+            )
             outs.append(out)
         return torch.cat(outs), pool[2]
 
@@ -311,7 +327,9 @@ def test_a_verify_window_replays_to_the_state_after_each_kept_position():
     _, window_starts = ops.gated_delta_rule(mixed, alpha, beta, a, dt_bias, after, plan_of(LENS, LOGITS, SLOTS))
     start = sum(LENS[:2])  # request 2: 5 tokens, the last 4 verified, in slot 3
     window_rows = slice(start + 1, start + 5)
-    window = DeltaRuleWindow(window_starts[0], mixed[window_rows], alpha[window_rows], beta[window_rows], a, dt_bias, ops)
+    window = DeltaRuleWindow(
+        window_starts[0], mixed[window_rows], alpha[window_rows], beta[window_rows], a, dt_bias, ops
+    )
     for j in range(4):
         plain = states[3:4].clone()
         rows = slice(start, start + 2 + j)
@@ -379,8 +397,8 @@ def test_triton_chunked_prefills_in_the_hybrid_engine_give_the_torch_tokens(tmp_
     its batch-invariant (recurrent) mode. Equal tokens are what the tolerance buys on this model,
     not a bitwise promise (the chunked form rounds differently from the recurrent one)."""
     from executor_svc.engine.engine import Engine, EngineConfig
-    from executor_svc.kernels import gated_delta_rule as triton_delta_rule
     from executor_svc.engine.request_state import NewRequest
+    from executor_svc.kernels import gated_delta_rule as triton_delta_rule
     from service_common.sampling_params import SamplingParams
     from tests.support.engine_driver import ScriptedDrafter, drive
     from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.model.attention import write_kv as torch_write_kv  # noqa: E402
 from executor_svc.kernels.kv_store import write_kv  # noqa: E402
+from executor_svc.model.attention import write_kv as torch_write_kv  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from executor_svc.model.attention import write_kv as torch_write_kv  # noqa: E402
 from executor_svc.kernels.paged_attention import build_attention_metadata, paged_attention  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
+from executor_svc.model.attention import write_kv as torch_write_kv  # noqa: E402
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
 from executor_svc.model.torch_ops import TorchOps  # noqa: E402
 

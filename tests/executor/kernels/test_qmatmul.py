@@ -33,7 +33,11 @@ def gguf_rows(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     elif qtype == T.F32:
         raw = rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
     else:
-        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8).reshape(rows, -1)
+        raw = (
+            quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+            .view(np.uint8)
+            .reshape(rows, -1)
+        )
     return torch.from_numpy(np.ascontiguousarray(raw))
 
 
@@ -148,7 +152,13 @@ def test_kernel_compiles_for_the_h200_and_the_rx_9070_xt():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_TARGETS], cwd=Path(__file__).resolve().parents[3], env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_TARGETS],
+        cwd=Path(__file__).resolve().parents[3],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["cuda", "90", "compiled", "hip", "gfx1201", "compiled"]

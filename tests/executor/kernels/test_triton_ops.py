@@ -13,12 +13,12 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from executor_svc.kernels import triton_available  # noqa: E402
-from executor_svc.tools.random_model import model_config, random_weights  # noqa: E402
 from executor_svc.kernels.triton_ops import TritonOps  # noqa: E402
 from executor_svc.kv.kv_cache import KVCache  # noqa: E402
-from executor_svc.model.transformer import Transformer  # noqa: E402
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice  # noqa: E402
 from executor_svc.model.torch_ops import TorchOps  # noqa: E402
+from executor_svc.model.transformer import Transformer  # noqa: E402
+from executor_svc.tools.random_model import model_config, random_weights  # noqa: E402
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from executor_svc.kv.block_allocator import NULL_BLOCK_ID, BlockAllocator
 from executor_svc.errors import OutOfKVBlocksError
+from executor_svc.kv.block_allocator import NULL_BLOCK_ID, BlockAllocator
 from executor_svc.kv.kv_cache import KVCache
 from executor_svc.weights.model_config import ModelConfig
 
@@ -22,9 +22,22 @@ NUM_BLOCKS = 24
 
 
 TINY = ModelConfig(
-    architecture="llama", name="tiny", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=2,
-    num_kv_heads=1, head_dim=4, vocab_size=10, context_length=64, rms_norm_eps=1e-6, rope_theta=1e4,
-    rope_linear_factor=1.0, has_qkv_bias=False, has_qk_norm=False, has_rope_freq_factors=False,
+    architecture="llama",
+    name="tiny",
+    num_layers=1,
+    hidden_size=8,
+    intermediate_size=16,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    vocab_size=10,
+    context_length=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    rope_linear_factor=1.0,
+    has_qkv_bias=False,
+    has_qk_norm=False,
+    has_rope_freq_factors=False,
     tie_word_embeddings=True,
 )
 

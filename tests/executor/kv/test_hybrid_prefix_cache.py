@@ -12,11 +12,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from executor_svc.model import hybrid_model
 from executor_svc.engine.engine import Engine, EngineConfig, ScheduledRequest, StepRequest
-from executor_svc.kv.recurrent_state import RecurrentStatePool
 from executor_svc.engine.request_state import NewRequest
+from executor_svc.kv.recurrent_state import RecurrentStatePool
 from executor_svc.kv.state_snapshots import StateSnapshots
+from executor_svc.model import hybrid_model
 from service_common.sampling_params import SamplingParams
 from tests.support.engine_driver import ScriptedDrafter, drive
 from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
@@ -68,7 +68,9 @@ def uncached(model_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [None, 5, 16])
 @pytest.mark.parametrize("num_turn1_tokens", [3, 20])  # the last boundary in the prompt's last chunk / in the output
-def test_the_next_turn_resumes_at_the_last_boundary_with_the_same_tokens(model_path, uncached, chunk_size, num_turn1_tokens):
+def test_the_next_turn_resumes_at_the_last_boundary_with_the_same_tokens(
+    model_path, uncached, chunk_size, num_turn1_tokens
+):
     engine = make_engine(model_path)
     out1, out2, cached = two_turns(engine, 0, num_turn1_tokens, chunk_size)
     assert (out1, out2) == two_turns(uncached, 0, num_turn1_tokens, chunk_size)[:2]
@@ -86,7 +88,9 @@ def test_the_next_turn_resumes_at_the_last_boundary_with_the_same_tokens(model_p
         (100, False, False),  # a chunked-form prefill (96 ≥ 64 tokens): replayed in the recurrent form, so only close
     ],
 )
-def test_snapshots_are_the_state_stepped_to_the_boundary(model_path, prompt_len, batch_invariant, by_window, monkeypatch):
+def test_snapshots_are_the_state_stepped_to_the_boundary(
+    model_path, prompt_len, batch_invariant, by_window, monkeypatch
+):
     """A capture inside a prefill chunk writes the state a step ending on the boundary leaves."""
     captured, stepped = (make_engine(model_path, batch_invariant=batch_invariant) for _ in range(2))
     token_ids = prompt(1, prompt_len)
@@ -96,7 +100,9 @@ def test_snapshots_are_the_state_stepped_to_the_boundary(model_path, prompt_len,
     monkeypatch.setattr(hybrid_model.CapturePlan, "build", lambda *a: plans.append(build(*a)) or plans[-1])
     drive(captured, [greedy("c", token_ids, 1)])  # one chunk: the capture is inside it
     assert [(bool(p.window_rows), p.replay is not None) for p in plans if p is not None] == [(by_window, not by_window)]
-    drive(stepped, [greedy("s", token_ids[: boundary + 1], 1)], chunk_size=boundary)  # a step ends on it: the slot is copied
+    drive(
+        stepped, [greedy("s", token_ids[: boundary + 1], 1)], chunk_size=boundary
+    )  # a step ends on it: the slot is copied
     snapshots = []
     for engine in (captured, stepped):
         block_hash = engine.kv._extend_hashes(token_ids, [], boundary // BLOCK)[-1]
@@ -112,12 +118,17 @@ def test_snapshots_are_the_state_stepped_to_the_boundary(model_path, prompt_len,
 @pytest.mark.slow
 def test_batched_agents_resume_with_the_same_tokens(model_path, uncached):
     """Six agents' second turns arrive while others prefill and decode, in chunks of 5."""
+
     def run(engine):
         first = [greedy(f"a{i}t1", prompt(i, 30 + 3 * i), 10 + i) for i in range(6)]
         t1 = drive(engine, first, chunk_size=5, arrival_steps={r.request_id: 2 * i for i, r in enumerate(first)})
-        second = [greedy(f"a{i}t2", r.prompt_token_ids + t1.tokens[r.request_id] + [9, i], 8) for i, r in enumerate(first)]
+        second = [
+            greedy(f"a{i}t2", r.prompt_token_ids + t1.tokens[r.request_id] + [9, i], 8) for i, r in enumerate(first)
+        ]
         fresh = [greedy(f"f{i}", prompt(10 + i), 8) for i in range(2)]
-        t2 = drive(engine, second + fresh, chunk_size=5, arrival_steps={r.request_id: i for i, r in enumerate(second + fresh)})
+        t2 = drive(
+            engine, second + fresh, chunk_size=5, arrival_steps={r.request_id: i for i, r in enumerate(second + fresh)}
+        )
         return t1, t2
 
     engine = make_engine(model_path)
@@ -139,7 +150,9 @@ def test_snapshots_taken_inside_verify_windows_resume_with_the_same_tokens(model
     engine.drafter = ScriptedDrafter(turns, mode, engine.model_config.vocab_size)
     saved_in_windows = []
     save_window = RecurrentStatePool.save_window
-    monkeypatch.setattr(RecurrentStatePool, "save_window", lambda self, *a: saved_in_windows.append(a) or save_window(self, *a))
+    monkeypatch.setattr(
+        RecurrentStatePool, "save_window", lambda self, *a: saved_in_windows.append(a) or save_window(self, *a)
+    )
     assert two_turns(engine, 2, 25, chunk_size=7, draft_budget=4) == (*expected[:2], last_boundary(37 + 25 - 1))
     if mode != "none":  # without kept drafts every step ends on its one token
         assert saved_in_windows
@@ -345,12 +358,12 @@ def test_an_agent_session_over_the_real_services_resumes_its_next_turns_from_cac
     import asyncio
 
     import grpc
-    from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
     from clients import AsyncSwarmClient
     from executor_svc.server import serve as serve_executor
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.server import serve as serve_scheduler
+    from swarmserve.executor.v1 import executor_pb2, executor_pb2_grpc
     from tests.support.stack import free_port, stop_scheduler
 
     engine = make_engine(model_path)
@@ -360,7 +373,9 @@ def test_an_agent_session_over_the_real_services_resumes_its_next_turns_from_cac
         executor = await serve_executor(engine, executor_address)
         try:
             async with grpc.aio.insecure_channel(executor_address) as channel:
-                info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(), timeout=10)
+                info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(
+                    executor_pb2.GetInfoRequest(), timeout=10
+                )
             config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address)
             server, loop, tasks = await serve_scheduler(config)
             try:
@@ -369,8 +384,12 @@ def test_an_agent_session_over_the_real_services_resumes_its_next_turns_from_cac
                 async with AsyncSwarmClient(config.listen) as client:
                     for turn in range(3):
                         completion = await client.complete(
-                            token_ids=token_ids, max_new_tokens=10 + 4 * turn, ignore_eos=True, temperature=0.0,
-                            session_id="agent", retention_s=30.0,
+                            token_ids=token_ids,
+                            max_new_tokens=10 + 4 * turn,
+                            ignore_eos=True,
+                            temperature=0.0,
+                            session_id="agent",
+                            retention_s=30.0,
                         )
                         turns.append((list(token_ids), list(completion.token_ids), completion.usage.cached_tokens))
                         token_ids = token_ids + list(completion.token_ids) + [20 + turn, 21]

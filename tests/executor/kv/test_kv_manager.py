@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.kv.block_allocator import root_hash
 from executor_svc.errors import OutOfKVBlocksError
+from executor_svc.kv.block_allocator import root_hash
 from executor_svc.kv.kv_cache import KVCache
 from executor_svc.kv.kv_manager import KVManager
 from tests.executor.kv.test_block_allocator import BLOCK_SIZE, NUM_BLOCKS, TINY

@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from executor_svc.kv.block_allocator import BlockAllocator, block_hash, root_hash
 from executor_svc.engine.engine import Engine, EngineConfig
-from executor_svc.errors import OutOfKVBlocksError
 from executor_svc.engine.request_state import NewRequest
+from executor_svc.errors import OutOfKVBlocksError
+from executor_svc.kv.block_allocator import BlockAllocator, block_hash, root_hash
 from service_common.sampling_params import SamplingParams
 from tests.support.engine_driver import drive
 from tests.support.prompts import CODE
@@ -32,7 +32,9 @@ def test_cached_prefixes_give_the_tokens_of_recomputed_ones(engine_fp32, engine_
     tok = engine_fp32.tokenizer.tokenizer
     # A text no other test sends to the shared engine, so nothing of it is cached yet.
     base = tok.encode("# prefix-cache test 7f3a\n" + CODE * 2, add_special_tokens=False).ids
-    other = tok.encode("Meanwhile, in a completely different file, the tests were failing again.", add_special_tokens=False).ids
+    other = tok.encode(
+        "Meanwhile, in a completely different file, the tests were failing again.", add_special_tokens=False
+    ).ids
     assert len(base) >= 70 and len(other) >= 12
     cases = {
         "first": (base[:70], 0),  # nothing cached yet

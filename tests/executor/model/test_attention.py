@@ -63,7 +63,11 @@ class Setup:
             write_kv(self.k[r][start : start + m], self.v[r][start : start + m], self.k_cache, self.v_cache, slots)
         # Earlier positions of every part were "computed in earlier steps".
         for r, start, m in parts:
-            hist = RaggedBatch.build([RequestSlice([0] * start, 0, self.tables[r], 0)], BLOCK_SIZE, torch.device("cpu")) if start else None
+            hist = (
+                RaggedBatch.build([RequestSlice([0] * start, 0, self.tables[r], 0)], BLOCK_SIZE, torch.device("cpu"))
+                if start
+                else None
+            )
             if hist is not None:
                 write_kv(self.k[r][:start], self.v[r][:start], self.k_cache, self.v_cache, hist.slot_mapping)
         plan = build_attention_plan(batch, BLOCK_SIZE)
@@ -79,7 +83,9 @@ def test_matches_dense_attention(num_heads, num_kv_heads):
     parts = [(0, 0, 1), (1, 0, 15), (2, 8, 8), (3, 16, 1), (4, 35, 5), (5, 100, 200)]
     outs = setup.run(parts)
     for (r, start, m), out in zip(parts, outs):
-        ref = dense_reference(setup.q[r][start : start + m], setup.k[r][: start + m], setup.v[r][: start + m], setup.head_dim**-0.5)
+        ref = dense_reference(
+            setup.q[r][start : start + m], setup.k[r][: start + m], setup.v[r][: start + m], setup.head_dim**-0.5
+        )
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

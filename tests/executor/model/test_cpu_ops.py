@@ -29,7 +29,9 @@ def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
     slices = [RequestSlice([0] * m, start, setup.tables[r], num_logits=1) for r, start, m in parts]
     batch = RaggedBatch.build(slices, BLOCK_SIZE, torch.device("cpu"), row_multiple=row_multiple)
     for r, start, m in parts:  # the whole history up to the part's end is in the cache
-        hist = RaggedBatch.build([RequestSlice([0] * (start + m), 0, setup.tables[r], 0)], BLOCK_SIZE, torch.device("cpu"))
+        hist = RaggedBatch.build(
+            [RequestSlice([0] * (start + m), 0, setup.tables[r], 0)], BLOCK_SIZE, torch.device("cpu")
+        )
         write_kv(setup.k[r][: start + m], setup.v[r][: start + m], setup.k_cache, setup.v_cache, hist.slot_mapping)
     q = torch.zeros(batch.num_padded_tokens, setup.num_heads, setup.head_dim)
     for (r, start, m), s0 in zip(parts, batch.query_starts):
@@ -43,7 +45,9 @@ def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 32), (8, 1, 32), (9, 3, 64), (4, 2, 128), (4, 2, 24)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 32), (8, 1, 32), (9, 3, 64), (4, 2, 128), (4, 2, 24)]
+)
 def test_attention_matches_dense_attention(num_heads, num_kv_heads, head_dim, dtype):
     lens = [1, 15, 16, 17, 40, 300, 70]
     setup = Setup(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -67,7 +71,10 @@ def test_attention_matches_the_torch_path_and_long_decode_contexts():
     parts = [(0, 3999, 1), (1, 9, 1), (2, 1025, 5), (3, 0, 33)]
     outs, _, batch = run_attention(setup, parts)
     ref = REF.attention(
-        torch.cat([setup.q[r][s : s + m] for r, s, m in parts] + [torch.zeros(batch.num_padded_tokens - batch.num_tokens, 9, 64)]),
+        torch.cat(
+            [setup.q[r][s : s + m] for r, s, m in parts]
+            + [torch.zeros(batch.num_padded_tokens - batch.num_tokens, 9, 64)]
+        ),
         setup.k_cache,
         setup.v_cache,
         REF.prepare(batch, BLOCK_SIZE),
@@ -117,7 +124,9 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(num_heads, nu
                 outs = run_attention(setup, parts, dtype)[0]
                 index = [p[0] for p in parts].index(0)
                 row = outs[index][position - parts[index][1]]
-                assert torch.equal(row, solo), f"{num_threads} threads, layout {parts}: max diff {(row - solo).abs().max()}"
+                assert torch.equal(row, solo), (
+                    f"{num_threads} threads, layout {parts}: max diff {(row - solo).abs().max()}"
+                )
     finally:
         torch.set_num_threads(threads)
 
@@ -205,8 +214,13 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
     assert len(slots) == num_tokens
     results = []
     for ops in (OPS, REF):
-        k_cache, v_cache = torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype), torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype)
-        q = ops.qkv_rope_write(qkv, num_heads, num_kv_heads, q_norm, k_norm, 1e-6, cos_table, sin_table, positions, slots, k_cache, v_cache)
+        k_cache, v_cache = (
+            torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype),
+            torch.zeros(6, 8, num_kv_heads, head_dim, dtype=dtype),
+        )
+        q = ops.qkv_rope_write(
+            qkv, num_heads, num_kv_heads, q_norm, k_norm, 1e-6, cos_table, sin_table, positions, slots, k_cache, v_cache
+        )
         results.append((q, k_cache, v_cache))
     (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
     assert q.shape == (padded, num_heads, head_dim) and q.dtype == dtype
@@ -222,9 +236,9 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
-    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
     from tests.support.tiny_gguf import TinyModelSpec, qwen3_spec, write_tiny_model
@@ -244,7 +258,9 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
         # A prefill step of every prompt, then one batched decode step.
         step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
         step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
-        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu"), row_multiple=4), cache) for s in (step1, step2)]
+        out = [
+            model.forward(RaggedBatch.build(s, 16, torch.device("cpu"), row_multiple=4), cache) for s in (step1, step2)
+        ]
         logits.append(torch.cat(out))
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)
     torch.testing.assert_close(logits[1], logits[0], **tol)
@@ -253,7 +269,13 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "architecture,tensor_type,int16_dot",
-    [("llama", "Q4_1", True), ("llama", "Q8_0", False), ("qwen2", "Q4_0", True), ("qwen3", "Q8_0", True), ("qwen3", "F16", False)],
+    [
+        ("llama", "Q4_1", True),
+        ("llama", "Q8_0", False),
+        ("qwen2", "Q4_0", True),
+        ("qwen3", "Q8_0", True),
+        ("qwen3", "F16", False),
+    ],
 )
 def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, int16_dot, dtype):
     """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
@@ -261,9 +283,9 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
     from gguf import GGMLQuantizationType
 
-    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
     from executor_svc.weights.weight_format import has_int16_dot
@@ -271,8 +293,15 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
 
     if int16_dot and not has_int16_dot():
         pytest.skip("this CPU has no integer matmul")
-    spec = TinyModelSpec(architecture, GGMLQuantizationType[tensor_type], hidden_size=128, num_heads=4, num_kv_heads=2,
-                         intermediate_size=256, num_layers=3)
+    spec = TinyModelSpec(
+        architecture,
+        GGMLQuantizationType[tensor_type],
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        num_layers=3,
+    )
     gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
     config = ModelConfig.from_gguf(gguf)
     weights = load_weights(gguf, config, dtype, torch.device("cpu"), int16_dot=int16_dot)
@@ -299,8 +328,8 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
 def test_models_the_layer_stack_does_not_run_keep_the_layer_loop(tmp_path):
     """MoE experts are not in the C++ stack: a qwen3moe model keeps the layer loop, as every
     model does on TorchOps; a dense one on CpuOps gets the stack."""
-    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.model.transformer import Transformer
+    from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
     from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
@@ -309,7 +338,9 @@ def test_models_the_layer_stack_does_not_run_keep_the_layer_loop(tmp_path):
     def model(path, ops):
         gguf = open_gguf(path)
         config = ModelConfig.from_gguf(gguf)
-        return Transformer(config, load_weights(gguf, config, torch.float32, torch.device("cpu")), torch.device("cpu"), ops=ops)
+        return Transformer(
+            config, load_weights(gguf, config, torch.float32, torch.device("cpu")), torch.device("cpu"), ops=ops
+        )
 
     dense = write_tiny_model(tmp_path / "dense.gguf", TinyModelSpec("llama"))
     _, moe = write_tiny_hybrid_model(tmp_path / "moe.gguf", TinyHybridSpec("qwen3moe"))

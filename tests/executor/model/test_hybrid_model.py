@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from executor_svc.model.gated_delta_net import DeltaRuleWindow, build_delta_net_plan, causal_conv1d, gated_delta_rule
-from executor_svc.weights.gguf_file import open_gguf
-from executor_svc.model.hybrid_model import HybridTransformer
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.recurrent_state import RecurrentStatePool
+from executor_svc.model.gated_delta_net import DeltaRuleWindow, build_delta_net_plan, causal_conv1d, gated_delta_rule
+from executor_svc.model.hybrid_model import HybridTransformer
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.model.torch_ops import TorchOps
 from executor_svc.model.transformer import Transformer
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.kv.recurrent_state import RecurrentStatePool
-from executor_svc.model.torch_ops import TorchOps
 from tests.support.tiny_hybrid_gguf import TinyHybridSpec, write_tiny_hybrid_model
 
 CPU = torch.device("cpu")
@@ -74,11 +74,16 @@ def test_config_reads_llama_cpp_metadata(tiny):
         assert config.recurrent_layers == (True, True, True, False)
         assert config.kv_layers == [3]
         assert config.rotary_dims == spec.head_dim // 4
-        assert (config.num_linear_key_heads, config.num_linear_value_heads) == (spec.linear_key_heads, spec.linear_value_heads)
+        assert (config.num_linear_key_heads, config.num_linear_value_heads) == (
+            spec.linear_key_heads,
+            spec.linear_value_heads,
+        )
         assert config.conv_dim == (2 * spec.linear_key_heads + spec.linear_value_heads) * spec.linear_head_dim
     if config.is_moe:
         assert (config.num_experts, config.num_experts_per_token) == (spec.num_experts, spec.num_experts_per_token)
-        assert config.shared_expert_intermediate_size == (spec.shared_expert_intermediate_size if spec.architecture == "qwen35moe" else 0)
+        assert config.shared_expert_intermediate_size == (
+            spec.shared_expert_intermediate_size if spec.architecture == "qwen35moe" else 0
+        )
 
 
 def test_forward_matches_transformers(tiny):
@@ -126,7 +131,9 @@ def test_greedy_decode_matches_transformers(tiny):
         assert token == int(reference_logits(hf, tokens)[-1].argmax())
         tokens.append(token)
         cache.grow(blocks, len(tokens))
-        logits = model.forward(RaggedBatch.build([RequestSlice([token], len(tokens) - 1, blocks, 1, slot)], 16, CPU), cache, pool)
+        logits = model.forward(
+            RaggedBatch.build([RequestSlice([token], len(tokens) - 1, blocks, 1, slot)], 16, CPU), cache, pool
+        )
 
 
 # ---------------------------------------------------------------- DeltaNet pieces
@@ -149,7 +156,10 @@ def naive_delta_rule(mixed, alpha, beta, a, dt_bias, state, key_heads=2):
     state, out = state.clone(), torch.empty(mixed.shape[0], heads, dv)
     for t in range(mixed.shape[0]):
         for h in range(heads):
-            qt, kt = F.normalize(q[t, h % key_heads], dim=-1, eps=1e-12) * dk**-0.5, F.normalize(k[t, h % key_heads], dim=-1)
+            qt, kt = (
+                F.normalize(q[t, h % key_heads], dim=-1, eps=1e-12) * dk**-0.5,
+                F.normalize(k[t, h % key_heads], dim=-1),
+            )
             decay = torch.exp(a[h] * F.softplus(alpha[t, h] + dt_bias[h]))
             state[h] = state[h] * decay
             state[h] = state[h] + torch.outer(kt, torch.sigmoid(beta[t, h]) * (v[t, h] - kt @ state[h]))
@@ -160,7 +170,9 @@ def naive_delta_rule(mixed, alpha, beta, a, dt_bias, state, key_heads=2):
 def plan_of(lens, logits_counts=None, slots=None, conv_kernel=None, min_chunked_tokens=None):
     starts = [sum(lens[:i]) for i in range(len(lens))]
     counts = logits_counts or [1] * len(lens)
-    return build_delta_net_plan(starts, lens, counts, slots or list(range(len(lens))), CPU, conv_kernel, min_chunked_tokens)
+    return build_delta_net_plan(
+        starts, lens, counts, slots or list(range(len(lens))), CPU, conv_kernel, min_chunked_tokens
+    )
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 100])

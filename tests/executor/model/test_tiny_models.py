@@ -8,13 +8,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from executor_svc.engine.engine import Engine, EngineConfig
-from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.engine.request_state import FinishReason, NewRequest
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.engine.request_state import FinishReason, NewRequest
 from tests.support.engine_driver import drive
 from tests.support.tiny_gguf import TinyModelSpec, k_quant_spec, qwen3_spec, write_tiny_model
 
@@ -47,9 +47,13 @@ def our_logits(path, prompt):
     blocks: list[int] = []
     cache.grow(blocks, len(prompt))
     split = len(prompt) // 2
-    first = model.forward(RaggedBatch.build([RequestSlice(prompt[:split], 0, blocks, split)], 16, torch.device("cpu")), cache)
+    first = model.forward(
+        RaggedBatch.build([RequestSlice(prompt[:split], 0, blocks, split)], 16, torch.device("cpu")), cache
+    )
     rest = len(prompt) - split
-    second = model.forward(RaggedBatch.build([RequestSlice(prompt[split:], split, blocks, rest)], 16, torch.device("cpu")), cache)
+    second = model.forward(
+        RaggedBatch.build([RequestSlice(prompt[split:], split, blocks, rest)], 16, torch.device("cpu")), cache
+    )
     return config, torch.cat([first, second])
 
 

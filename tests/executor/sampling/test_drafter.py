@@ -123,9 +123,7 @@ def test_invalid_arguments_are_refused():
 )
 def test_incremental_index_proposes_what_brute_force_proposes(data, alphabet_size, max_ngram):
     min_ngram = data.draw(st.integers(1, max_ngram), label="min_ngram")
-    chunks = data.draw(
-        st.lists(st.lists(st.integers(0, alphabet_size - 1), max_size=6), max_size=25), label="chunks"
-    )
+    chunks = data.draw(st.lists(st.lists(st.integers(0, alphabet_size - 1), max_size=6), max_size=25), label="chunks")
     index = RequestIndex(chunks[0] if chunks else (), max_ngram=max_ngram, min_ngram=min_ngram)
     history = list(chunks[0]) if chunks else []
     for chunk in chunks[1:] + [[]]:

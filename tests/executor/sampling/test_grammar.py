@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from executor_svc.engine.engine import ScheduledRequest, StepRequest
-from service_common.errors import InvalidRequestError
-from executor_svc.weights.gguf_file import open_gguf
-from executor_svc.sampling.grammar import GrammarCompiler, _apply_masks_numpy, _apply_masks_torch, fill_masks
-from service_common.structured_output import StructuredOutput
 from executor_svc.engine.request_state import FinishReason, NewRequest
-from service_common.sampling_params import SamplingParams
+from executor_svc.sampling.grammar import GrammarCompiler, _apply_masks_numpy, _apply_masks_torch, fill_masks
+from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.tokenizer import load_tokenizer
+from service_common.errors import InvalidRequestError
+from service_common.sampling_params import SamplingParams
+from service_common.structured_output import StructuredOutput
 from tests.support.engine_driver import drive
 
 SCHEMA = {
@@ -69,7 +69,11 @@ def test_token_table_spells_every_token_as_the_tokenizer_does(default_model_path
     table = GrammarCompiler(info, 49152).ll_tokenizer
     tokenizer = info.tokenizer
     assert table.vocab_size == 49152 and list(table.eos_tokens) == list(info.eos_token_ids)
-    special = {t for t in range(tokenizer.get_vocab_size()) if tokenizer.id_to_token(t) in {a.content for a in tokenizer.get_added_tokens_decoder().values() if a.special}}
+    special = {
+        t
+        for t in range(tokenizer.get_vocab_size())
+        if tokenizer.id_to_token(t) in {a.content for a in tokenizer.get_added_tokens_decoder().values() if a.special}
+    }
     assert special and all(table.is_special_token(t) for t in special)
     checked = 0
     for t in range(tokenizer.get_vocab_size()):
@@ -132,7 +136,11 @@ def test_seeded_sampling_at_temperature_1_gives_json_that_validates(engine):
 @pytest.mark.parametrize("draft_budget", [0, 3])
 def test_masked_tokens_are_never_sampled_even_at_a_high_temperature(engine, draft_budget):
     specs = {"json": COMPACT_SPEC, "regex": StructuredOutput("regex", r"(yes|no|maybe)[.!] [a-z ]{0,6}")}
-    requests = [request(engine, f"{k}{seed}", spec, temperature=30.0, seed=seed) for k, spec in specs.items() for seed in range(8)]
+    requests = [
+        request(engine, f"{k}{seed}", spec, temperature=30.0, seed=seed)
+        for k, spec in specs.items()
+        for seed in range(8)
+    ]
     run = drive(engine, requests, draft_budget=draft_budget)
     for r in requests:
         tokens = run.tokens[r.request_id]
@@ -213,7 +221,9 @@ def test_speculation_under_a_grammar_gives_the_tokens_of_plain_decoding(engine, 
 def test_drafts_are_cut_at_the_first_token_the_grammar_forbids(engine, monkeypatch):
     encode = engine.tokenizer.tokenizer.encode
     new = request(engine, "d", COMPACT_SPEC)
-    first = engine.step(StepRequest(scheduled=[ScheduledRequest("d", len(new.token_ids))], new_requests=[new])).outputs[0]
+    first = engine.step(StepRequest(scheduled=[ScheduledRequest("d", len(new.token_ids))], new_requests=[new])).outputs[
+        0
+    ]
     assert text_of(engine, first.new_token_ids) == "{"
     allowed = encode('"word":"in",').ids
     monkeypatch.setattr(engine.drafter, "propose", lambda request_id, room: allowed + encode("x }").ids)
@@ -256,7 +266,9 @@ def test_a_preempted_request_keeps_its_place_in_the_grammar(engine):
 def test_a_resubmission_that_breaks_the_grammar_is_refused(engine):
     bad = request(engine, "bad", JSON_SPEC)
     with pytest.raises(InvalidRequestError, match="output_token_ids do not follow"):
-        engine.add_request(NewRequest(**{**bad.__dict__, "output_token_ids": tuple(engine.tokenizer.tokenizer.encode("x").ids)}))
+        engine.add_request(
+            NewRequest(**{**bad.__dict__, "output_token_ids": tuple(engine.tokenizer.tokenizer.encode("x").ids)})
+        )
     assert not engine.has_request("bad")
 
 
@@ -290,8 +302,9 @@ def test_compiled_grammars_are_reused(engine):
     first = engine.grammars.matcher(JSON_SPEC).matcher
     again = engine.grammars.matcher(StructuredOutput("json_schema", json.dumps(SCHEMA))).matcher
     assert first is not again  # each request gets its own copy ...
-    assert engine.grammars._compile(JSON_SPEC) is engine.grammars._compile(StructuredOutput("json_schema", json.dumps(SCHEMA)))
-
+    assert engine.grammars._compile(JSON_SPEC) is engine.grammars._compile(
+        StructuredOutput("json_schema", json.dumps(SCHEMA))
+    )
 
 
 # ------------------------------------------------------------------ the embedded model
@@ -312,7 +325,10 @@ EMBEDDED_SCHEMA = {
 def test_the_embedded_model_samples_json_that_validates_on_20_seeds(engine_fp32):
     spec = StructuredOutput("json_schema", json.dumps(EMBEDDED_SCHEMA))  # the default whitespace, as a client sends it
     prompt = "Is the sky blue? Answer in JSON with the keys answer, confidence and reason.\n"
-    requests = [request(engine_fp32, f"e{seed}", spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=160) for seed in range(20)]
+    requests = [
+        request(engine_fp32, f"e{seed}", spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=160)
+        for seed in range(20)
+    ]
     run = drive(engine_fp32, requests)
     texts = [text_of(engine_fp32, run.tokens[r.request_id]) for r in requests]
     for r, text in zip(requests, texts):

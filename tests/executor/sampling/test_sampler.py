@@ -15,9 +15,12 @@ from service_common.sampling_params import SamplingParams
 
 def sample_one(logits_row, params, seed=0, output_index=0):
     """What a step with no drafts emits for a request with these logits."""
-    emitted, num_accepted = verify(logits_row[None], [int(logits_row.argmax())], [], SampleSpec(params, seed, output_index))
+    emitted, num_accepted = verify(
+        logits_row[None], [int(logits_row.argmax())], [], SampleSpec(params, seed, output_index)
+    )
     assert num_accepted == 0 and len(emitted) == 1
     return emitted[0]
+
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -89,7 +92,9 @@ def test_logprobs_are_the_raw_model_distribution():
     assert token_logprobs(logits, 0, 0).logprob is None
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1), (5, 0.8, 0.05)])
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1), (5, 0.8, 0.05)]
+)
 def test_sampled_tokens_respect_every_filter(top_k, top_p, min_p):
     logits = torch.randn(200, generator=torch.Generator().manual_seed(3)) * 2
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)

@@ -109,7 +109,10 @@ def test_sampled_verification_emits_exactly_the_tokens_plain_decoding_draws():
         uniforms = torch.rand(m + 1, generator=generator, dtype=torch.float64).tolist()
         plain = [draw(rows[j], uniforms[j]) for j in range(m + 1)]
         # Drafts that follow plain decoding for a while, then (maybe) diverge.
-        drafts = [plain[j] if torch.rand((), generator=generator) < 0.7 else int(torch.randint(0, 6, (), generator=generator)) for j in range(m)]
+        drafts = [
+            plain[j] if torch.rand((), generator=generator) < 0.7 else int(torch.randint(0, 6, (), generator=generator))
+            for j in range(m)
+        ]
         emitted, kept = accept_sampled(lambda j: rows[j], drafts, lambda j: uniforms[j])
         assert emitted == plain[: len(emitted)] and kept == len(emitted) - 1
         assert kept == next((j for j in range(m) if drafts[j] != plain[j]), m)

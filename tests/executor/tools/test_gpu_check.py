@@ -37,10 +37,17 @@ def test_dry_run_passes_every_check_and_writes_json(tmp_path):
     assert all(record.get("ok", True) for record in results["records"])
     names = {(record["section"], record["name"]) for record in results["records"]}
     delta_net = {
-        ("correct", "causal_conv1d"), ("correct", "conv_states"), ("correct", "gated_delta_rule"),
-        ("correct", "delta_rule_states"), ("correct", "chunk_gated_delta_rule"), ("correct", "chunk_vs_recurrent"),
-        ("invariant", "delta_net_request"), ("invariant", "delta_net_chunked_request"), ("kernel", "causal_conv1d_decode"),
-        ("kernel", "delta_rule_decode"), ("kernel", "delta_rule_prefill"),
+        ("correct", "causal_conv1d"),
+        ("correct", "conv_states"),
+        ("correct", "gated_delta_rule"),
+        ("correct", "delta_rule_states"),
+        ("correct", "chunk_gated_delta_rule"),
+        ("correct", "chunk_vs_recurrent"),
+        ("invariant", "delta_net_request"),
+        ("invariant", "delta_net_chunked_request"),
+        ("kernel", "causal_conv1d_decode"),
+        ("kernel", "delta_rule_decode"),
+        ("kernel", "delta_rule_prefill"),
     }
     assert delta_net <= names, delta_net - names
     assert "total" in done.stdout.splitlines()[-1]

@@ -315,7 +315,7 @@ CUSTOM_TEMPLATES = {
 }
 
 CUSTOM_MESSAGES = [
-    {"role": "user", "content": 'Is <b>"this" & \'that\'</b> ü?'},
+    {"role": "user", "content": "Is <b>\"this\" & 'that'</b> ü?"},
     {"role": "assistant", "content": "yes", "tool_calls": None},
     {"role": "user", "content": "ok"},
 ]
@@ -345,7 +345,9 @@ def test_tojson_keeps_html_and_unicode_literal() -> None:
 
 
 def test_extra_variables_reach_the_template() -> None:
-    template = "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}{{ messages[0].content }}"
+    template = (
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}{{ messages[0].content }}"
+    )
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat_template(template, messages, enable_thinking=False) == "/no_think hi"
     assert render_chat_template(template, messages) == "hi"
@@ -378,7 +380,9 @@ def test_malformed_messages_are_rejected(messages: Any, pattern: str) -> None:
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
-    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    )
     assert render_chat_template(template, [{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ChatTemplateError, match="rejected the conversation: first message must be from the user"):
         render_chat_template(template, [{"role": "assistant", "content": "x"}])
@@ -556,7 +560,17 @@ PRE_FAMILIES = {
 }
 
 # llama.cpp sets ignore_merges (a word that is a token is taken whole) for these.
-IGNORE_MERGES_PRES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken"}
+IGNORE_MERGES_PRES = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "tekken",
+}
 
 # Names whose split transformers' GGUF loader does not know: it falls back to GPT-2's regex.
 TRANSFORMERS_MISREADS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "stablelm2"}
@@ -569,20 +583,89 @@ PROBE_PIECES = {
     "gpt2": ["HelloWorld", "ĠIT", "'", "S", "Ġ(", "ok", ")", "Ġx", "Ġ", "Ġ12345", "Ġe", "Ìģ", "ĊĊĠ", "Ġy"],
     # digits isolated first, so "x  " ends in a two-space run
     "digits_gpt2": [
-        "HelloWorld", "ĠIT", "'", "S", "Ġ(", "ok", ")", "Ġx", "ĠĠ", "1", "2", "3", "4", "5", "Ġe", "Ìģ", "ĊĊĠ", "Ġy",
+        "HelloWorld",
+        "ĠIT",
+        "'",
+        "S",
+        "Ġ(",
+        "ok",
+        ")",
+        "Ġx",
+        "ĠĠ",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "Ġe",
+        "Ìģ",
+        "ĊĊĠ",
+        "Ġy",
     ],
     # case-insensitive contractions, digits in threes, the mark glued to the newlines
     "llama3": ["HelloWorld", "ĠIT", "'S", "Ġ(", "ok", ")", "Ġx", "Ġ", "Ġ", "123", "45", "Ġe", "ÌģĊĊ", "Ġ", "Ġy"],
     "qwen2": [
-        "HelloWorld", "ĠIT", "'S", "Ġ(", "ok", ")", "Ġx", "Ġ", "Ġ", "1", "2", "3", "4", "5", "Ġe", "ÌģĊĊ", "Ġ", "Ġy",
+        "HelloWorld",
+        "ĠIT",
+        "'S",
+        "Ġ(",
+        "ok",
+        ")",
+        "Ġx",
+        "Ġ",
+        "Ġ",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "Ġe",
+        "ÌģĊĊ",
+        "Ġ",
+        "Ġy",
     ],
     # combining marks count as letters
     "qwen35": [
-        "HelloWorld", "ĠIT", "'S", "Ġ(", "ok", ")", "Ġx", "Ġ", "Ġ", "1", "2", "3", "4", "5", "ĠeÌģ", "ĊĊ", "Ġ", "Ġy",
+        "HelloWorld",
+        "ĠIT",
+        "'S",
+        "Ġ(",
+        "ok",
+        ")",
+        "Ġx",
+        "Ġ",
+        "Ġ",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "ĠeÌģ",
+        "ĊĊ",
+        "Ġ",
+        "Ġy",
     ],
     # camel case is split
     "tekken": [
-        "Hello", "World", "ĠIT", "'S", "Ġ(", "ok", ")", "Ġx", "Ġ", "Ġ", "1", "2", "3", "4", "5", "ĠeÌģ", "ĊĊ", "Ġ", "Ġy",
+        "Hello",
+        "World",
+        "ĠIT",
+        "'S",
+        "Ġ(",
+        "ok",
+        ")",
+        "Ġx",
+        "Ġ",
+        "Ġ",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "ĠeÌģ",
+        "ĊĊ",
+        "Ġ",
+        "Ġy",
     ],
 }
 
@@ -708,9 +791,28 @@ def test_eot_token_joins_eos_ids(tmp_path: Path, byte_level_vocab: dict[str, Any
 
 # A handmade sentencepiece vocabulary: <unk> <s> </s>, 256 byte tokens, "▁" pieces with scores.
 SPM_PIECES = [
-    f"{SPM_SPACE}t", "he", f"{SPM_SPACE}the", "ll", "llo", f"{SPM_SPACE}he", f"{SPM_SPACE}hello", "or", "ld",
-    f"{SPM_SPACE}w", f"{SPM_SPACE}wor", f"{SPM_SPACE}world", f"{SPM_SPACE}a", "in", "ing", f"{SPM_SPACE}th",
-    "is", f"{SPM_SPACE}is", SPM_SPACE * 2, SPM_SPACE * 4, "Th", f"{SPM_SPACE}Th",
+    f"{SPM_SPACE}t",
+    "he",
+    f"{SPM_SPACE}the",
+    "ll",
+    "llo",
+    f"{SPM_SPACE}he",
+    f"{SPM_SPACE}hello",
+    "or",
+    "ld",
+    f"{SPM_SPACE}w",
+    f"{SPM_SPACE}wor",
+    f"{SPM_SPACE}world",
+    f"{SPM_SPACE}a",
+    "in",
+    "ing",
+    f"{SPM_SPACE}th",
+    "is",
+    f"{SPM_SPACE}is",
+    SPM_SPACE * 2,
+    SPM_SPACE * 4,
+    "Th",
+    f"{SPM_SPACE}Th",
 ]
 SPM_CHARS = list("abcdefghijklmnopqrstuvwxyzHTW.,!?'") + [SPM_SPACE]
 
@@ -783,16 +885,18 @@ def test_tiny_sentencepiece_file_matches_transformers(tmp_path: Path, spm_vocab:
 
 
 @pytest.mark.slow
-def test_tiny_sentencepiece_adds_bos_without_flag_like_transformers(
-    tmp_path: Path, spm_vocab: dict[str, Any]
-) -> None:
+def test_tiny_sentencepiece_adds_bos_without_flag_like_transformers(tmp_path: Path, spm_vocab: dict[str, Any]) -> None:
     path = write_tiny_gguf(tmp_path / "spm.gguf", {**spm_vocab, "add_bos": None})
     info = load_tokenizer(open_gguf(path))
     assert info.add_bos_token is True
-    assert info.tokenizer.encode("hello").ids == load_transformers_tokenizer(path).encode("hello") == [
-        1,
-        spm_token_id(spm_vocab, f"{SPM_SPACE}hello"),
-    ]
+    assert (
+        info.tokenizer.encode("hello").ids
+        == load_transformers_tokenizer(path).encode("hello")
+        == [
+            1,
+            spm_token_id(spm_vocab, f"{SPM_SPACE}hello"),
+        ]
+    )
 
 
 def test_sentencepiece_pieces_and_byte_fallback(spm_vocab: dict[str, Any]) -> None:

@@ -16,7 +16,15 @@ from gguf import quants
 
 from executor_svc.errors import ModelLoadError
 from executor_svc.weights.gguf_file import GGUFTensor
-from executor_svc.weights.weight_format import INT16_DOT_TYPES, Kernel, PackedWeight, embedding, has_int16_dot, linear, weight_bytes
+from executor_svc.weights.weight_format import (
+    INT16_DOT_TYPES,
+    Kernel,
+    PackedWeight,
+    embedding,
+    has_int16_dot,
+    linear,
+    weight_bytes,
+)
 from tests.support.tiny_gguf import random_k_quant_blocks
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -43,7 +51,11 @@ def packed(qtype: Q, rows: int = ROWS, cols: int = 512, seed: int = 0) -> tuple[
 def test_dequantization_is_bit_exact_to_gguf_py(qtype):
     w, reference = packed(qtype)
     assert torch.equal(w.dequantize(), torch.from_numpy(reference))
-    assert w.nbytes == w.data.numel() == ROWS * 512 // quants.GGML_QUANT_SIZES[qtype][0] * quants.GGML_QUANT_SIZES[qtype][1]
+    assert (
+        w.nbytes
+        == w.data.numel()
+        == ROWS * 512 // quants.GGML_QUANT_SIZES[qtype][0] * quants.GGML_QUANT_SIZES[qtype][1]
+    )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
@@ -170,7 +182,9 @@ def test_embedding_rows_and_concatenated_weights():
     assert isinstance(mixed, tuple) and weight_bytes(mixed) == w.nbytes + mixed_part.nbytes
     x = torch.randn(2, 512)
     assert torch.equal(linear(x, mixed), torch.cat([linear(x, w), linear(x, mixed_part)], dim=-1))
-    assert torch.allclose(linear(x, mixed), x @ torch.from_numpy(np.concatenate([reference, mixed_reference])).T, atol=1e-3)
+    assert torch.allclose(
+        linear(x, mixed), x @ torch.from_numpy(np.concatenate([reference, mixed_reference])).T, atol=1e-3
+    )
 
 
 def test_a_type_without_a_kernel_is_refused_by_name():

@@ -27,6 +27,8 @@ venv: $(VENV)/.base
 venv-test: $(VENV)/.test
 
 test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 serve: $(VENV)/.base

@@ -194,7 +194,8 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
 def _max_new_tokens(
     msg: pb.GenerateRequest, num_prompt_tokens: int, context_length: int, config: SchedulerConfig
 ) -> int:
-    """The client's, if it fits the context (0 is check_new_request's to refuse); else the server's default, cut to fit."""
+    """The client's, if it fits the context (0 is check_new_request's to refuse); else the server's
+    default, cut to fit."""
     room = context_length - num_prompt_tokens
     if not msg.HasField("max_new_tokens"):
         return min(config.default_max_new_tokens, room)
@@ -207,7 +208,8 @@ def _max_new_tokens(
 
 
 def _retention_s(msg: pb.GenerateRequest, config: SchedulerConfig) -> float:
-    """How long the session's KV is preferred after the request: asked for or the default, at most the server's limit."""
+    """How long the session's KV is preferred after the request: asked for or the default, at most
+    the server's limit."""
     if msg.HasField("retention_s"):
         check_retention_s(msg.retention_s)
         if not msg.session_id:

@@ -1,1 +1,2 @@
-"""The executor's engine: the request table and the step (admit, run the model, sample, verify, postprocess)."""
+"""The executor's engine: the request table and the step (admit, run the model, sample, verify,
+postprocess)."""

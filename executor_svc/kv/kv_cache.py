@@ -43,7 +43,8 @@ class KVCache:
         shape = (len(kv_layers), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # [num_kv_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer (K, V) views by model layer index, made once: the forward pass asks for them every layer of every step.
+        # Per-layer (K, V) views by model layer index, made once: the forward pass asks for them
+        # every layer of every step.
         self._layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(kv_layers)}
 
     @classmethod

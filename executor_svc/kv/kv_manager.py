@@ -358,7 +358,8 @@ class KVManager:
             held.latest_snapshot = latest
 
     def _snapshot_at(self, held: _RequestKV, boundary: int, num_computed_tokens: int) -> bytes | None:
-        """Snapshot the state at `boundary`, reached this step; its hash, or None when the state there is not at hand."""
+        """Snapshot the state at `boundary`, reached this step; its hash, or None when the state there
+        is not at hand."""
         block_hash_ = held.block_hashes[boundary // self.block_size - 1]
         if self.snapshots.lookup(block_hash_) is not None:
             self.snapshots.touch(block_hash_)

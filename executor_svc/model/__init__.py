@@ -1,1 +1,2 @@
-"""The model side: the ragged-batch decoders (dense, MoE, hybrid DeltaNet), attention and the torch/C++ ops they run on."""
+"""The model side: the ragged-batch decoders (dense, MoE, hybrid DeltaNet), attention, and the torch
+and C++ ops they run on."""

@@ -163,7 +163,8 @@ def _conv_rows(query_starts: list[int], query_lens: list[int], window_lens: list
 
 def causal_conv1d(
     x: torch.Tensor,  # [num_tokens, channels]: the new inputs of every request, end to end
-    conv_states: torch.Tensor,  # [num_slots, kernel - 1, channels]: a layer's pool; the plan's slots are updated IN PLACE
+    # [num_slots, kernel - 1, channels]: a layer's pool; the plan's slots are updated IN PLACE
+    conv_states: torch.Tensor,
     weight: torch.Tensor,  # [channels, kernel]
     plan: DeltaNetPlan,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

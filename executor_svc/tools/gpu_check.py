@@ -1215,7 +1215,8 @@ def section_decode_floor(report: Report, bench: Bench, device, sizes: GgufSizes)
 
 
 def section_verify_cost(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
-    """A step verifying K drafts per request (1 + K tokens and logits rows each) against K = 0: the compute slack, measured."""
+    """A step verifying K drafts per request (1 + K tokens and logits rows each) against K = 0: the
+    compute slack, measured."""
     max_drafts = max(sizes.verify_drafts)
     run = _QuantizedDecodeModel(device, sizes, max(sizes.verify_batch_sizes), 1 + max_drafts)
     for b in sizes.verify_batch_sizes:

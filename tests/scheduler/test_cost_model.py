@@ -95,7 +95,8 @@ def test_free_token_budget_of_a_linear_model():
 
 
 def test_free_token_budget_of_a_roofline_is_two_dozen():
-    # A 9B Q4_K_M model on an RX 9070 XT: 25.2 ms floor, 1.04 ms per token of arithmetic → ~24 tokens hide under the stream.
+    # A 9B Q4_K_M model on an RX 9070 XT: 25.2 ms floor, 1.04 ms per token of arithmetic → ~24 tokens
+    # hide under the stream.
     model = CostModel(calibration=samples(roofline(25.2 * MS, 1.04 * MS), noise=0.01, repeats=2))
     assert 22 <= model.free_token_budget(4096) <= 27
     assert model.coefficients.knee_tokens == pytest.approx(24.2, abs=3)

@@ -57,8 +57,14 @@ def as_triton_weights(weights):
         return PackedWeight(w.contiguous().view(torch.uint8).reshape(w.shape[0], -1), 0, tuple(w.shape), Kernel.TRITON)
 
     layers = [
-        replace(l, qkv=packed(l.qkv), o_proj=packed(l.o_proj), gate_up=packed(l.gate_up), down=packed(l.down))
-        for l in weights.layers
+        replace(
+            layer,
+            qkv=packed(layer.qkv),
+            o_proj=packed(layer.o_proj),
+            gate_up=packed(layer.gate_up),
+            down=packed(layer.down),
+        )
+        for layer in weights.layers
     ]
     return replace(weights, embed=packed(weights.embed), lm_head=packed(weights.lm_head), layers=layers)
 

@@ -1,5 +1,5 @@
-"""KV block bookkeeping (the real KVCache block-table operations): no block leaked or shared by mistake after any sequence of
-append / truncate / free / preempt (property-tested with hypothesis)."""
+"""KV block bookkeeping (the real KVCache block-table operations): no block leaked or shared by
+mistake after any sequence of append / truncate / free / preempt (property-tested with hypothesis)."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ class Greeter:
         if excited:
             return f"Hello, {self.name}!"  # trailing spaces follow   
         return "hello " + self.name
-'''
+'''  # noqa: W291 (the trailing spaces are the test's)
 
 LONG_TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "

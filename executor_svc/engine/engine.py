@@ -267,27 +267,34 @@ class Engine:
             shapes += [(context_len, 1, 1, b) for b in batch_sizes]
             shapes += [(context_len, n, n, 1) for n in token_counts if 1 < n <= 16]
         max_context = self.model_config.context_length - max(token_counts)
-        samples = []
-        for context_len, num_tokens, num_logits, num_requests in shapes:
-            context_len = min(context_len, max_context)
-            with self.kv.scratch(num_requests, context_len + num_tokens) as held:
-                if held is None:
-                    continue
-                pieces = [
-                    RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held
-                ]
-                forward_s, step_s = self._time_forward(pieces, reps)
-            samples.append(
-                CostSample(
-                    num_tokens * num_requests,
-                    (context_len + num_tokens) * num_requests,
-                    forward_s,
-                    num_logits * num_requests,
-                    num_requests,
-                    step_s,
-                )
-            )
-        return samples
+        samples = [
+            self.time_step(min(context_len, max_context), num_tokens, num_logits, num_requests, reps)
+            for context_len, num_tokens, num_logits, num_requests in shapes
+        ]
+        return [sample for sample in samples if sample is not None]
+
+    def time_step(
+        self, context_len: int, num_tokens: int, num_logits: int, num_requests: int, reps: int = 1
+    ) -> CostSample | None:
+        """The fastest of `reps` forward passes (after one to warm up) of `num_requests` scratch
+        requests, each computing `num_tokens` tokens after `context_len` cached ones with
+        `num_logits` logits rows (a verify of num_tokens − 1 drafts when they are equal); None
+        when their KV does not fit. Call it while no request runs."""
+        with self.kv.scratch(num_requests, context_len + num_tokens) as held:
+            if held is None:
+                return None
+            pieces = [
+                RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held
+            ]
+            forward_s, step_s = self._time_forward(pieces, reps)
+        return CostSample(
+            num_tokens * num_requests,
+            (context_len + num_tokens) * num_requests,
+            forward_s,
+            num_logits * num_requests,
+            num_requests,
+            step_s,
+        )
 
     def _time_forward(self, pieces: list[RequestSlice], reps: int) -> tuple[float, float]:
         """The fastest of `reps` forward passes over the pieces, after one to warm up: forward

@@ -98,6 +98,13 @@ class ModelWeights:
             tensors.append(self.lm_head)
         return sum(weight_bytes(t) for t in tensors) + sum(_nested_bytes(layer) for layer in self.layers)
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Weight bytes one decode step reads: every layer and the LM head (the embedding only by
+        row; every expert of an MoE layer: a bound there), so the step's floor is this over the
+        memory bandwidth."""
+        return sum(_nested_bytes(layer) for layer in self.layers) + weight_bytes(self.lm_head)
+
 
 def _nested_bytes(value) -> int:
     """Resident bytes of a weights dataclass, its nested dataclasses and lists of weights."""

@@ -5,7 +5,9 @@
     python -m executor_svc.tools.gpu_check --only correct,invariant
 
 Sections, most important first (each check is guarded, so one failure keeps the
-rest; a time budget skips whatever is left when it runs out):
+rest; a time budget skips whatever is left when it runs out: --budget-s in all, of
+which the kernel sections stop --swarm-budget-s early to leave the swarm section its
+time):
 
 - env        torch / triton / device.
 - roofline   device-to-device copy bandwidth and bf16 matmul rate: the yardsticks.
@@ -27,13 +29,20 @@ rest; a time budget skips whatever is left when it runs out):
              rule over prefills (tokens/s of the recurrent and the chunked Triton kernel; torch
              runs its chunked form there).
 - step       a whole decode step (`Transformer.forward`), TritonOps vs TorchOps.
+- swarm      the real services end to end on random-weight Qwen3-8B and Qwen3.5-9B
+             Q4_K_M files (gpu_swarm.py): the speculation curve, decode tokens/s of
+             N = 1, 4, 8, 16 HTTP streams beside the weight-stream floor, TTFT of a
+             2K-token prompt, the swarm benchmark, greedy tokens against the CPU path.
 
 Progress goes to stderr with timestamps, ONE compact table to stdout at the end, and
-every measurement as JSON to $OUT/gpu_check.json when OUT is set (rewritten after
-each section, so a run cut short still leaves what it measured).
+every measurement as JSON to --out (default $OUT)/gpu_check.json (rewritten after each
+section, so a run cut short still leaves what it measured). Exits 1 when a check fails
+or a section raised.
 
-Imports only torch, triton, numpy and this repository (the model modules import the
-`gguf` package only to read model files, which this script never does).
+The kernel sections import only torch, triton, numpy and this repository (the model
+modules import the `gguf` package only to read model files, which they never do); the
+swarm section needs the services' packages too (this package installed), and says which
+are missing instead of installing any.
 """
 
 from __future__ import annotations
@@ -89,7 +98,8 @@ BLOCK_SIZE = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ‖out − ref‖ / ‖ref‖ bounds for "ok": float32 math throughout, inputs and outputs rounded per dtype.
 REL_TOLERANCE = {"fp32": 1e-5, "bf16": 1.6e-2, "fp16": 2e-3}
-SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step", "qmatmul", "decode")
+KERNEL_SECTIONS = ("env", "roofline", "correct", "invariant", "greedy", "kernel", "step", "qmatmul", "decode")
+SECTIONS = (*KERNEL_SECTIONS, "swarm")  # swarm: the served models end to end (gpu_swarm.py)
 
 
 @dataclass(frozen=True)
@@ -148,10 +158,11 @@ class Sizes:
 class Report:
     """Measurements, errors, the clock and the time budget; the JSON file and the final table."""
 
-    def __init__(self, budget_s: float, out_dir: str | None) -> None:
+    def __init__(self, budget_s: float, out_dir: str | None, name: str = "gpu_check") -> None:
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         self.out_dir = out_dir
+        self.name = name  # of the .json and .txt files in out_dir
         self.records: list[dict] = []
         self.errors: list[dict] = []
         self.env: dict = {}
@@ -199,7 +210,7 @@ class Report:
         data = dict(
             env=self.env, yardsticks=self.yardsticks, records=self.records, errors=self.errors, elapsed_s=self.elapsed()
         )
-        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as f:
+        with open(os.path.join(self.out_dir, f"{self.name}.json"), "w") as f:
             json.dump(data, f, indent=1, default=str)
 
     def num_failed(self) -> int:
@@ -259,7 +270,7 @@ def _summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
         elif section == "step":
             cells = [f"B{r['batch']}: {r['triton_ms']:.2f}/{r['torch_ms']:.2f}" for r in records]
             result = "ms triton/torch  " + "  ".join(cells)
-        elif section in ("qmatmul", "decode"):
+        elif section in ("qmatmul", "decode", "swarm"):
             result = "  |  ".join(f"{r['dtype']} {r['size']}: {r['summary']}" for r in records)
         else:
             result = str(records)
@@ -1163,11 +1174,7 @@ class _QuantizedDecodeModel:
 
     @property
     def streamed_bytes(self) -> int:
-        """Weight bytes one step reads: every layer's matmuls and the LM head (the embedding only by row)."""
-        from executor_svc.weights.model_weights import _nested_bytes
-        from executor_svc.weights.weight_format import weight_bytes
-
-        return sum(_nested_bytes(layer) for layer in self.weights.layers) + weight_bytes(self.weights.lm_head)
+        return self.weights.streamed_bytes
 
     def batch(self, num_requests: int, num_tokens: int):
         from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
@@ -1262,8 +1269,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--device", default=None, help="cuda (the default when there is one) or cpu")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=460.0, help="skip what is left after this many seconds")
+    parser.add_argument(
+        "--swarm-budget-s",
+        type=float,
+        default=260.0,
+        help="of --budget-s, the seconds kept for the swarm section (the kernel sections stop before)",
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, out of {','.join(SECTIONS)}")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="where gpu_check.json/.txt go (default $OUT)")
+    parser.add_argument("--model-dir", default=None, help="the swarm section's model files (see gpu_swarm.py)")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     if only - set(SECTIONS):
@@ -1277,7 +1292,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = Sizes.full() if device.type != "cpu" else Sizes.dry_run()
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference stays float32
-    report = Report(args.budget_s, os.environ.get("OUT"))
+    has_swarm = "swarm" in only
+    report = Report(args.budget_s - (args.swarm_budget_s if has_swarm else 0.0), args.out)
     bench = Bench(device, sizes)
     kind = "full" if device.type != "cpu" else "dry-run"
     report.log(f"gpu_check on {device}, {kind} sizes, budget {args.budget_s:.0f}s")
@@ -1322,18 +1338,34 @@ def main(argv: list[str] | None = None) -> int:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("step", f"decode step {shape['name']}", section_step_timings, args_))
 
-    for section, label, fn, fn_args in plan:
-        if section in only:
-            report.run(section, label, fn, *fn_args)
-            report.save()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    run_entries(report, [entry for entry in plan if entry[0] in only], device)
+    if has_swarm:
+        from pathlib import Path
 
+        from executor_svc.tools.gpu_swarm import swarm_plan
+
+        report.budget_s = args.budget_s
+        model_dir = Path(args.model_dir) if args.model_dir else None
+        run_entries(report, swarm_plan(report, device, model_dir, Path(args.out) if args.out else None), device)
+    return finish(report)
+
+
+def run_entries(report: Report, plan: list[tuple], device: torch.device) -> None:
+    """Each (section, label, fn, args) entry, guarded and timed against the budget, the JSON saved after each."""
+    for section, label, fn, fn_args in plan:
+        report.run(section, label, fn, *fn_args)
+        report.save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def finish(report: Report) -> int:
+    """The table on stdout (and beside the JSON); 1 if any check failed or any section raised."""
     table = report.table()
     sys.stdout.write(table + "\n")
     sys.stdout.flush()
     if report.out_dir:
-        with open(os.path.join(report.out_dir, "gpu_check.txt"), "w") as f:
+        with open(os.path.join(report.out_dir, f"{report.name}.txt"), "w") as f:
             f.write(table + "\n")
     return 1 if report.num_failed() else 0
 

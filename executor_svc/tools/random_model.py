@@ -103,21 +103,21 @@ _SCALE_FIELDS = {
 
 
 def random_gguf_rows(
-    rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device
+    rows: int, cols: int, tensor_type: int, gen: torch.Generator, device: torch.device, scale: float = 1.0
 ) -> torch.Tensor:
-    """Random GGUF rows uint8 [rows, row_bytes] of a weight ~ N(0, 1/cols) in spread: random codes,
-    float16 scales set so a row's dot product with an O(1) vector stays O(1)."""
+    """Random GGUF rows uint8 [rows, row_bytes] of a weight ~ N(0, scale² / cols) in spread: random
+    codes, float16 scales set so a row's dot product with an O(1) vector stays O(scale)."""
     from executor_svc.weights.gguf_types import PACKED_TYPES
 
     name, block_elems, block_bytes = PACKED_TYPES[tensor_type]
     if block_elems == 1:
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
-        values = torch.randn(rows, cols, generator=gen, device=device) * cols**-0.5
+        values = torch.randn(rows, cols, generator=gen, device=device) * (scale * cols**-0.5)
         return values.to(dtype).view(torch.uint8).reshape(rows, -1)
     num_blocks = cols // block_elems
     blocks = torch.randint(0, 256, (rows, num_blocks, block_bytes), generator=gen, device=device, dtype=torch.uint8)
     offsets, spread, offset_field = _SCALE_FIELDS[name]
-    d = torch.full((rows, num_blocks, 1), 1.0 / (spread * cols**0.5), device=device)
+    d = torch.full((rows, num_blocks, 1), scale / (spread * cols**0.5), device=device)
     for offset in offsets:
         blocks[..., offset : offset + 2] = d.to(torch.float16).view(torch.uint8)
     if offset_field is not None:

@@ -17,9 +17,11 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # As on the GPU machine: no gguf package (nothing here may need it), kernels interpreted.
+# The swarm section serves models (gguf and the services needed): test_gpu_swarm.py runs its dry run.
 RUN_WITHOUT_GGUF = (
     "import sys; sys.modules['gguf'] = None; "
-    "from executor_svc.tools.gpu_check import main; sys.exit(main(['--dry-run']))"
+    "from executor_svc.tools.gpu_check import KERNEL_SECTIONS, main; "
+    "sys.exit(main(['--dry-run', '--only', ','.join(KERNEL_SECTIONS)]))"
 )
 
 

@@ -1,8 +1,27 @@
 """The scheduler's pure core: who runs next step, and how many tokens each computes.
 
+**The contract: two calls per step, one for a failed step** (as vLLM's
+`schedule` / `update_from_output`; the step loop is the only caller):
+
+- `schedule(now) -> Plan | None`: the next step. The plan is in flight from then
+  on (the next one is built ahead of it) and its requests' queue time ends at
+  `now`; the requests it had to end for lack of KV ride along in `plan.failures`.
+  None: it cannot be built ahead of the steps in flight (ask again once one has
+  answered).
+- `update_from_output(plan, results, num_free_blocks, now) -> updates`: the
+  executor answered `plan` (answers come in the order plans were scheduled). Its
+  releases are confirmed, each request mirrors what the executor reports, and the
+  live requests' new tokens and finishes come back for their streams.
+- `fail_step(plan, failure) -> requests`: the step failed; `StepFailure` says how,
+  and so what of the planner outlives it.
+
+Beside the steps, a request's life: `add` queues one, `finish` ends one the
+scheduler decided to end (a stop string), `abort` ends one by id; the ends go to
+the executor as the next plan's releases.
+
 No sockets, no model: requests and the executor's KV report go in, a `Plan`
-comes out, and the step's results go back in through `apply`. Tests drive it
-with fake results (see tests/scheduler/test_planner.py).
+comes out, and the step's results go back in. Tests drive it with fake results
+(see tests/scheduler/test_planner.py).
 
 Each step, under one token budget (`max_num_batched_tokens`):
 1. **Decodes first.** Every running request with exactly one pending token (its
@@ -28,8 +47,8 @@ submission), never by the client's id; `requests` is keyed the same way.
 `static` batching fixes the batch when it forms and admits no one until every
 member has finished: the naive baseline continuous batching is measured against.
 
-**Overlapped scheduling** (`schedule(ahead=True)`): the next plan is built while
-the plans in `in_flight` still run, from the state they are expected to leave
+**Overlapped scheduling**: while plans are in flight (`in_flight`), the next one
+is built ahead of them, from the state they are expected to leave
 (`_expect_in_flight`): each scheduled request's tokens go into KV, and one that
 reaches its last known token samples one more, so a prefill that ends becomes a
 decode and a decode stays one. The executor makes this exact (see the proto's
@@ -43,6 +62,7 @@ report, and one more block per running request covers accepted drafts.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,10 +101,21 @@ class Plan:
     num_reserved_blocks: int = 0  # KV blocks the plan may take (drafts and whole prompts included)
     num_free_tokens: int = 0  # the free-token budget S the draft policy saw (0 without speculation)
     max_runs: int = 1  # runs in one call: decodes only may run again, a token per request per run
+    failures: list[RequestFailure] = field(default_factory=list)  # requests ended for lack of KV (not sent)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing for the executor: not sent, and not in flight (`failures` are the scheduler's own)."""
         return not (self.new_requests or self.scheduled or self.released or self.preempted)
+
+    @property
+    def executor_request_ids(self) -> set[str]:
+        """Every request the plan names (executor ids): scheduled, new or preempted."""
+        return (
+            {s.request_id for s in self.scheduled}
+            | {r.executor_request_id for r in self.new_requests}
+            | set(self.preempted)
+        )
 
     def to_pb(self) -> epb.StepRequest:
         """The plan as the executor's StepRequest: new requests whole, the rest by id."""
@@ -150,6 +181,15 @@ class RequestFailure:
     message: str
 
 
+class StepFailure(enum.Enum):
+    """How a step failed, which decides what of the planner outlives it (see `Planner.fail_step`)."""
+
+    RAISED = "raised"  # the scheduler raised sending the plan or applying its answer: no answer will be applied
+    RAISED_IN_FLIGHT = "raised_in_flight"  # the scheduler raised while the step ran: its answer is still to come
+    EXECUTOR_LOST = "executor_lost"  # unreachable or restarted: its state is gone, and it may come back
+    EXECUTOR_RESET = "executor_reset"  # refused the step, or is made to drop all it holds (a new incarnation)
+
+
 @dataclass
 class _Room:
     """What the plan being built may still take: free KV blocks and tokens. Decodes and drafts
@@ -200,7 +240,7 @@ class Planner:
         self.requests: dict[str, Request] = {}  # live requests by executor id
         # Ended by the scheduler, and the executor has not yet confirmed the release (by executor id).
         self.releasing: dict[str, Request] = {}
-        self.failures: list[RequestFailure] = []  # drained by the caller after schedule()
+        self._failures: list[RequestFailure] = []  # handed over with the next plan
         self._to_release: list[str] = []
         self._static_batch: set[str] = set()
         self._step_id = 0
@@ -264,60 +304,33 @@ class Planner:
         """
         return any(r.request_id == client_request_id for r in self.releasing.values())
 
-    def confirm_released(self, plan: Plan) -> None:
-        """The executor ran `plan`: the requests it released are gone there."""
-        for executor_request_id in plan.released:
-            self.releasing.pop(executor_request_id, None)
-
-    def requeue_releases(self, plan: Plan) -> None:
-        """`plan` may never have reached the executor: release its requests again next step.
-
-        Releasing is idempotent on the executor (an unknown id is a no-op), so a
-        release sent twice costs nothing, and one never sent would leak KV.
-        """
-        self._to_release.extend(r for r in plan.released if r not in self._to_release)
-
-    def take_live_requests(self) -> list[Request]:
-        """The executor was lost: every live request, in arrival order, reset to be sent again
-        (prompt + output so far, nothing in KV) to the next planner. This planner is done."""
-        live = sorted([*self.running, *self.waiting], key=lambda r: r.arrival_time)
-        for request in live:
-            request.status = RequestStatus.WAITING
-            request.num_computed_tokens = 0
-            request.is_known_to_executor = False
-            request.num_exclusive_blocks = request.num_draftable_tokens = 0
-        self.running.clear()
-        self.waiting.clear()
-        self.requests.clear()
-        return live
-
-    def reset_executor_state(self) -> list[Request]:
-        """The executor lost (or will drop) everything: end every live request; returns them."""
-        live = list(self.running) + list(self.waiting)
-        for request in live:
-            request.is_known_to_executor = False
-            self.finish(request)
-        self._to_release.clear()
-        self.releasing.clear()
-        self.in_flight.clear()
-        return live
-
     # --------------------------------------------------------------- planning
 
-    def schedule(self, ahead: bool = False) -> Plan | None:
-        """The next plan. `ahead`: built while `in_flight` plans still run (None: it cannot be, see the docstring)."""
-        if ahead and not self.in_flight:
-            raise ValueError("schedule(ahead=True) needs a plan in flight")
+    def schedule(self, now: float) -> Plan | None:
+        """The next step's plan, in flight from now on; None if it cannot be built ahead of the
+        plans in flight (ask again once one has answered).
+
+        With plans in flight it is built ahead of them (see the module docstring). Its
+        requests' queue time ends at `now` (`Request.first_scheduled_time`). Requests it had
+        to end for lack of KV are in `plan.failures`: the caller ends their streams. An
+        empty plan (nothing to run or release) is not sent, so it is not in flight.
+        """
+        ahead = bool(self.in_flight)
         self._expect_in_flight()
         self._step_id += 1
         plan = Plan(step_id=self._step_id, released=self._to_release)
         self._to_release = []
         try:
-            return self._schedule(plan, ahead)
+            self._schedule(plan, ahead)
         except _CannotPlanAhead:
             self._step_id -= 1
             self._to_release = plan.released + self._to_release
             return None
+        plan.failures, self._failures = self._failures, []
+        if not plan.is_empty:
+            self._mark_scheduled(plan, now)
+            self.in_flight.append(plan)
+        return plan
 
     def _expect_in_flight(self) -> None:
         """Set each running request's in-flight counts from the plans sent but not answered yet.
@@ -339,7 +352,7 @@ class Planner:
                 if request.num_pending_tokens == 0:  # the step computes its last known token: it samples one
                     request.num_in_flight_samples += 1
 
-    def _schedule(self, plan: Plan, ahead: bool) -> Plan:
+    def _schedule(self, plan: Plan, ahead: bool) -> None:
         # Blocks of requests released by this plan come back only in the next report.
         room = _Room(self.num_free_blocks, self.token_budget)
         if ahead:
@@ -358,7 +371,6 @@ class Planner:
         plan.predicted_step_s = self._predict(plan)
         plan.num_free_tokens = self.last_allocation.num_free_tokens if self.last_allocation else 0
         plan.max_runs = self._max_runs(plan, ahead)
-        return plan
 
     def _max_runs(self, plan: Plan, ahead: bool) -> int:
         """How many times the executor may run `plan` in one call (StepRequest.max_runs): up to
@@ -551,25 +563,37 @@ class Planner:
             f"{self.num_kv_blocks} blocks ({free} free with nothing left to preempt)"
         )
         self.finish(request)
-        self.failures.append(RequestFailure(request, message))
+        self._failures.append(RequestFailure(request, message))
+
+    def _mark_scheduled(self, plan: Plan, now: float) -> None:
+        """Queue time ends when a request is first part of a step."""
+        for s in plan.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = now
 
     # ---------------------------------------------------------------- results
 
-    def sent(self, plan: Plan) -> None:
-        """`plan` went to the executor: until `answered`, later plans are built ahead of it."""
-        self.in_flight.append(plan)
+    def update_from_output(
+        self, plan: Plan, results: list[RequestResult], num_free_blocks: int, now: float
+    ) -> list[RequestUpdate]:
+        """The executor answered `plan` with `results` and `num_free_blocks` (its KV report after
+        the step): fold the answer in; returns the updates of requests still live, for their streams.
 
-    def answered(self, plan: Plan) -> None:
-        """The executor answered `plan` (or failed it): its result, if any, is applied next."""
-        if plan in self.in_flight:
-            self.in_flight.remove(plan)
-
-    def apply(self, results: list[RequestResult], num_free_blocks: int, now: float) -> list[RequestUpdate]:
-        """Fold one step's results in; returns the updates of requests still live.
+        The plan leaves flight. The requests it released are gone on the executor, so their
+        client ids are free again (`is_releasing`). Each result's request mirrors what the
+        executor reports (tokens in KV, drafts accepted, new tokens), and one it finished ends.
 
         Plans built ahead never preempt, so the requests a result names still
         hold what the executor reports, whatever is in flight behind it.
         """
+        if plan in self.in_flight:
+            self.in_flight.remove(plan)
+        for executor_request_id in plan.released:
+            self.releasing.pop(executor_request_id, None)
+        return self._apply(results, num_free_blocks, now)
+
+    def _apply(self, results: list[RequestResult], num_free_blocks: int, now: float) -> list[RequestUpdate]:
         self.num_free_blocks = num_free_blocks
         updates = []
         for result in results:
@@ -598,9 +622,56 @@ class Planner:
             updates.append(RequestUpdate(request, list(result.new_token_ids), result.finish_reason, result.logprobs))
         return updates
 
-    def mark_scheduled(self, plan: Plan, now: float) -> None:
-        """Queue time ends when a request is first part of a step."""
-        for s in plan.scheduled:
-            request = self.requests.get(s.request_id)
-            if request is not None and request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+    # ---------------------------------------------------------------- failures
+
+    def fail_step(self, plan: Plan | None, failure: StepFailure) -> list[Request]:
+        """`plan`'s step failed (`failure` says how); returns the live requests it took off.
+
+        - RAISED, RAISED_IN_FLIGHT: the scheduler raised on the step. The requests the
+          plan names end (the caller ends their streams); the others go on. Its releases
+          go out again next step, since it may never have reached the executor: releasing
+          is idempotent there (an unknown id is a no-op), so a release sent twice costs
+          nothing, and one never sent would leak KV. RAISED: no answer of it will be
+          applied (never sent, or applying it raised), so it leaves flight;
+          RAISED_IN_FLIGHT: its answer is still to come, through `update_from_output`.
+        - EXECUTOR_LOST: every live request, in arrival order, reset to be sent again
+          (prompt + output so far, nothing in KV) to the next planner. This planner is done.
+        - EXECUTOR_RESET: every live request ends (`plan` may be None: `schedule` itself
+          raised). This planner is done.
+        """
+        if plan is not None and failure is not StepFailure.RAISED_IN_FLIGHT and plan in self.in_flight:
+            self.in_flight.remove(plan)
+        if failure is StepFailure.EXECUTOR_LOST:
+            return self._take_live_requests()
+        if failure is StepFailure.EXECUTOR_RESET:
+            return self._end_live_requests()
+        if plan is None:
+            raise ValueError(f"{failure} needs the failed step's plan")
+        self._to_release.extend(r for r in plan.released if r not in self._to_release)
+        named = plan.executor_request_ids
+        ended = [request for request_id, request in self.requests.items() if request_id in named]
+        for request in ended:
+            self.finish(request)
+        return ended
+
+    def _take_live_requests(self) -> list[Request]:
+        live = sorted([*self.running, *self.waiting], key=lambda r: r.arrival_time)
+        for request in live:
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.is_known_to_executor = False
+            request.num_exclusive_blocks = request.num_draftable_tokens = 0
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        return live
+
+    def _end_live_requests(self) -> list[Request]:
+        live = list(self.running) + list(self.waiting)
+        for request in live:
+            request.is_known_to_executor = False
+            self.finish(request)
+        self._to_release.clear()
+        self.releasing.clear()
+        self.in_flight.clear()
+        return live

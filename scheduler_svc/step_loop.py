@@ -1,7 +1,11 @@
-"""The step loop: plan, send, apply, stream — once per step, for as long as there is work.
+"""The step loop: plan → send → finish → apply → stream, once per step, for as long as there is work.
 
 One asyncio task runs it. Generate handlers only enqueue requests and read their
 streams, so a slow client never slows a step.
+
+Each step calls the planner twice (planner.py's contract): `schedule` builds the
+plan, `update_from_output` folds the executor's answer in; a failed step calls
+`fail_step`.
 
 Streams survive the executor: when a step finds it unreachable (it crashed or
 restarted), the loop keeps every request and re-attaches; once the executor is
@@ -45,7 +49,7 @@ import structlog
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate
+from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate, StepFailure
 from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
@@ -243,12 +247,11 @@ class StepLoop:
             self._step_crashed(plan, exc)
 
     def _schedule(self) -> Plan | None:
-        """The planner's next plan (built ahead when steps are in flight); fails the streams of
-        requests it had to give up on."""
-        plan = self.planner.schedule(ahead=bool(self.in_flight))
-        for failure in self.planner.failures:
+        """The planner's next plan (built ahead when steps are in flight, and in flight from now on);
+        fails the streams of requests it had to give up on."""
+        plan = self.planner.schedule(time.monotonic())
+        for failure in plan.failures if plan is not None else ():
             self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
-        self.planner.failures.clear()
         return plan
 
     async def _attach(self) -> bool:
@@ -295,16 +298,13 @@ class StepLoop:
 
     async def _send(self, plan: Plan) -> None:
         """Send `plan` (the RPC runs as its own task) and queue it to be finished in order."""
-        planner = self.planner
         # Client ids name the timeline's tracks; decided now, before results change the requests.
-        client_ids = {s.request_id: planner.requests[s.request_id].request_id for s in plan.scheduled}
+        client_ids = {s.request_id: self.planner.requests[s.request_id].request_id for s in plan.scheduled}
         start = time.monotonic()
-        planner.mark_scheduled(plan, start)
         context = contextvars.copy_context()
         scope = context.run(self.telemetry.begin_step, plan)
         context.run(scope.__enter__)  # the step's span (if tracing) is current: the RPC's metadata carries it
         call = context.run(asyncio.ensure_future, self.link.step(plan.to_pb()))
-        planner.sent(plan)
         self.in_flight.append(StepInFlight(plan, call, start, scope, context, client_ids))
         await asyncio.sleep(0)  # let the RPC go out before the next plan is built
 
@@ -315,18 +315,15 @@ class StepLoop:
             response = await step.call
         except grpc.aio.AioRpcError as exc:
             self.in_flight.popleft()
-            self.planner.answered(step.plan)
             step.context.run(self._step_failed, step, exc)
-            self._lose_executor(exc)
+            self._lose_executor(step.plan, exc)
             return
         self.in_flight.popleft()
-        self.planner.answered(step.plan)
         step.context.run(self._finish_in_context, step, response)
 
     def _finish_in_context(self, step: StepInFlight, response: epb.StepResponse) -> None:
         step.scope.__exit__(None, None, None)
         try:
-            self.planner.confirm_released(step.plan)
             self._apply_step(step.plan, response, step.start_s, step.plan.decode_ids, step.client_ids, step.scope)
         except Exception as exc:
             self.telemetry.step_failed(step.scope, exc)
@@ -358,7 +355,7 @@ class StepLoop:
         self.num_steps += 1
         self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
         self._unobserved.append(response)
-        updates = self.planner.apply(results, response.num_free_kv_blocks, end)
+        updates = self.planner.update_from_output(plan, results, response.num_free_kv_blocks, end)
         self._stream_updates(updates, end)
         self.history.append(self._step_record(plan, response, results, start, end, decode_ids, client_ids))
         self.telemetry.end_step(step_scope, self.history[-1], updates)
@@ -438,8 +435,8 @@ class StepLoop:
             num_runs=runs,
         )
 
-    def _lose_executor(self, exc: grpc.aio.AioRpcError) -> None:
-        """A step failed. Unreachable: keep the requests for the executor's return.
+    def _lose_executor(self, plan: Plan, exc: grpc.aio.AioRpcError) -> None:
+        """`plan`'s step failed. Unreachable: keep the requests for the executor's return.
         Refused (a bug, bad state, another scheduler took over): end them all. Either way re-attach."""
         code = exc.code()
         log.error("step_failed", code=code.name, details=exc.details())
@@ -454,7 +451,7 @@ class StepLoop:
         if lost and self.config.executor_reconnect_timeout_s > 0:
             self._cancel_in_flight()  # a step planned after the failed one cannot run either
             info = self.link.info
-            self._orphans = self.planner.take_live_requests()
+            self._orphans = self.planner.fail_step(plan, StepFailure.EXECUTOR_LOST)
             self._lost_since = time.monotonic()
             self._lost_model = (info.model_name, info.vocab_size) if info is not None else None
             log.warning("executor_lost", executor=self.link.address, requests_waiting=len(self._orphans))
@@ -522,18 +519,15 @@ class StepLoop:
             f"the scheduler failed step {step} ({type(exc).__name__}: {exc}); the request was ended. "
             "This is a bug: please report it with the scheduler's log"
         )
-        planner = self.planner
-        if plan is None or planner is None:
+        if plan is None or self.planner is None:
             self._reset(grpc.StatusCode.INTERNAL, message)
             return
-        planner.requeue_releases(plan)
-        affected = (
-            {s.request_id for s in plan.scheduled}
-            | {r.executor_request_id for r in plan.new_requests}
-            | set(plan.preempted)
-        )
+        is_in_flight = any(s.plan is plan for s in self.in_flight)
+        self.planner.fail_step(plan, StepFailure.RAISED_IN_FLIGHT if is_in_flight else StepFailure.RAISED)
+        # By the streams, not by what fail_step ended: applying the answer may have ended a request
+        # the planner knows as finished, and whose stream had not been told yet.
+        affected = plan.executor_request_ids
         for stream in [s for s in self.streams.values() if s.request.executor_request_id in affected]:
-            planner.finish(stream.request)  # no-op if it already ended; else its release goes out next step
             self._fail_stream(stream.request_id, grpc.StatusCode.INTERNAL, message)
         self._wake.set()
 
@@ -542,7 +536,7 @@ class StepLoop:
         self._orphans, self._lost_since = [], None
         self._cancel_in_flight()
         if self.planner is not None:
-            self.planner.reset_executor_state()
+            self.planner.fail_step(None, StepFailure.EXECUTOR_RESET)
         for request_id in list(self.streams):
             self._fail_stream(request_id, code, message)
         self.planner = None

@@ -99,7 +99,7 @@ def test_every_sampling_option_reaches_the_engine(limits, engine):
 
     planner = Planner(config, engine.kv.block_size, engine.kv.num_free_blocks, engine.config.max_num_batched_tokens)
     planner.add(request)
-    plan = planner.schedule()
+    plan = planner.schedule(now=0.0)
     assert [r.executor_request_id for r in plan.new_requests] == [request.executor_request_id]
     wire = epb.StepRequest.FromString(plan.to_pb().SerializeToString())
     engine.step(StepRequest.from_pb(wire))

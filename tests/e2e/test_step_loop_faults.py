@@ -169,7 +169,7 @@ def test_a_step_that_raises_ends_only_its_own_requests(engine, where, async_sche
             )
             await wait_until(lambda: loop.planner.num_waiting == 1, "B to queue")
             planner = loop.planner
-            target, name = (loop.link, "step") if where == "before_send" else (planner, "apply")
+            target, name = (loop.link, "step") if where == "before_send" else (planner, "update_from_output")
             original = getattr(target, name)
 
             def fail_once(*args, **kwargs):

@@ -173,38 +173,38 @@ def planner_with(num_running: int, **config) -> Planner:
     planner = Planner(SchedulerConfig(**settings), block_size=16, num_kv_blocks=100, max_num_batched_tokens=8192)
     for i in range(num_running):
         planner.add(Request(f"r{i}", [1, 2, 3], SamplingParams(), max_new_tokens=100))
-    plan = planner.schedule()
-    planner.apply([RequestResult(s.request_id, [7], None, 3) for s in plan.scheduled], 90, now=0.0)
+    plan = planner.schedule(now=0.0)
+    planner.update_from_output(plan, [RequestResult(s.request_id, [7], None, 3) for s in plan.scheduled], 90, now=0.0)
     return planner
 
 
 def test_the_planner_asks_decodes_for_runs_within_its_window():
     planner = planner_with(2, max_decode_runs=4)
-    plan = planner.schedule()
+    plan = planner.schedule(now=0.0)
     assert plan.decode_ids == {s.request_id for s in plan.scheduled} and plan.max_runs == 4
     assert plan.to_pb().max_runs == 4
     # The window allows fewer runs than the cap: the first, and as many more as the cost model predicts fit.
     planner = planner_with(2, max_decode_runs=8, decode_runs_window_s=0.05)
-    plan = planner.schedule()
+    plan = planner.schedule(now=0.0)
     assert 1 < plan.max_runs == 1 + int(0.05 / plan.predicted_step_s) < 8
     planner = planner_with(2, max_decode_runs=8, decode_runs_window_s=0.0)
-    assert planner.schedule().max_runs == 1
+    assert planner.schedule(now=0.0).max_runs == 1
 
 
 def test_one_run_while_a_request_waits_or_prefills():
     planner = planner_with(2, max_decode_runs=4)
     planner.add(Request("new", list(range(1, 40)), SamplingParams(), max_new_tokens=10))
-    plan = planner.schedule()  # admits it: its prefill is in the plan
+    plan = planner.schedule(now=0.0)  # admits it: its prefill is in the plan
     assert plan.new_requests and plan.max_runs == 1
     planner = planner_with(2, max_decode_runs=4, max_running_requests=2)
     planner.add(Request("waits", [1, 2], SamplingParams(), max_new_tokens=10))
-    plan = planner.schedule()  # no room to admit it: it waits, so the plan runs once
+    plan = planner.schedule(now=0.0)  # no room to admit it: it waits, so the plan runs once
     assert planner.num_waiting == 1 and not plan.new_requests and plan.max_runs == 1
 
 
 @pytest.mark.parametrize("config", [dict(max_decode_runs=1), dict(max_decode_runs=4, async_scheduling=True)])
 def test_one_run_when_runs_are_off_or_steps_overlap(config):
-    assert planner_with(2, **config).schedule().max_runs == 1
+    assert planner_with(2, **config).schedule(now=0.0).max_runs == 1
 
 
 @pytest.mark.parametrize("bad", [dict(max_decode_runs=0), dict(max_decode_runs=65), dict(decode_runs_window_s=-1.0)])

@@ -103,17 +103,16 @@ def run(
     in_flight: deque[Plan] = deque()
     while planner.has_work or in_flight:
         while len(in_flight) < max_in_flight and planner.has_work:
-            ahead = bool(in_flight)
-            plan = planner.schedule(ahead=ahead)
-            assert not planner.failures
+            ahead = bool(in_flight)  # the plan is built ahead of those (schedule puts it in flight too)
+            plan = planner.schedule(now=0.0)
             if plan is None:
                 counters["not_ahead"] += 1
                 break
+            assert not plan.failures
             if plan.is_empty:
                 break
             counters["ahead"] += ahead
             counters["preempted"] += len(plan.preempted)
-            planner.sent(plan)
             in_flight.append(plan)
         plan = in_flight.popleft()
         output = engine.step(to_engine_plan(plan))
@@ -121,10 +120,8 @@ def run(
         counters["steps"] += 1
         counters["runs"] += output.num_runs
         counters["multi_run_plans"] += plan.max_runs > 1
-        planner.answered(plan)
-        planner.confirm_released(plan)
         free = output.num_free_blocks - reserve
-        for update in planner.apply(results_of(output), free, now=0.0):
+        for update in planner.update_from_output(plan, results_of(output), free, now=0.0):
             request = update.request
             tokens[request.request_id].extend(update.new_token_ids)
             limit = stop_after.get(request.request_id)
@@ -133,6 +130,6 @@ def run(
                 planner.finish(request)
         counters["drafted"] += sum(o.num_drafted_tokens for o in output.outputs)
     # The last releases go out with one more (empty) step.
-    engine.step(StepRequest(released=planner.schedule().released))
+    engine.step(StepRequest(released=planner.schedule(now=0.0).released))
     assert not engine.request_ids, "the executor still holds requests"
     return tokens, counters

@@ -5,15 +5,8 @@ streams, so a slow client never slows a step.
 
 Each step calls the planner twice (planner.py's contract): `schedule` builds the
 plan, `update_from_output` folds the executor's answer in; a failed step calls
-`fail_step`.
-
-Streams survive the executor: when a step finds it unreachable (it crashed or
-restarted), the loop keeps every request and re-attaches; once the executor is
-back, each request is sent again as its prompt plus the tokens already streamed,
-and its stream goes on with no error and no repeated or missing text (greedy and
-seeded sampling continue token for token: the executor's random numbers are keyed
-by output position). New requests wait meanwhile. Only if the executor is not back
-within `executor_reconnect_timeout_s` do the streams end with UNAVAILABLE.
+`fail_step`. Losing the executor and getting it back (the streams wait for it) is
+executor_recovery.py.
 
 With `--async-scheduling` the loop keeps two steps in flight (overlapped
 scheduling): as soon as plan N is sent, plan N+1 is built from the state N is
@@ -47,10 +40,9 @@ import grpc
 import structlog
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.cost_model import CostModel, StepTimeSample
 from scheduler_svc.executor_link import ExecutorLink
+from scheduler_svc.executor_recovery import ExecutorRecovery, reconnect_backoff_s
 from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate, StepFailure
-from scheduler_svc.request import Request
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
 from scheduler_svc.telemetry import StepScope, Telemetry
@@ -58,8 +50,6 @@ from service_common.finish_reason import FinishReason
 from swarmserve.executor.v1 import executor_pb2 as epb
 
 log = structlog.get_logger()
-
-RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -101,31 +91,21 @@ class StepInFlight:
     client_ids: dict[str, str]  # executor id -> the client's id, decided at send
 
 
-def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
-    """A start-up measurement in the terms of real steps (an older executor reports forward time only)."""
-    if not c.num_requests:
-        return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s)
-    return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
-
-
 class StepLoop:
     def __init__(self, config: SchedulerConfig, link: ExecutorLink, telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.link = link
         self.telemetry = telemetry or Telemetry()
-        self.planner: Planner | None = None
+        self.planner: Planner | None = None  # one per attach: sized to the executor that answered
         self.streams: dict[str, RequestStream] = {}
+        self.recovery = ExecutorRecovery(config, link, self.streams, self._fail_stream)
         self.history: deque[StepRecord] = deque(maxlen=4096)
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.last_connect_error = ""
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self.stopped_reason = ""  # set when the loop task has ended: no step will ever run again
         self.is_draining = False  # shutting down: no new requests, those in flight finish
-        self._orphans: list[Request] = []  # live requests of a lost executor, to send to the next one
-        self._lost_since: float | None = None  # when the executor was lost with requests in flight
-        self._lost_model: tuple[str, int] | None = None  # (name, vocab size) they were generated with
         self.in_flight: deque[StepInFlight] = deque()  # oldest first; at most max_steps_in_flight
         # Answers whose times the cost model has not yet learnt from (see `_observe_costs`).
         self._unobserved: deque[epb.StepResponse] = deque()
@@ -141,6 +121,11 @@ class StepLoop:
     def is_serving(self) -> bool:
         """Attached, the loop task alive to run steps, and taking new requests."""
         return self.is_connected and not self.stopped_reason and not self.is_draining
+
+    @property
+    def last_connect_error(self) -> str:
+        """Why the last attach failed ("" once attached)."""
+        return self.recovery.last_connect_error
 
     def start_draining(self) -> None:
         self.is_draining = True
@@ -163,11 +148,8 @@ class StepLoop:
         return None
 
     def connect_wait_s(self, grace_s: float) -> float:
-        """How long a new request waits for the executor: `grace_s`, or while streams of a
-        lost executor wait for it to come back, as long as they may still wait."""
-        if self._lost_since is None:
-            return grace_s
-        return max(grace_s, self.config.executor_reconnect_timeout_s - (time.monotonic() - self._lost_since))
+        """How long a new request waits for the executor (see ExecutorRecovery.connect_wait_s)."""
+        return self.recovery.connect_wait_s(grace_s)
 
     async def wait_connected(self, timeout: float) -> bool:
         try:
@@ -216,10 +198,15 @@ class StepLoop:
 
     async def _reconnect(self, attempt: int) -> int:
         """Try to attach once, backing off after a failure; returns the attempts failed so far."""
-        if await self._attach():
+        planner = await self.recovery.attach()
+        if planner is not None:
+            self.planner = planner
+            self._unobserved.clear()  # another executor's times, or this one's before it restarted
+            self._connected.set()
             return 0
-        self._give_up_on_lost_executor()
-        await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
+        self._connected.clear()
+        self.recovery.give_up_if_waited_too_long()
+        await asyncio.sleep(reconnect_backoff_s(attempt))
         return attempt + 1
 
     async def _advance(self) -> None:
@@ -253,48 +240,6 @@ class StepLoop:
         for failure in plan.failures if plan is not None else ():
             self._fail_stream(failure.request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, failure.message)
         return plan
-
-    async def _attach(self) -> bool:
-        try:
-            info = await self.link.attach()
-        except grpc.aio.AioRpcError as exc:
-            self.last_connect_error = f"{exc.code().name}: {exc.details()}"
-            self._connected.clear()
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._orphans:
-                # Another scheduler has the executor: the requests waiting for it will not get it back.
-                self._end_orphans(
-                    f"the executor at {self.link.address} refuses this scheduler ({self.last_connect_error})"
-                )
-            return False
-        except Exception as exc:  # e.g. a tokenizer the scheduler cannot load: keep retrying, say why
-            log.exception("attach_failed", executor=self.link.address)
-            self.last_connect_error = f"{type(exc).__name__}: {exc}"
-            self.link.detach()
-            self._connected.clear()
-            return False
-        cost_model = CostModel(calibration=[_calibration_sample(c) for c in info.calibration if c.forward_s > 0])
-        self.planner = Planner(
-            self.config,
-            info.kv_block_size,
-            info.num_kv_blocks,
-            info.max_num_batched_tokens,
-            cost_model=cost_model,
-            max_draft_tokens=info.max_draft_tokens,
-            num_state_slots=info.num_state_slots,
-        )
-        self.planner.num_free_blocks = info.num_free_kv_blocks
-        self._unobserved.clear()  # another executor's times, or this one's before it restarted
-        self.last_connect_error = ""
-        self._resubmit_orphans(info)
-        self._connected.set()
-        log.info(
-            "executor_attached",
-            executor=self.link.address,
-            model=info.model_name,
-            kv_blocks=info.num_kv_blocks,
-            released_leftovers=info.num_released_requests,
-        )
-        return True
 
     async def _send(self, plan: Plan) -> None:
         """Send `plan` (the RPC runs as its own task) and queue it to be finished in order."""
@@ -435,73 +380,18 @@ class StepLoop:
             num_runs=runs,
         )
 
+    # -------------------------------------------------------------- failures
+
     def _lose_executor(self, plan: Plan, exc: grpc.aio.AioRpcError) -> None:
-        """`plan`'s step failed. Unreachable: keep the requests for the executor's return.
-        Refused (a bug, bad state, another scheduler took over): end them all. Either way re-attach."""
-        code = exc.code()
-        log.error("step_failed", code=code.name, details=exc.details())
-        unreachable = code in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.CANCELLED,
-        )
-        # FAILED_PRECONDITION: the executor restarted (it does not know us) or another scheduler took
-        # it over; which one, the re-attach tells (see _attach).
-        lost = unreachable or code == grpc.StatusCode.FAILED_PRECONDITION
-        if lost and self.config.executor_reconnect_timeout_s > 0:
-            self._cancel_in_flight()  # a step planned after the failed one cannot run either
-            info = self.link.info
-            self._orphans = self.planner.fail_step(plan, StepFailure.EXECUTOR_LOST)
-            self._lost_since = time.monotonic()
-            self._lost_model = (info.model_name, info.vocab_size) if info is not None else None
-            log.warning("executor_lost", executor=self.link.address, requests_waiting=len(self._orphans))
-            self.planner = None
-            self.link.detach()
-            self._connected.clear()
+        """The executor failed `plan`'s step. Its requests wait for the executor to come back, or
+        end (ExecutorRecovery.judge says which); either way the loop re-attaches."""
+        ending = self.recovery.judge(exc)
+        if ending is not None:
+            self._reset(*ending)
             return
-        status = grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL
-        message = (
-            f"the executor at {self.link.address} failed a step ({code.name}: {exc.details()}); the request was lost"
-        )
-        self._reset(status, message)
-
-    def _resubmit_orphans(self, info: epb.GetInfoResponse) -> None:
-        """Re-attached after losing the executor: queue its requests (still streaming) again."""
-        orphans, self._orphans, self._lost_since = self._orphans, [], None
-        live = [r for r in orphans if (s := self.streams.get(r.request_id)) is not None and s.request is r]
-        if not live:
-            return
-        if self._lost_model != (info.model_name, info.vocab_size):
-            for request in live:
-                self._fail_stream(
-                    request.request_id,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the executor came back with another model ({info.model_name}); the request was lost",
-                )
-            return
-        for request in live:
-            self.planner.add(request)
-        log.info("requests_resubmitted", num_requests=len(live))
-        self._wake.set()
-
-    def _give_up_on_lost_executor(self) -> None:
-        """Still no executor: once the streams have waited long enough, end them."""
-        if self._lost_since is None:
-            return
-        waited = time.monotonic() - self._lost_since
-        if waited < self.config.executor_reconnect_timeout_s:
-            return
-        self._end_orphans(
-            f"the executor at {self.link.address} was lost {waited:.0f} s ago and has not come back "
-            f"({self.last_connect_error or 'unreachable'}; executor_reconnect_timeout_s="
-            f"{self.config.executor_reconnect_timeout_s:g})"
-        )
-
-    def _end_orphans(self, reason: str) -> None:
-        """The requests waiting for a lost executor will not get one: end their streams."""
-        self._orphans, self._lost_since = [], None
-        for request_id in list(self.streams):
-            self._fail_stream(request_id, grpc.StatusCode.UNAVAILABLE, f"{reason}; the request was lost")
+        self._cancel_in_flight()  # a step planned after the failed one cannot run either
+        self.recovery.wait_for_return(self.planner.fail_step(plan, StepFailure.EXECUTOR_LOST))
+        self._detach()
 
     def _step_crashed(self, plan: Plan | None, exc: Exception) -> None:
         """A step raised: end its own requests with INTERNAL; the others go on.
@@ -533,12 +423,16 @@ class StepLoop:
 
     def _reset(self, code: grpc.StatusCode, message: str) -> None:
         """End every request in flight and re-attach under a new incarnation."""
-        self._orphans, self._lost_since = [], None
+        self.recovery.forget_orphans()
         self._cancel_in_flight()
         if self.planner is not None:
             self.planner.fail_step(None, StepFailure.EXECUTOR_RESET)
         for request_id in list(self.streams):
             self._fail_stream(request_id, code, message)
+        self._detach()
+
+    def _detach(self) -> None:
+        """Forget the executor and its planner: the loop re-attaches."""
         self.planner = None
         self.link.detach()
         self._connected.clear()

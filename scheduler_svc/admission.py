@@ -72,14 +72,15 @@ async def admit(
         # After a crash, as long as the streams in flight wait for the executor to return.
         await loop.wait_connected(loop.connect_wait_s(CONNECT_GRACE_S))
     _raise_unless_serving(loop, config)
-    limits = loop.link.limits
+    view = loop.view
+    limits = view.limits
     try:
         # Off the event loop: tokenizing a long prompt takes seconds (see intake).
         accepted = await asyncio.to_thread(intake, msg, limits, config)
     except InvalidRequestError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     _raise_unless_serving(loop, config)  # the executor may have gone meanwhile
-    if loop.link.limits is not limits:
+    if view.limits is not limits:
         raise Refused(
             grpc.StatusCode.UNAVAILABLE, "the executor was replaced while the prompt was tokenized; retry the request"
         )
@@ -87,17 +88,16 @@ async def admit(
     conflict = loop.request_id_conflict(request.request_id)
     if conflict is not None:
         raise Refused(grpc.StatusCode.ALREADY_EXISTS, conflict)
-    planner = loop.planner
-    if not planner.can_ever_fit(request.num_prompt_tokens + 1):
+    if not view.can_ever_fit(request.num_prompt_tokens + 1):
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the prompt ({request.num_prompt_tokens} tokens) does not fit in the executor's KV cache "
-            f"({planner.num_kv_blocks} blocks of {planner.block_size} tokens)",
+            f"({view.num_kv_blocks} blocks of {view.block_size} tokens)",
         )
-    if planner.num_waiting >= config.max_queued_requests:
+    if view.num_waiting >= config.max_queued_requests:
         raise Refused(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the queue is full ({planner.num_waiting} requests waiting, "
+            f"the queue is full ({view.num_waiting} requests waiting, "
             f"max_queued_requests={config.max_queued_requests}); retry later",
         )
     stream = RequestStream(request, limits.tokenizer, accepted.stop_strings, accepted.include_special_tokens)

@@ -44,29 +44,26 @@ class Load:
         return self.num_used_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
     @classmethod
-    def of(cls, loop) -> "Load":
-        """The step loop's planner now; all zeros while no executor is attached."""
-        planner = loop.planner
-        if planner is None:
-            return cls()
+    def of(cls, view) -> "Load":
+        """The step loop's state now (its `LoopView`); all zeros while no executor is attached."""
         return cls(
-            num_waiting_requests=planner.num_waiting,
-            num_running_requests=len(planner.running),
-            num_used_blocks=planner.num_kv_blocks - planner.num_free_blocks,
-            num_kv_blocks=planner.num_kv_blocks,
-            block_size=planner.block_size,
+            num_waiting_requests=view.num_waiting,
+            num_running_requests=view.num_running,
+            num_used_blocks=view.num_kv_blocks - view.num_free_blocks,
+            num_kv_blocks=view.num_kv_blocks,
+            block_size=view.block_size,
         )
 
 
 class RouterGauges(Collector):
-    """The inference extension's gauges, computed from the step loop at scrape time."""
+    """The inference extension's gauges, computed from the step loop's view at scrape time."""
 
-    def __init__(self, loop) -> None:
-        self._loop = loop
+    def __init__(self, view) -> None:
+        self._view = view
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        load = Load.of(self._loop)
-        info = self._loop.link.info  # the model's name is known once an executor has attached
+        load = Load.of(self._view)
+        info = self._view.info  # the model's name is known once an executor has attached
         model = [info.model_name if info is not None else ""]
         for name, documentation, value in (
             (WAITING, "Requests waiting to be scheduled (queued or preempted)", load.num_waiting_requests),

@@ -94,15 +94,13 @@ class SchedulerMetrics:
         """Read the queue, the batch and the KV mirror from the step loop at scrape time,
         for our gauges and for the ones routers read under vLLM's names (load_report)."""
 
-        def planner_value(read):
-            return lambda: read(loop.planner) if loop.planner is not None else 0
-
-        self.queue_depth.set_function(planner_value(lambda p: p.num_waiting))
-        self.running_requests.set_function(planner_value(lambda p: len(p.running)))
-        self.kv_blocks_free.set_function(planner_value(lambda p: p.num_free_blocks))
-        self.kv_blocks_used.set_function(planner_value(lambda p: p.num_kv_blocks - p.num_free_blocks))
+        view = loop.view
+        self.queue_depth.set_function(lambda: view.num_waiting)
+        self.running_requests.set_function(lambda: view.num_running)
+        self.kv_blocks_free.set_function(lambda: view.num_free_blocks)
+        self.kv_blocks_used.set_function(lambda: view.num_kv_blocks - view.num_free_blocks)
         self.executor_connected.set_function(lambda: 1 if loop.is_connected else 0)
-        self.registry.register(RouterGauges(loop))
+        self.registry.register(RouterGauges(view))
 
     def observe_step(self, record, updates, step_exemplar: dict | None = None, request_exemplar=None) -> None:
         """One step: its StepRecord and the planner's RequestUpdates for it.

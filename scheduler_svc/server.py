@@ -70,7 +70,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServerInfoResponse:
-        loop, info, planner = self.loop, self.loop.link.info, self.loop.planner
+        loop, view, info = self.loop, self.loop.view, self.loop.view.info
         return pb.GetServerInfoResponse(
             model_name=info.model_name if info else "",
             context_length=info.context_length if info else 0,
@@ -80,11 +80,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             batching=self.config.batching,
             max_running_requests=self.config.max_running_requests,
             max_queued_requests=self.config.max_queued_requests,
-            num_running_requests=len(planner.running) if planner else 0,
-            num_queued_requests=planner.num_waiting if planner else 0,
-            num_free_kv_blocks=planner.num_free_blocks if planner else 0,
-            num_kv_blocks=planner.num_kv_blocks if planner else 0,
-            kv_block_size=planner.block_size if planner else 0,
+            num_running_requests=view.num_running,
+            num_queued_requests=view.num_waiting,
+            num_free_kv_blocks=view.num_free_blocks,
+            num_kv_blocks=view.num_kv_blocks,
+            kv_block_size=view.block_size,
             chat_template=info.chat_template if info else "",
             num_steps=loop.num_steps,
             num_generated_tokens=loop.num_generated_tokens,
@@ -97,9 +97,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetTimeline(
         self, request: pb.GetTimelineRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTimelineResponse:
-        planner = self.loop.planner
         return timeline_to_pb(
-            self.loop.history, request.max_steps, planner.num_kv_blocks if planner else 0, self.loop.history.maxlen or 0
+            self.loop.history, request.max_steps, self.loop.view.num_kv_blocks, self.loop.history.maxlen or 0
         )
 
 

@@ -1,7 +1,8 @@
 """The step loop: plan → send → finish → apply → stream, once per step, for as long as there is work.
 
 One asyncio task runs it. Generate handlers only enqueue requests and read their
-streams, so a slow client never slows a step.
+streams, so a slow client never slows a step; what else they read of the loop,
+they read through `view` (loop_view.py), never through the planner or the link.
 
 Each step calls the planner twice (planner.py's contract): `schedule` builds the
 plan, `update_from_output` folds the executor's answer in; a failed step calls
@@ -42,6 +43,7 @@ import structlog
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.executor_recovery import ExecutorRecovery, reconnect_backoff_s
+from scheduler_svc.loop_view import LoopView
 from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate, StepFailure
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.step_requests import StepRequestRecord, step_request_records
@@ -99,6 +101,7 @@ class StepLoop:
         self.planner: Planner | None = None  # one per attach: sized to the executor that answered
         self.streams: dict[str, RequestStream] = {}
         self.recovery = ExecutorRecovery(config, link, self.streams, self._fail_stream)
+        self.view = LoopView(link, lambda: self.planner)
         self.history: deque[StepRecord] = deque(maxlen=4096)
         self.num_steps = 0
         self.num_generated_tokens = 0

@@ -134,7 +134,7 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
         """SMG's load report (load_report.smg_loads), which it polls for its load-aware routing."""
         if not loop.is_connected:
             raise ApiError(503, f"the executor at {config.executor} is not connected; no load to report")
-        return smg_loads(Load.of(loop))
+        return smg_loads(Load.of(loop.view))
 
     @app.get("/v1/models")
     async def models():
@@ -171,7 +171,7 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
 
 
 def _model_card(front: Front) -> dict:
-    info = front.loop.link.info
+    info = front.loop.view.info
     card = {"id": front.model_name, "object": "model", "created": 0, "owned_by": "swarmserve"}
     if info is not None:
         card["context_length"] = info.context_length

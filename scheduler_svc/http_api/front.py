@@ -62,14 +62,14 @@ class Front:
 
     @property
     def limits(self) -> ModelLimits:
-        limits = self.loop.link.limits
+        limits = self.loop.view.limits
         if limits is None or not self.loop.is_connected:
             raise ApiError(503, f"the executor at {self.config.executor} is not connected; retry shortly")
         return limits
 
     @property
     def model_name(self) -> str:
-        info = self.loop.link.info
+        info = self.loop.view.info
         return info.model_name if info is not None and info.model_name else "swarmserve"
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # engine.DTYPES maps the named ones to torch dtypes
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # model_runner.DTYPES maps the named ones to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
 MATMULS = ("auto", "exact", "int16")
@@ -17,7 +17,7 @@ class EngineConfig:
     dtype: str = "auto"  # activations and KV: auto | float32 | bfloat16 (see resolve_dtype)
     device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
     kernels: str = "auto"  # auto | triton | cpu | torch: auto is triton on a GPU, the C++ kernels on the CPU
-    matmul: str = "auto"  # auto | exact | int16 (see engine.resolve_matmul)
+    matmul: str = "auto"  # auto | exact | int16 (see model_runner.resolve_matmul)
     kv_cache_bytes: int = 1 << 30
     block_size: int = 16
     max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan

@@ -24,7 +24,8 @@ async def run(args: argparse.Namespace) -> None:
     engine_thread = engine_thread_pool()  # every OpenMP-parallel call from one thread
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(engine_thread, Engine, config_from_args(args))
-    calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, engine.calibrate)
+    calibrate = engine.model_runner.calibrate
+    calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, calibrate)
     log.info("calibrated", num_samples=len(calibration))
     log.debug(
         "calibration_samples",

@@ -7,7 +7,8 @@ output after a preemption) are not in the KV cache yet; when a step computes up
 to its last known token, that step also samples its next token.
 
 Every plan is validated before anything changes, so a bad plan raises and the
-engine carries on serving everyone else.
+engine carries on serving everyone else. The model side (device, weights, the forward
+pass, calibration) is the ModelRunner's (model_runner.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
-from executor_svc.config import MATMULS, EngineConfig
+from executor_svc.config import EngineConfig
+from executor_svc.engine.model_runner import ModelRunner
 from executor_svc.engine.request_state import FinishReason, NewRequest, RequestState
 from executor_svc.engine.step_messages import (
-    CostSample,
     RequestResult,
     ScheduledRequest,
     StepRequest,
@@ -31,94 +32,24 @@ from executor_svc.engine.step_messages import (
     StepTimings,
 )
 from executor_svc.errors import OutOfKVBlocksError, UnknownRequestError
-from executor_svc.kv.block_allocator import root_hash
-from executor_svc.kv.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVManager
-from executor_svc.load_progress import load_progress
-from executor_svc.model.hybrid_model import HybridTransformer
-from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
-from executor_svc.model.torch_ops import TorchOps
-from executor_svc.model.transformer import Transformer
+from executor_svc.kv.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks
+from executor_svc.model.ragged_batch import RequestSlice
 from executor_svc.sampling.drafter import Drafter
 from executor_svc.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampling.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.sampling.verifier import verify
-from executor_svc.weights.gguf_file import open_gguf
-from executor_svc.weights.model_config import ModelConfig
-from executor_svc.weights.model_source import resolve_model_path
-from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.tokenizer import load_tokenizer
 from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request
 
 log = structlog.get_logger()
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_FINISHED_IDS = 4096  # ended requests remembered for plans built ahead (a plan is at most a step or two behind)
 MAX_RUNS_PER_PLAN = 64  # StepRequest.max_runs: a plan's runs in one call
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA/ROCm device")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on a GPU; float32 on the CPU, where the packed-weight kernels compute
-    in float32 whatever the activations' dtype, so bfloat16 activations would only add
-    conversions and rounding (measured: see the README's CPU section)."""
-    if name != "auto":
-        return DTYPES[name]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: str) -> str:
-    """How packed weights multiply. `exact`: dequantized in registers, float32 math (the
-    reference). `int16`: activations quantized to int16 per 32-value block and dotted with
-    the integer codes of Q4_0/Q4_1/Q8_0 blocks (other types stay exact; see qlinear.cpp).
-    `auto`: int16 with the C++ kernels on a CPU that has them, unless `--dtype float32` was
-    asked for, which stays the exact reference mode."""
-    if name not in MATMULS:
-        raise ValueError(f"matmul must be one of {MATMULS}, got {name!r}")
-    uses_cpu_kernels = device.type == "cpu" and kernels in ("auto", "cpu")
-    if name == "auto":
-        if not uses_cpu_kernels or dtype_name == "float32":
-            return "exact"
-        from executor_svc.weights.weight_format import has_int16_dot
-
-        return "int16" if has_int16_dot() else "exact"
-    if name == "int16" and not uses_cpu_kernels:
-        raise ValueError("matmul='int16' runs with the C++ CPU kernels (--device cpu, --kernels auto|cpu)")
-    return name
-
-
-def resolve_ops(kernels: str, device: torch.device):
-    """The hot-path ops: Triton kernels on a GPU, the C++ kernels on the CPU, plain torch when asked."""
-    from executor_svc.kernels import triton_available
-
-    if kernels == "auto":
-        kernels = "triton" if device.type == "cuda" else "cpu"
-    if kernels == "torch":
-        return TorchOps()
-    if kernels == "cpu":
-        if device.type != "cpu":
-            raise ValueError("kernels='cpu' runs on the CPU; use --device cpu or --kernels triton|torch")
-        from executor_svc.model.cpu_ops import CpuOps
-
-        return CpuOps()
-    if not triton_available():
-        raise ValueError("kernels='triton' needs triton and a CUDA/ROCm device (or TRITON_INTERPRET=1)")
-    from executor_svc.kernels.triton_ops import TritonOps
-
-    return TritonOps()
-
-
 @dataclass(frozen=True)
-class _Work:
-    """One scheduled request's part of a step, as the engine carries it from schedule to postprocess."""
+class _StepPart:
+    """One scheduled request's part of a step, as the engine carries it from the plan to postprocess."""
 
     state: RequestState
     num_tokens: int  # known tokens computed this step
@@ -128,56 +59,14 @@ class _Work:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = resolve_device(config.device)
-        self.model_path = resolve_model_path(config.model)
-        gguf = open_gguf(self.model_path)
-        self.model_config = ModelConfig.from_gguf(gguf)
-        self.tokenizer = load_tokenizer(gguf)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
-        self.ops = resolve_ops(config.kernels, self.device)
-        # With the Triton kernels the weights stay GGUF blocks on the device (resident ≈ the file's size).
-        is_triton = self.ops.name == "triton"
-        with load_progress(gguf) as loading:
-            weights = load_weights(
-                loading, self.model_config, self.dtype, self.device, int16_dot=self.matmul == "int16", triton=is_triton
-            )
-        self.weight_bytes = weights.num_bytes
-        if self.model_config.is_hybrid:
-            self.model = HybridTransformer(
-                self.model_config, weights, self.device, self.ops, self.dtype, batch_invariant=config.batch_invariant
-            )
-        else:
-            self.model = Transformer(self.model_config, weights, self.device, self.ops, self.dtype)
-        # The paged KV cache and its prefix cache; hybrid models also keep a recurrent state per running
-        # request there. KV depends on the weights and the dtype: a cached block is only valid for this
-        # model as loaded, hence the prefix root.
-        self.kv = KVManager.from_memory_budget(
-            self.model_config,
-            config.kv_cache_bytes,
-            config.block_size,
-            config.num_state_slots,
-            self.dtype,
-            self.device,
-            prefix_root=root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}"),
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_state_snapshots=config.num_state_snapshots,
-        )
-        self.decode_graphs = None
-        if config.decode_graphs and self.device.type == "cuda" and is_triton and self.kv.state_pool is None:
-            from executor_svc.engine.decode_graphs import DecodeGraphs
-
-            self.decode_graphs = DecodeGraphs(self.model, self.kv.cache)
+        self.model_runner = ModelRunner(config)  # the device, the model, the KV cache's memory
+        self.model_config = self.model_runner.model_config
+        self.tokenizer = self.model_runner.tokenizer
+        self.kv = self.model_runner.kv
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        # Packed-weight kernels are row-invariant by construction; dense fp32 CPU GEMMs group rows
-        # in fours (see ragged_batch.py); on a GPU padding buys nothing.
-        is_dense_cpu = self.device.type == "cpu" and not weights.is_packed
-        self._row_multiple = 4 if config.batch_invariant and is_dense_cpu else 1
         self._requests: dict[str, RequestState] = {}
         # Ids of requests the engine ended itself (a finish reason), newest last: a plan built ahead of
         # the step that ended one may still schedule it (see rebase).
@@ -243,75 +132,6 @@ class Engine:
         self.kv.free(request_id)  # recomputing from token 0 rebuilds the recurrent state too
         state.num_computed_tokens = 0
 
-    # -------------------------------------------------------------- calibration
-
-    def calibrate(
-        self,
-        token_counts: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
-        context_lens: tuple[int, ...] = (0, 512),
-        reps: int = 1,
-        batch_sizes: tuple[int, ...] = (4, 16),
-    ) -> list[CostSample]:
-        """Time forward passes (and the argmax that picks their tokens) of scratch requests over a grid of step shapes.
-
-        One request computing T tokens at each context length (a prefill chunk
-        ending its prompt: one logits row), then B requests decoding one token
-        each and one request verifying T − 1 drafts (T logits rows), so the
-        scheduler's cost model can tell per-token, per-row and per-request
-        costs apart before any real step has run. Uses free KV blocks and
-        gives them back; call it while no request runs.
-        """
-        shapes = []  # (context length, tokens per request, logits rows per request, requests)
-        for context_len in context_lens:
-            shapes += [(context_len, n, 1, 1) for n in token_counts]
-            shapes += [(context_len, 1, 1, b) for b in batch_sizes]
-            shapes += [(context_len, n, n, 1) for n in token_counts if 1 < n <= 16]
-        max_context = self.model_config.context_length - max(token_counts)
-        samples = [
-            self.time_step(min(context_len, max_context), num_tokens, num_logits, num_requests, reps)
-            for context_len, num_tokens, num_logits, num_requests in shapes
-        ]
-        return [sample for sample in samples if sample is not None]
-
-    def time_step(
-        self, context_len: int, num_tokens: int, num_logits: int, num_requests: int, reps: int = 1
-    ) -> CostSample | None:
-        """The fastest of `reps` forward passes (after one to warm up) of `num_requests` scratch
-        requests, each computing `num_tokens` tokens after `context_len` cached ones with
-        `num_logits` logits rows (a verify of num_tokens − 1 drafts when they are equal); None
-        when their KV does not fit. Call it while no request runs."""
-        with self.kv.scratch(num_requests, context_len + num_tokens) as held:
-            if held is None:
-                return None
-            pieces = [
-                RequestSlice([0] * num_tokens, context_len, block_ids, num_logits, slot) for block_ids, slot in held
-            ]
-            forward_s, step_s = self._time_forward(pieces, reps)
-        return CostSample(
-            num_tokens * num_requests,
-            (context_len + num_tokens) * num_requests,
-            forward_s,
-            num_logits * num_requests,
-            num_requests,
-            step_s,
-        )
-
-    def _time_forward(self, pieces: list[RequestSlice], reps: int) -> tuple[float, float]:
-        """The fastest of `reps` forward passes over the pieces, after one to warm up: forward
-        alone, and prepare + forward + argmax as a step would."""
-        forward_times, step_times = [], []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            batch = RaggedBatch.build(pieces, self.kv.block_size, self.device, self._row_multiple)
-            t1 = time.perf_counter()
-            logits = self._forward(batch)
-            t2 = time.perf_counter()
-            logits.argmax(dim=-1).tolist()
-            t3 = time.perf_counter()
-            forward_times.append(t2 - t1)
-            step_times.append(t3 - t0)
-        return min(forward_times[1:]), min(step_times[1:])
-
     # -------------------------------------------------------------------- steps
 
     def step(self, plan: StepRequest) -> StepResponse:
@@ -343,35 +163,30 @@ class Engine:
         )
 
     def run(self, plan: StepRequest) -> StepResponse:
-        """Run a plan once: schedule its requests (KV and drafts), run the forward pass,
-        postprocess (verify, append, commit KV, report). Raises InvalidRequestError or
-        OutOfKVBlocksError with nothing changed, so the caller can fix the plan and try again."""
+        """Run a plan once: apply it (releases, new requests, each scheduled request's KV and
+        drafts), run the forward pass, postprocess (verify, append, commit KV, report). Raises
+        InvalidRequestError or OutOfKVBlocksError with nothing changed, so the caller can fix the
+        plan and try again."""
         t0 = time.perf_counter()
-        work = self._schedule(self.rebase(plan))
-        if not work:
+        parts = self._apply_plan(self.rebase(plan))
+        if not parts:
             return self._step_response([], 0, 0, StepTimings(time.perf_counter() - t0, 0.0, 0.0), 0)
-        batch = RaggedBatch.build([w.piece for w in work], self.kv.block_size, self.device, self._row_multiple)
+        batch = self.model_runner.prepare([part.piece for part in parts])
         t1 = time.perf_counter()
-        logits = self._forward(batch)  # [rows needing logits, vocab]
+        logits = self.model_runner.forward(batch)  # [rows needing logits, vocab]
         t2 = time.perf_counter()
-        outputs, grammar_s = self._postprocess(work, logits)
+        outputs, grammar_s = self._postprocess(parts, logits)
         t3 = time.perf_counter()
         timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, grammar_s)
         return self._step_response(outputs, batch.num_tokens, sum(batch.context_lens), timings, batch.num_logits)
 
-    def _forward(self, batch: RaggedBatch) -> torch.Tensor:
-        """The model's logits for the batch: replayed from a captured graph when it is a plain decode step."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            return self.decode_graphs.forward(batch)
-        return self.model.forward(batch, self.kv.cache, self.kv.state_pool)
+    # ---------------------------------------------------------- step: the plan
 
-    # ------------------------------------------------------------ step: schedule
-
-    def _schedule(self, plan: StepRequest) -> list[_Work]:
+    def _apply_plan(self, plan: StepRequest) -> list[_StepPart]:
         """Check the plan, then carry out its releases, preemptions and new requests and give each
-        scheduled request its KV: the step's work, one entry per scheduled request."""
+        scheduled request its KV: the step's parts, one per scheduled request."""
         self._validate(plan)
-        computed, drafts = self._admit(plan)
+        computed, drafts = self._fit_in_kv(plan)
         for request_id in plan.released:
             self.release(request_id)
         for request_id in plan.preempted:
@@ -384,7 +199,7 @@ class Engine:
             state.num_computed_tokens = state.num_cached_tokens = self.kv.take_computed_blocks(request_id, blocks)
         return [self._allocate(s, drafts.get(s.request_id, [])) for s in plan.scheduled]
 
-    def _admit(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
+    def _fit_in_kv(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
         """The plan's prefix hits and drafts, once its KV and state slots are known to fit (pure:
         raises OutOfKVBlocksError with nothing changed if they do not). Drafts are optional: they
         are dropped before the plan is refused."""
@@ -435,7 +250,7 @@ class Engine:
                 num_tokens[s.request_id] = state.num_computed_tokens + s.num_tokens + len(drafts.get(s.request_id, ()))
         return self.kv.num_blocks_needed(num_tokens, computed, leaving)
 
-    def _allocate(self, s: ScheduledRequest, draft_ids: list[int]) -> _Work:
+    def _allocate(self, s: ScheduledRequest, draft_ids: list[int]) -> _StepPart:
         """KV (and a state slot) for one scheduled request's tokens and drafts: its part of the step."""
         state = self._requests[s.request_id]
         # A prefix hit may have covered part of what the plan asked to compute.
@@ -455,34 +270,34 @@ class Engine:
             num_logits,
             self.kv.state_slot(s.request_id),
         )
-        return _Work(state, num_tokens, draft_ids, piece)
+        return _StepPart(state, num_tokens, draft_ids, piece)
 
     # --------------------------------------------------------- step: postprocess
 
-    def _postprocess(self, work: list[_Work], logits: torch.Tensor) -> tuple[list[RequestResult], float]:
+    def _postprocess(self, parts: list[_StepPart], logits: torch.Tensor) -> tuple[list[RequestResult], float]:
         """Every request's new tokens from the logits [rows, vocab], with its KV and drafter
         brought up to date; also the seconds spent on grammar masks."""
         t0 = time.perf_counter()
         # Grammar rows are masked in place; logprobs stay the model's own (raw copies of masked rows).
-        raw_rows = self._mask_grammar_rows(logits, work)
+        raw_rows = self._mask_grammar_rows(logits, parts)
         grammar_s = time.perf_counter() - t0
         argmax_ids = logits.argmax(dim=-1).tolist()
         outputs, row = [], 0
-        for w in work:
-            outputs.append(self._postprocess_request(w, logits, argmax_ids, raw_rows, row))
-            row += w.piece.num_logits
+        for part in parts:
+            outputs.append(self._postprocess_request(part, logits, argmax_ids, raw_rows, row))
+            row += part.piece.num_logits
         return outputs, grammar_s
 
     def _postprocess_request(
-        self, w: _Work, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
+        self, part: _StepPart, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
     ) -> RequestResult:
         """One request's result; `row` is its first logits row."""
-        state = w.state
-        emitted, num_accepted, logprobs = self._sample(w, logits, argmax_ids, raw_rows, row)
+        state = part.state
+        emitted, num_accepted, logprobs = self._sample(part, logits, argmax_ids, raw_rows, row)
         # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
         num_kept = min(num_accepted, len(emitted))  # fewer than accepted when an accepted draft finished the request
-        state.num_computed_tokens += w.num_tokens + num_kept
-        if self.kv.state_pool is not None and num_kept < len(w.draft_ids):
+        state.num_computed_tokens += part.num_tokens + num_kept
+        if self.kv.state_pool is not None and num_kept < len(part.draft_ids):
             # The recurrent state went through every draft: put back the one after the last kept token
             # (a finishing request too: commit may snapshot it).
             self.kv.restore_state(state.request_id, num_kept)
@@ -495,7 +310,7 @@ class Engine:
             finish_reason=state.finish_reason,
             num_computed_tokens=state.num_computed_tokens,
             logprobs=logprobs,
-            num_drafted_tokens=len(w.draft_ids),
+            num_drafted_tokens=len(part.draft_ids),
             num_accepted_tokens=num_accepted,
             num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
             num_cached_tokens=state.num_cached_tokens,
@@ -509,17 +324,17 @@ class Engine:
         return output
 
     def _sample(
-        self, w: _Work, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
+        self, part: _StepPart, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
     ) -> tuple[list[int], int, list[SampledToken]]:
         """The tokens a request emits from its logits rows (verified drafts, then the bonus token,
         cut at the one that finishes it), how many drafts were kept, and their logprobs if asked for.
         Nothing mid-prefill."""
-        state = w.state
-        if not w.piece.num_logits:
+        state = part.state
+        if not part.piece.num_logits:
             return [], 0, []
-        rows = slice(row, row + w.piece.num_logits)
+        rows = slice(row, row + part.piece.num_logits)
         spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
-        emitted, num_accepted = verify(logits[rows], argmax_ids[rows], w.draft_ids, spec)
+        emitted, num_accepted = verify(logits[rows], argmax_ids[rows], part.draft_ids, spec)
         emitted = self._append_until_finish(state, emitted)
         logprobs = []
         if state.sampling.num_logprobs:
@@ -557,18 +372,18 @@ class Engine:
         preempted = [r for r in plan.preempted if r in self._requests or r not in self._finished_ids]
         return replace(plan, scheduled=scheduled, preempted=preempted)
 
-    def _mask_grammar_rows(self, logits: torch.Tensor, work: list[_Work]) -> dict[int, torch.Tensor]:
+    def _mask_grammar_rows(self, logits: torch.Tensor, parts: list[_StepPart]) -> dict[int, torch.Tensor]:
         """Mask each grammar request's rows of logits [rows, V] in place to what its grammar allows
         there (see grammar.py). Returns the unmasked rows of requests that asked for logprobs, by row.
         A step without grammar requests does nothing here."""
         row_spans, logprob_rows, requests, row = [], [], [], 0
-        for w in work:
-            num_logits = w.piece.num_logits
-            if num_logits and w.state.grammar is not None:
+        for part in parts:
+            num_logits = part.piece.num_logits
+            if num_logits and part.state.grammar is not None:
                 row_spans.append((row, num_logits))
-                if w.state.sampling.num_logprobs:
+                if part.state.sampling.num_logprobs:
                     logprob_rows.extend(range(row, row + num_logits))
-                requests.append((w.state.grammar, w.draft_ids))
+                requests.append((part.state.grammar, part.draft_ids))
             row += num_logits
         if not requests:
             return {}

@@ -86,7 +86,9 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, kv_cache_bytes=256 << 20))
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     engine.grammars.matcher(spec)  # the token table and the compiled grammar are built once, not timed per step
-    print(f"model {engine.model_config.name}, vocab {engine.model_config.vocab_size}, device {engine.device}")
+    print(
+        f"model {engine.model_config.name}, vocab {engine.model_config.vocab_size}, device {engine.model_runner.device}"
+    )
     print("     B | mask ms/step (median, p90) | step ms with grammar | share | step ms without grammar")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         decode_steps(engine, batch_size, 4, spec)  # warm up

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from executor_svc.engine.engine import resolve_ops
+from executor_svc.engine.model_runner import DTYPES, resolve_ops
 from executor_svc.kv.kv_cache import KVCache
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
@@ -29,8 +29,6 @@ from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
 from executor_svc.weights.weight_format import has_int16_dot
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice], reps: int, row_multiple: int) -> float:

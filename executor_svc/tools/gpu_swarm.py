@@ -300,7 +300,7 @@ def step_verify_curve(report: Report, run: ModelRun, sizes: SwarmSizes) -> None:
     )
     engine = Engine(config)
     try:
-        run.streamed_bytes = engine.model.weights.streamed_bytes
+        run.streamed_bytes = engine.model_runner.model.weights.streamed_bytes
         copy_gbps = report.yardsticks.get("copy_gbps")
         floor_ms = run.streamed_bytes / copy_gbps / 1e6 if copy_gbps else None
         for b in sizes.verify_batch_sizes:
@@ -308,7 +308,7 @@ def step_verify_curve(report: Report, run: ModelRun, sizes: SwarmSizes) -> None:
             for k in sizes.verify_drafts:
                 if report.over_budget():
                     return
-                sample = engine.time_step(sizes.verify_context, 1 + k, 1 + k, b, sizes.verify_reps)
+                sample = engine.model_runner.time_step(sizes.verify_context, 1 + k, 1 + k, b, sizes.verify_reps)
                 if sample is None:
                     raise RuntimeError(f"B={b} K={k} does not fit the in-process KV cache")
                 ms = 1e3 * sample.step_s

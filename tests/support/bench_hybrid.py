@@ -34,11 +34,11 @@ def time_step(engine: Engine, num_requests: int, context_len: int, num_tokens: i
         if held is None:
             raise ValueError(f"{num_requests} requests of {context_len + num_tokens} tokens do not fit the KV cache")
         pieces = [RequestSlice([7] * num_tokens, context_len, b, num_tokens, s) for b, s in held]
-        batch = RaggedBatch.build(pieces, engine.kv.block_size, engine.device)
+        batch = RaggedBatch.build(pieces, engine.kv.block_size, engine.model_runner.device)
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            engine.model.forward(batch, engine.kv.cache, pool)
+            engine.model_runner.model.forward(batch, engine.kv.cache, pool)
             times.append(time.perf_counter() - t0)
         return min(times[1:]), pool.window_bytes if pool else 0
 
@@ -77,7 +77,7 @@ def main() -> None:
     print(f"context {args.context} tokens, kernels {args.kernels}, 1 thread")
     print("memory per request (bytes):")
     for name, e in engines.items():
-        per_token = bytes_per_block(e.model_config, 1, e.dtype)
+        per_token = bytes_per_block(e.model_config, 1, e.model_runner.dtype)
         state = e.kv.state_pool.bytes_per_slot if e.kv.state_pool else 0
         print(
             f"  {name:6s} KV/token {per_token:6d}  state {state:7d}  at {args.context} tokens: {per_token * args.context + state}"

@@ -173,10 +173,12 @@ def test_the_engine_replays_plain_decode_steps_and_gives_the_eager_tokens(make_t
     tokens = {}
     for use_graphs in (False, True):
         engine = make_tiny_engine(spec, kernels="triton", device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
-        assert engine.decode_graphs is None  # no CUDA here
+        assert engine.model_runner.decode_graphs is None  # no CUDA here
         capture = FakeCapture()
         if use_graphs:
-            engine.decode_graphs = DecodeGraphs(engine.model, engine.kv.cache, capture=capture)
+            engine.model_runner.decode_graphs = DecodeGraphs(
+                engine.model_runner.model, engine.kv.cache, capture=capture
+            )
         # Request c speculates (its steps run eagerly); a and b decode plainly, from 1 to 3 requests a step.
         budget = lambda step, request_id: 2 if request_id == "c" else 0  # noqa: E731
         tokens[use_graphs] = drive(

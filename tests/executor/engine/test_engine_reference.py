@@ -53,7 +53,7 @@ def solo_runs(engine_fp32, prompt_ids):
 
 @pytest.fixture(scope="module")
 def solo_runs_default(engine_default, prompt_ids):
-    assert engine_default.matmul in ("int16", "exact")
+    assert engine_default.model_runner.matmul in ("int16", "exact")
     return solo(engine_default, prompt_ids)
 
 

@@ -187,7 +187,7 @@ def test_state_memory_comes_out_of_the_kv_budget(models):
 
 
 def test_calibration_runs_on_a_hybrid_model(engine):
-    samples = engine.calibrate(token_counts=(1, 4), context_lens=(0,), batch_sizes=(2,))
+    samples = engine.model_runner.calibrate(token_counts=(1, 4), context_lens=(0,), batch_sizes=(2,))
     assert samples and all(s.forward_s > 0 for s in samples)
     assert engine.kv.state_pool.num_free_slots == engine.kv.state_pool.num_slots
 

@@ -35,7 +35,7 @@ def test_triton_kernels_in_the_engine_give_the_torch_tokens(make_tiny_engine, sp
     runs = {}
     for kernels in ("torch", "triton"):
         engine = make_tiny_engine(spec, kernels=kernels, device="cpu", kv_cache_bytes=1 << 20)
-        assert isinstance(engine.ops, TritonOps if kernels == "triton" else TorchOps)
+        assert isinstance(engine.model_runner.ops, TritonOps if kernels == "triton" else TorchOps)
         runs[kernels] = drive(engine, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens
     assert runs["triton"] == runs["torch"]
 
@@ -54,9 +54,9 @@ def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tok
         kernels: make_tiny_engine(spec, kernels=kernels, device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
         for kernels in ("cpu", "triton")
     }
-    qkv = engines["triton"].model.weights.layers[0].qkv
+    qkv = engines["triton"].model_runner.model.weights.layers[0].qkv
     assert isinstance(qkv, PackedWeight) and qkv.kernel == Kernel.TRITON and qkv.type_name == spec.tensor_type.name
-    assert engines["triton"].weight_bytes == engines["cpu"].weight_bytes
+    assert engines["triton"].model_runner.weight_bytes == engines["cpu"].model_runner.weight_bytes
     tokens = {
         k: drive(e, requests, chunk_size=7, arrival_steps={"b": 1}, draft_budget=2).tokens for k, e in engines.items()
     }
@@ -66,8 +66,8 @@ def test_triton_dequant_matmul_on_resident_gguf_blocks_gives_the_cpu_kernels_tok
 def test_auto_kernels_are_the_cpp_kernels_on_the_cpu_and_torch_on_request(make_tiny_engine):
     from executor_svc.model.cpu_ops import CpuOps
 
-    assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20).ops, CpuOps)
-    assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20, kernels="torch").ops, TorchOps)
+    assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20).model_runner.ops, CpuOps)
+    assert isinstance(make_tiny_engine(kv_cache_bytes=1 << 20, kernels="torch").model_runner.ops, TorchOps)
 
 
 def test_bad_device_and_kernels_values_are_refused():

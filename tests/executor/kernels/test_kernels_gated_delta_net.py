@@ -379,7 +379,7 @@ def test_triton_kernels_in_the_hybrid_engine_give_the_torch_tokens(tmp_path):
         kernels: Engine(EngineConfig(model=str(path), kv_cache_bytes=4 << 20, kernels=kernels, num_state_slots=4))
         for kernels in ("torch", "triton")
     }
-    assert isinstance(engines["triton"].ops, TritonOps)
+    assert isinstance(engines["triton"].model_runner.ops, TritonOps)
     expected = drive(engines["torch"], requests).tokens
     engine = engines["triton"]
     engine.drafter = ScriptedDrafter(expected, "partial", engine.model_config.vocab_size)

@@ -35,7 +35,7 @@ def test_next_turns_through_the_triton_kernels_give_the_reference_tokens(tmp_pat
             model=str(path), kv_cache_bytes=4 << 20, kernels="triton", num_state_slots=4, device=device, dtype="float32"
         )
     )
-    assert isinstance(engine.ops, TritonOps)
+    assert isinstance(engine.model_runner.ops, TritonOps)
     # a: boundary 32 inside its 37-token prompt (a capture window); b: 33 tokens, boundary on the last row (a replay).
     firsts = {
         "a": [3, 80, 71, 72, 79, 79, 82, 3, 90, 82, 85, 79, 71, 1, 2, 150, 200, 260, 40, 41, 42, 7, 9] * 2,

@@ -1,0 +1,132 @@
+"""ModelRunner: the start-up choices (device, dtype, matmul, kernels), the model and KV cache it sets
+up on a tiny GGUF, a step's prepare and forward on them, and calibration's timed scratch steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.config import EngineConfig
+from executor_svc.engine.model_runner import ModelRunner, resolve_device, resolve_dtype, resolve_matmul, resolve_ops
+from executor_svc.kv.kv_cache import bytes_per_block
+from executor_svc.model.cpu_ops import CpuOps
+from executor_svc.model.ragged_batch import RequestSlice
+from executor_svc.weights.weight_format import has_int16_dot
+from tests.support.tiny_gguf import TinyModelSpec
+
+CPU = torch.device("cpu")
+GPU = torch.device("cuda")  # only named here: nothing runs on it
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what happens without a GPU")
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_gguf_path):
+    return ModelRunner(EngineConfig(model=str(tiny_gguf_path(TinyModelSpec())), kv_cache_bytes=4 << 20))
+
+
+# ------------------------------------------------------------ start-up choices
+
+
+@no_gpu
+def test_auto_picks_the_cpu_without_a_gpu_and_a_gpu_asked_for_is_a_clear_error():
+    assert resolve_device("auto") == CPU
+    with pytest.raises(ValueError, match="'cuda' asked for, but torch sees no CUDA/ROCm device"):
+        resolve_device("cuda")
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
+    assert resolve_dtype("auto", GPU) is torch.bfloat16
+    assert resolve_dtype("auto", CPU) is torch.float32
+    assert resolve_dtype("bfloat16", CPU) is torch.bfloat16
+
+
+def test_auto_matmul_is_int16_only_with_the_cpu_kernels_and_never_in_the_float32_reference():
+    assert resolve_matmul("auto", "auto", CPU, "cpu") == ("int16" if has_int16_dot() else "exact")
+    assert resolve_matmul("auto", "float32", CPU, "cpu") == "exact"
+    assert resolve_matmul("auto", "auto", CPU, "torch") == "exact"
+    assert resolve_matmul("auto", "auto", GPU, "auto") == "exact"
+    assert resolve_matmul("exact", "auto", GPU, "triton") == "exact"
+
+
+def test_a_matmul_the_kernels_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="matmul='int16' runs with the C\\+\\+ CPU kernels"):
+        resolve_matmul("int16", "auto", CPU, "torch")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        resolve_matmul("int8", "auto", CPU, "cpu")
+
+
+def test_the_cpp_kernels_asked_for_on_a_gpu_are_refused():
+    # (which kernels `auto` and `torch` pick: tests/executor/kernels/test_kernels_engine.py)
+    with pytest.raises(ValueError, match="kernels='cpu' runs on the CPU"):
+        resolve_ops("cpu", GPU)
+
+
+# ---------------------------------------------------------------- the runner
+
+
+@no_gpu
+def test_the_runner_loads_the_model_and_sizes_its_kv_cache_within_the_budget(runner):
+    assert (runner.device, runner.dtype) == (CPU, torch.float32)
+    assert isinstance(runner.ops, CpuOps)
+    assert runner.model_config.num_layers == TinyModelSpec().num_layers
+    assert runner.tokenizer.eos_token_ids
+    assert runner.weight_bytes == runner.model.weights.num_bytes > 0
+    per_block = bytes_per_block(runner.model_config, runner.kv.block_size, runner.dtype)
+    assert 0 < runner.kv.num_usable_blocks * per_block <= 4 << 20
+    assert runner.decode_graphs is None  # graphs are captured on a GPU only
+
+
+def test_packed_cpu_weights_need_no_row_padding_even_batch_invariant(runner):
+    """On the CPU every matmul weight stays packed (F32 too), and its kernels are row-invariant by
+    construction: a batch-invariant step is not padded to a row multiple."""
+    assert runner.config.batch_invariant and runner.model.weights.is_packed
+    with runner.kv.scratch(1, 3) as [(block_ids, slot)]:
+        batch = runner.prepare([RequestSlice([5, 6, 7], 0, block_ids, 1, slot)])
+    assert (batch.num_tokens, batch.num_padded_tokens) == (3, 3)
+
+
+def test_forward_gives_one_logits_row_per_sampled_position(runner):
+    with runner.kv.scratch(2, 8) as held:
+        (prefill_blocks, s0), (verify_blocks, s1) = held
+        # a prompt's last chunk (one row), and a decode verifying two drafts (three rows)
+        pieces = [RequestSlice([3, 4, 5], 0, prefill_blocks, 1, s0), RequestSlice([8, 9, 10], 4, verify_blocks, 3, s1)]
+        logits = runner.forward(runner.prepare(pieces))
+    assert logits.shape == (4, runner.model_config.vocab_size)
+
+
+def test_forward_reads_back_the_kv_it_wrote(runner):
+    """A prompt computed in two chunks (the second attending to the first's KV in the runner's
+    cache) gives the logits of computing it in one pass."""
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    with runner.kv.scratch(1, len(prompt)) as [(block_ids, slot)]:
+        whole = runner.forward(runner.prepare([RequestSlice(prompt, 0, block_ids, 1, slot)]))
+    with runner.kv.scratch(1, len(prompt)) as [(block_ids, slot)]:
+        runner.forward(runner.prepare([RequestSlice(prompt[:4], 0, block_ids, 0, slot)]))
+        chunked = runner.forward(runner.prepare([RequestSlice(prompt[4:], 4, block_ids, 1, slot)]))
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------- calibration
+
+
+def test_time_step_times_scratch_requests_and_gives_their_kv_back(runner):
+    num_free = runner.kv.num_free_blocks
+    sample = runner.time_step(context_len=16, num_tokens=4, num_logits=4, num_requests=2, reps=2)
+    assert (sample.num_tokens, sample.num_kv_tokens, sample.num_logits_rows, sample.num_requests) == (8, 40, 8, 2)
+    assert 0 < sample.forward_s <= sample.step_s
+    assert runner.kv.num_free_blocks == num_free
+
+
+def test_time_step_is_none_when_the_scratch_requests_do_not_fit(runner):
+    assert runner.time_step(0, 1, 1, num_requests=runner.kv.num_usable_blocks + 1) is None
+
+
+def test_calibration_samples_every_shape_of_the_grid(runner):
+    samples = runner.calibrate(token_counts=(1, 4), context_lens=(0, 32), batch_sizes=(2,))
+    shapes = [(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests) for s in samples]
+    # per context: T tokens with one logits row, B decodes, one request verifying T − 1 drafts
+    assert shapes == [
+        (1, 1, 1, 1), (4, 4, 1, 1), (2, 2, 2, 2), (4, 4, 4, 1),
+        (1, 33, 1, 1), (4, 36, 1, 1), (2, 66, 2, 2), (4, 36, 4, 1),
+    ]  # fmt: skip
+    assert all(s.forward_s > 0 for s in samples)

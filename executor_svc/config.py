@@ -1,9 +1,16 @@
 """The engine's configuration, built from CLI flags and validated once; torch-free, so a
-parser of the executor's flags (executor_svc/flags.py) needs neither torch nor a model."""
+parser of the executor's flags (executor_svc/flags.py) needs neither torch nor a model.
+
+Each field is a flag and carries it (its name, help, and unit where the flag counts in
+others): `swarmserve-executor` lists them in this order, after --listen and before the
+server's own flags (service_common/config_flags.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from service_common.config_flags import GIB, flag
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # model_runner.DTYPES maps the named ones to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
@@ -13,28 +20,113 @@ MATMULS = ("auto", "exact", "int16")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "default"  # "default" (the embedded SmolLM2) or a path to a .gguf
-    dtype: str = "auto"  # activations and KV: auto | float32 | bfloat16 (see resolve_dtype)
-    device: str = "auto"  # auto | cpu | cuda (ROCm's torch answers to cuda too)
-    kernels: str = "auto"  # auto | triton | cpu | torch: auto is triton on a GPU, the C++ kernels on the CPU
-    matmul: str = "auto"  # auto | exact | int16 (see model_runner.resolve_matmul)
-    kv_cache_bytes: int = 1 << 30
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192  # tokens one step may compute, a guard against a runaway plan
-    batch_invariant: bool = True  # a request's result does not depend on its batch (see ragged_batch.py)
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    max_draft_tokens: int = 16  # most speculative tokens one request may verify per step
-    use_swarm_index: bool = False  # also draft from other requests' outputs
-    enable_prefix_caching: bool = True  # share full KV blocks of equal prefixes, keep them after requests end
-    # Hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; their
-    # memory comes out of kv_cache_bytes. Ignored for models without recurrent layers.
-    num_state_slots: int = 16
-    # Hybrid models' prefix cache: recurrent-state snapshots at block boundaries (see kv_manager.py), each
-    # the size of a slot, out of kv_cache_bytes. None: one per slot, within a quarter of what the slots leave.
-    num_state_snapshots: int | None = None
-    # Replay plain decode steps from captured CUDA/HIP graphs (Triton kernels on a GPU, models without
-    # recurrent state; see decode_graphs.py). Ignored elsewhere.
-    decode_graphs: bool = True
+    model: str = field(
+        default="default",
+        metadata=flag("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf"),
+    )
+    # Activations and KV (see model_runner.resolve_dtype).
+    dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "--dtype",
+            choices=DTYPE_CHOICES,
+            help="activation and KV dtype; auto: bfloat16 on a GPU, float32 on the CPU (default %(default)s)",
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=flag("--device", help="auto | cpu | cuda (ROCm's torch answers to cuda) (default %(default)s)"),
+    )
+    kernels: str = field(
+        default="auto",
+        metadata=flag(
+            "--kernels",
+            choices=KERNELS,
+            help="auto: triton on a GPU, the C++ kernels (cpu) on the CPU; torch: the plain-torch reference "
+            "(default %(default)s)",
+        ),
+    )
+    # See model_runner.resolve_matmul.
+    matmul: str = field(
+        default="auto",
+        metadata=flag(
+            "--matmul",
+            choices=MATMULS,
+            help="how quantized weights multiply on the CPU: exact (float32 math on the dequantized weights) or "
+            "int16 (activations quantized to int16 per 32-value block, integer dot products with Q4_0/Q4_1/Q8_0 "
+            "codes: faster, top-1 agreement with exact >= 99%%); auto: int16 on the CPU unless --dtype float32 "
+            "(default %(default)s)",
+        ),
+    )
+    kv_cache_bytes: int = field(
+        default=1 << 30,
+        metadata=flag("--kv-cache-gb", unit=GIB, help="memory for the paged KV cache in GiB (default %(default)s)"),
+    )
+    block_size: int = field(default=16, metadata=flag("--block-size", help="tokens per KV block (default %(default)s)"))
+    # A guard against a runaway plan.
+    max_num_batched_tokens: int = field(
+        default=8192,
+        metadata=flag("--max-num-batched-tokens", help="most tokens one step may compute (default %(default)s)"),
+    )
+    # A request's result does not depend on its batch (see ragged_batch.py).
+    batch_invariant: bool = field(
+        default=True,
+        metadata=flag(
+            "--no-batch-invariant",
+            negated=True,
+            help="let batch composition change results in the last bits (slightly faster at batch size 1)",
+        ),
+    )
+    # None keeps torch's default.
+    num_threads: int | None = field(
+        default=None, metadata=flag("--threads", help="torch intra-op threads (default: torch's choice)")
+    )
+    max_draft_tokens: int = field(
+        default=16,
+        metadata=flag(
+            "--max-draft-tokens", help="most draft tokens one request verifies per step (default %(default)s)"
+        ),
+    )
+    # Hybrid models (Qwen3.5): ignored for models without recurrent layers.
+    num_state_slots: int = field(
+        default=16,
+        metadata=flag(
+            "--num-state-slots",
+            help="hybrid models (Qwen3.5): recurrent-state slots, the most requests computed at once; "
+            "their memory comes out of the KV budget (default %(default)s)",
+        ),
+    )
+    # Hybrid models' prefix cache (see kv_manager.py). None: one per slot, within a quarter of what the slots leave.
+    num_state_snapshots: int | None = field(
+        default=None,
+        metadata=flag(
+            "--num-state-snapshots",
+            help="hybrid models: recurrent-state snapshots at block boundaries, what their prefix cache resumes "
+            "from (each the size of a slot, out of the KV budget; default: one per slot, within a quarter of what "
+            "the slots leave)",
+        ),
+    )
+    use_swarm_index: bool = field(
+        default=False, metadata=flag("--swarm-index", help="also draft from other requests' outputs")
+    )
+    # Full KV blocks of equal prefixes are shared, and kept after their requests end.
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            "--no-prefix-caching",
+            negated=True,
+            help="recompute every prompt instead of reusing cached KV blocks of equal prefixes",
+        ),
+    )
+    # Triton kernels on a GPU, models without recurrent state (see decode_graphs.py); ignored elsewhere.
+    decode_graphs: bool = field(
+        default=True,
+        metadata=flag(
+            "--no-decode-graphs",
+            negated=True,
+            help="on a GPU, launch every decode step's kernels from Python instead of replaying captured graphs",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

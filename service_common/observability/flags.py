@@ -1,7 +1,4 @@
-"""The observability flags both services take, and the configs built from them.
-
-`--log-format` and `--log-level` predate these and stay with each service's parser.
-"""
+"""The observability flags both services take (logs, traces, metrics), and the configs built from them."""
 
 from __future__ import annotations
 
@@ -9,6 +6,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from service_common.observability.logs import LOG_FORMATS
 from service_common.observability.tracing import TracingConfig
 
 
@@ -24,6 +22,16 @@ def _port(text: str) -> int:
     if not 0 <= value < 65536:
         raise argparse.ArgumentTypeError(f"must be a port number (0: off), got {text}")
     return value
+
+
+def add_log_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="auto: console on a terminal, else JSON lines (default %(default)s)",
+    )
+    parser.add_argument("--log-level", default="info")
 
 
 def add_observability_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,10 @@
 
 // qlinear.cpp: matmuls over GGUF-typed weights.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K);
-at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N);
+// qlinear_int16's two kernels (bit-identical): chosen by the row count, or forced (tests).
+enum Int16Path : int64_t { INT16_AUTO = 0, INT16_ROWS = 1, INT16_PANELS = 2 };
+at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N,
+                         int64_t path = INT16_AUTO);
 
 // layer_ops.cpp: everything in a decoder layer except the matmuls.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <chrono>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -709,6 +711,213 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
     }
   }
 }
+
+// ------------------------------------------------------------------ the integer matmul for many rows
+//
+// A prompt's rows (a prefill chunk: tens to thousands of them) through the same arithmetic as
+// dot_int_rows, organised as a matrix product instead of a dot product per (row, weight row):
+// the weight codes of 16 weight rows are widened once into int16 pairs, lane = weight row
+// (`unpack_panel16`), and each activation row's int16 pair is broadcast against them, so one
+// pmaddwd serves 8 weight rows and the weights stay in L1 for every activation row of the
+// call. Per (row, weight row, block) it computes the very same exact integer sums A (elements
+// 0..7, 16..23) and B (8..15, 24..31), and then the very same float32 operations in the same
+// order: acc_A += (float(A) · d_w) · dx, acc_B likewise, acc_m += m_w · s_x, y = (acc_A + acc_B)
+// + acc_m. So its results are bit-identical to the row kernel's (tested), and which of the
+// two runs a matmul is only a question of speed: a prompt token's bits never depend on the
+// chunk, the batch or the path.
+//
+// The per-row kernel re-reads every weight block for each group of up to 32 activation rows
+// and reduces across lanes (hadd) per block; here the reduction is a lane-wise add and the
+// widened codes are reused across all rows. Register tile: 3 activation rows × 16 weight rows
+// (12 integer accumulators, 2 weight vectors, one broadcast); the float accumulators live in
+// memory (a row's 192 bytes), touched once per block.
+
+constexpr int PANEL_ROWS = 16;  // weight rows per unpacked panel (two 8-lane vectors)
+constexpr int PANEL_PAIRS = 16;  // int16 pairs per 32-value block
+constexpr int PANEL_MR = 3;      // activation rows per register tile
+// From this many activation rows the panels are faster (measured: Zen 3, Q4_1 576×1536; below it
+// the per-row kernel reads each weight block once for all rows anyway).
+constexpr int64_t PANEL_MIN_ROWS = 8;
+constexpr int64_t PANEL_SLICE_BLOCKS = 12;  // blocks of K per pass over the rows (12 KB of unpacked panel)
+
+// acc + the pairwise products of w and x summed into 8 int32 lanes (exact).
+SS_INLINE __m256i add_dot_pairs(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+// The 8 weight rows of groups blk0, blk1 (blk1 may be null: zero rows) for one block: out[p] holds,
+// at lanes 0..7 of a 32-int16 row of `out`, each weight row's elements 2p and 2p + 1; d[8], m[8]
+// their scale and min term (m = −8 · d for Q4_0, as dot_int_rows computes it).
+template <int TYPE>
+void unpack_block8(const uint8_t* blk0, const uint8_t* blk1, int16_t* out, float* d, float* m) {
+  constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
+  static const uint8_t zeros[32] = {0};
+  const __m128 d0 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk0));
+  const __m128 d1 = blk1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk1)) : _mm_setzero_ps();
+  _mm_storeu_ps(d, d0);
+  _mm_storeu_ps(d + 4, d1);
+  if constexpr (TYPE == Q4_1) {
+    _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(blk0 + 8))));
+    _mm_storeu_ps(m + 4, blk1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(blk1 + 8))) : _mm_setzero_ps());
+  } else if constexpr (TYPE == Q4_0) {
+    _mm_storeu_ps(m, _mm_mul_ps(d0, _mm_set1_ps(-8.f)));
+    _mm_storeu_ps(m + 4, _mm_mul_ps(d1, _mm_set1_ps(-8.f)));
+  }
+  const uint8_t* rows[8];
+  for (int j = 0; j < 4; j++) {
+    rows[j] = blk0 + header_bytes + j * code_bytes;
+    rows[4 + j] = blk1 ? blk1 + header_bytes + j * code_bytes : zeros;
+  }
+  // Each row's code bytes as 8 uint16 (byte pairs); an 8×8 transpose gives T[q] = the 8 rows'
+  // bytes 2q, 2q + 1: Q4 elements 2q, 2q + 1 in the low nibbles and 16 + 2q, 17 + 2q in the high
+  // ones; Q8_0 elements 2q, 2q + 1 (and, from its second 16 bytes, 16 + 2q, 17 + 2q).
+  for (int half = 0; half < (TYPE == Q8_0 ? 2 : 1); half++) {
+    __m128i r[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm_loadu_si128((const __m128i*)(rows[j] + 16 * half));
+    const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
+    const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
+    const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
+    const __m128i t6 = _mm_unpacklo_epi16(r[6], r[7]), t7 = _mm_unpackhi_epi16(r[6], r[7]);
+    const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+    const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+    const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+    const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+    const __m128i T[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4), _mm_unpacklo_epi64(u1, u5),
+                          _mm_unpackhi_epi64(u1, u5), _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+                          _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
+    for (int q = 0; q < 8; q++) {
+      if constexpr (TYPE == Q8_0) {
+        _mm256_storeu_si256((__m256i*)(out + (8 * half + q) * 2 * PANEL_ROWS), _mm256_cvtepi8_epi16(T[q]));
+      } else {
+        const __m256i bytes = _mm256_cvtepu8_epi16(T[q]);
+        _mm256_storeu_si256((__m256i*)(out + q * 2 * PANEL_ROWS), _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)));
+        _mm256_storeu_si256((__m256i*)(out + (q + 8) * 2 * PANEL_ROWS), _mm256_srli_epi16(bytes, 4));
+      }
+    }
+  }
+}
+
+// Groups [g, g + 4) (weight rows 4g .. 4g + 15; groups past the last are zero rows), all nb blocks:
+// pairs [nb][PANEL_PAIRS][2 · PANEL_ROWS] int16, d and m [nb][PANEL_ROWS] float.
+struct Panel {
+  std::vector<int16_t> pairs;
+  std::vector<float> d, m;
+};
+
+// A panel's arrays as plain pointers: what the tiles read (a thread_local Panel behind a
+// reference costs a TLS lookup on every access in the inner loops).
+struct PanelView {
+  const int16_t* pairs;
+  const float* d;
+  const float* m;
+};
+
+template <int TYPE>
+void unpack_panel16(const uint8_t* wp, int64_t group_bytes, int64_t groups, int64_t g, int64_t nb, Panel& panel) {
+  constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
+  constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
+  panel.pairs.assign(nb * block_pairs, 0);
+  panel.d.assign(nb * PANEL_ROWS, 0.f);
+  panel.m.assign(nb * PANEL_ROWS, 0.f);
+  for (int64_t b = 0; b < nb; b++)
+    for (int h = 0; h < 2; h++) {  // weight rows 8h .. 8h + 7: groups g + 2h, g + 2h + 1
+      const int64_t g0 = g + 2 * h;
+      if (g0 >= groups) continue;
+      const uint8_t* blk0 = wp + g0 * group_bytes + b * group_block_bytes;
+      const uint8_t* blk1 = g0 + 1 < groups ? blk0 + group_bytes : nullptr;
+      unpack_block8<TYPE>(blk0, blk1, panel.pairs.data() + b * block_pairs + 8 * h * 2,
+                          panel.d.data() + b * PANEL_ROWS + 8 * h, panel.m.data() + b * PANEL_ROWS + 8 * h);
+    }
+}
+
+// Activation rows [r0, r0 + MR) × a panel's 16 weight rows over blocks [b0, b1): the float
+// accumulators acc[MR][3][PANEL_ROWS] (A, B and the min term) carry on from the blocks before b0.
+template <int MR, bool HAS_MIN>
+SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1, float* acc) {
+  constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
+  const int64_t K = xq.K, nb = xq.nb;
+  const int16_t* xq_q = xq.q.data();
+  const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
+  for (int64_t b = b0; b < b1; b++) {
+    __m256i A[MR][2], B[MR][2];
+    for (int r = 0; r < MR; r++) A[r][0] = A[r][1] = B[r][0] = B[r][1] = _mm256_setzero_si256();
+    const int16_t* pb = panel.pairs + b * block_pairs;
+    const int16_t* xb = xq_q + r0 * K + 32 * b;
+#pragma GCC unroll 16
+    for (int i = 0; i < PANEL_PAIRS; i++) {
+      const int p = (i & 3) | ((i & 4) << 1) | ((i & 8) >> 1);  // pairs 0-3, 8-11 (into A), then 4-7, 12-15 (B)
+      __m256i w0 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS));
+      __m256i w1 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS + PANEL_ROWS));
+      asm("" : "+x"(w0), "+x"(w1));  // one load for the MR rows (GCC would fold one into each multiply)
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; r++) {
+        const __m256i xv = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xb + r * K + 2 * p)));
+        __m256i(&sum)[2] = i < 8 ? A[r] : B[r];
+        sum[0] = add_dot_pairs(sum[0], w0, xv);
+        sum[1] = add_dot_pairs(sum[1], w1, xv);
+        asm("" : "+x"(sum[0]), "+x"(sum[1]));  // keep the running sums (GCC would reassociate them into 16 live products)
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 d = _mm256_loadu_ps(panel.d + b * PANEL_ROWS + 8 * h);
+      for (int r = 0; r < MR; r++) {
+        const int64_t xb_index = (r0 + r) * nb + b;
+        const __m256 dx = _mm256_broadcast_ss(xq_d + xb_index);
+        float* acc_a = acc + (3 * r) * PANEL_ROWS + 8 * h;
+        float* acc_b = acc_a + PANEL_ROWS;
+        _mm256_storeu_ps(acc_a, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(A[r][h]), d), dx, _mm256_loadu_ps(acc_a)));
+        _mm256_storeu_ps(acc_b, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(B[r][h]), d), dx, _mm256_loadu_ps(acc_b)));
+        if constexpr (HAS_MIN) {
+          float* acc_m = acc_b + PANEL_ROWS;
+          const __m256 m = _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h);
+          _mm256_storeu_ps(acc_m, _mm256_fmadd_ps(m, _mm256_broadcast_ss(xq_s + xb_index), _mm256_loadu_ps(acc_m)));
+        }
+      }
+    }
+  }
+}
+
+// y[0 .. num_valid) = (A + B) + min term, from one activation row's accumulators [3][PANEL_ROWS].
+SS_INLINE void panel_store(const float* acc, float* y, int64_t num_valid) {
+  alignas(32) float out[PANEL_ROWS];
+  for (int h = 0; h < 2; h++) {
+    const __m256 ab = _mm256_add_ps(_mm256_loadu_ps(acc + 8 * h), _mm256_loadu_ps(acc + PANEL_ROWS + 8 * h));
+    _mm256_store_ps(out + 8 * h, _mm256_add_ps(ab, _mm256_loadu_ps(acc + 2 * PANEL_ROWS + 8 * h)));
+  }
+  std::memcpy(y, out, num_valid * sizeof(float));
+}
+
+// Panel p (weight rows 16p .. 16p + 15) against every activation row, a slice of K at a time:
+// a slice of the unpacked panel (1 KB a block) stays in L1 while every row passes it, where the
+// whole panel (32 bytes per value of K) would not at K = 1536. Each (row, weight row) still
+// sees its blocks in order, so the float sums are the same.
+template <int TYPE>
+void panel_int(const uint8_t* wp, int64_t group_bytes, int64_t p, int64_t N, const QuantizedRows& xq, float* y) {
+  constexpr bool has_min = TYPE != Q8_0;
+  constexpr int64_t acc_per_row = 3 * PANEL_ROWS;
+  thread_local Panel panel;
+  thread_local std::vector<float> acc;
+  unpack_panel16<TYPE>(wp, group_bytes, (N + 3) / 4, 4 * p, xq.nb, panel);
+  acc.assign(xq.M * acc_per_row, 0.f);
+  const PanelView view{panel.pairs.data(), panel.d.data(), panel.m.data()};
+  float* acc_rows = acc.data();
+  const int64_t num_slices = (xq.nb + PANEL_SLICE_BLOCKS - 1) / PANEL_SLICE_BLOCKS;
+  const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
+  for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
+    const int64_t b1 = std::min(xq.nb, b0 + slice);
+    int64_t r = 0;
+    for (; r + PANEL_MR <= xq.M; r += PANEL_MR) panel_tile<PANEL_MR, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
+    for (; r < xq.M; r++) panel_tile<1, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
+  }
+  const int64_t n0 = PANEL_ROWS * p, num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
+  for (int64_t r = 0; r < xq.M; r++) panel_store(acc_rows + r * acc_per_row, y + r * N + n0, num_valid);
+}
 #else
 constexpr bool HAS_INT16_DOT = false;
 #endif
@@ -755,8 +964,12 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
 
 // y[M, N] = x[M, K] · W[N, K]ᵀ with x quantized to int16 per 32-value block (see "integer
 // dot products"); W is Q4_0, Q4_1 or Q8_0, interleaved by repack_x4. y has x's dtype.
-at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K, int64_t N) {
+// `path`: which of the two bit-identical kernels runs it: INT16_AUTO takes the panels ("the
+// integer matmul for many rows") from PANEL_MIN_ROWS rows and the per-row kernel below that;
+// INT16_ROWS and INT16_PANELS force one (the tests compare them).
+at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t path) {
   TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
+  TORCH_CHECK(path >= INT16_AUTO && path <= INT16_PANELS, "path must be 0 (auto), 1 (rows) or 2 (panels), got ", path);
   const X4Layout l = x4_layout(type);
   TORCH_CHECK(K % 32 == 0, "K=", K, " is not a multiple of 32");
   const int64_t groups = (N + 3) / 4, group_bytes = 4 * (K / 32) * l.block_bytes;
@@ -773,6 +986,16 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (path == INT16_PANELS || (path == INT16_AUTO && M >= PANEL_MIN_ROWS)) {
+    parallel_tasks((N + PANEL_ROWS - 1) / PANEL_ROWS, [&](int64_t p) {
+      switch (type) {
+        case Q4_0: panel_int<Q4_0>(wp, group_bytes, p, N, xq, yp); break;
+        case Q4_1: panel_int<Q4_1>(wp, group_bytes, p, N, xq, yp); break;
+        default: panel_int<Q8_0>(wp, group_bytes, p, N, xq, yp); break;
+      }
+    });
+    return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  }
   constexpr int64_t groups_per_task = INT_ROWS_PER_TASK / 4;
   const int64_t num_tasks = (groups + groups_per_task - 1) / groups_per_task;
   parallel_tasks(num_tasks, [&](int64_t task) {
@@ -788,6 +1011,46 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
 }
 
 bool has_int16_dot() { return HAS_INT16_DOT; }
+
+// This machine's peak multiply-accumulate rates on the calling thread, measured: 12 independent
+// chains of 256-bit int16-pair dot products (pmaddwd + paddd, or vpdpwssd with VNNI: the integer
+// matmul's instruction) and of float32 FMAs, `iterations` rounds each. MACs per second, (int16,
+// float32); the benchmarks report the kernels' throughput as a fraction of these.
+std::tuple<double, double> measure_peak_macs(int64_t iterations) {
+#if defined(__AVX2__) && defined(__FMA__)
+  // Ten independent chains (more than latency x pipes on every target), the accumulators pinned
+  // in registers and the operands hidden from the compiler: otherwise GCC folds the constant
+  // product and keeps the chains on the stack, and the loop measures store forwarding.
+  using clock = std::chrono::steady_clock;
+  constexpr int CHAINS = 10;
+  __m256i ia[CHAINS];
+  __m256 fa[CHAINS];
+  __m256i iw = _mm256_set1_epi16(1), ix = _mm256_set1_epi16(-1);
+  __m256 fw = _mm256_set1_ps(0.999f), fx = _mm256_set1_ps(1e-6f);
+  asm volatile("" : "+x"(iw), "+x"(ix), "+x"(fw), "+x"(fx));
+#pragma GCC unroll 16
+  for (int i = 0; i < CHAINS; i++) ia[i] = _mm256_set1_epi16(1), fa[i] = _mm256_set1_ps(1e-3f * i);
+  auto t0 = clock::now();
+  for (int64_t n = 0; n < iterations; n++) {
+#pragma GCC unroll 16
+    for (int i = 0; i < CHAINS; i++) ia[i] = add_dot_pairs(ia[i], iw, ix);
+    asm volatile("" : "+x"(ia[0]), "+x"(ia[1]), "+x"(ia[2]), "+x"(ia[3]), "+x"(ia[4]), "+x"(ia[5]), "+x"(ia[6]),
+                 "+x"(ia[7]), "+x"(ia[8]), "+x"(ia[9]));
+  }
+  auto t1 = clock::now();
+  for (int64_t n = 0; n < iterations; n++) {
+#pragma GCC unroll 16
+    for (int i = 0; i < CHAINS; i++) fa[i] = _mm256_fmadd_ps(fa[i], fw, fx);
+    asm volatile("" : "+x"(fa[0]), "+x"(fa[1]), "+x"(fa[2]), "+x"(fa[3]), "+x"(fa[4]), "+x"(fa[5]), "+x"(fa[6]),
+                 "+x"(fa[7]), "+x"(fa[8]), "+x"(fa[9]));
+  }
+  auto t2 = clock::now();
+  const double macs = double(CHAINS) * iterations * 16, fmacs = double(CHAINS) * iterations * 8;
+  return {macs / std::chrono::duration<double>(t1 - t0).count(), fmacs / std::chrono::duration<double>(t2 - t1).count()};
+#else
+  return {0.0, 0.0};
+#endif
+}
 
 // Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup). `N` > 0: W is
 // interleaved by repack_x4 and holds N rows.
@@ -827,9 +1090,12 @@ void register_qlinear(pybind11::module_& m) {
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("qlinear_int16", &qlinear_int16,
         "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
-        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"));
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"), py::arg("path") = 0);
   m.def("repack_x4", &repack_x4, "a Q4_0/Q4_1/Q8_0 weight's rows interleaved four by four for the integer matmul",
         py::arg("w"), py::arg("type"), py::arg("k"));
+  m.def("measure_peak_macs", &measure_peak_macs,
+        "this thread's measured peak MACs/s: (int16 pairs as the integer matmul issues them, float32 FMA)",
+        py::arg("iterations") = 20000000);
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
         py::arg("k"), py::arg("ids"), py::arg("interleaved_rows") = 0);

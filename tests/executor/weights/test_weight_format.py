@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from executor_svc.cpu_kernels import load
 from executor_svc.errors import ModelLoadError
 from executor_svc.weights.gguf_file import GGUFTensor
 from executor_svc.weights.weight_format import (
@@ -121,6 +122,26 @@ def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
         assert torch.equal(linear(x, w16), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_int16
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+@pytest.mark.parametrize(("num_weight_rows", "num_rows"), [(37, 1), (37, 2), (16, 3), (53, 7), (20, 8), (129, 70)])
+def test_the_integer_matmuls_row_and_panel_kernels_are_bit_identical(qtype, num_weight_rows, num_rows):
+    """A decode row and a prompt row take different kernels (per row for few rows, 16-row panels
+    for many), which compute the same integer sums and the same float operations in the same
+    order: forced either way, every output is bit-identical (odd weight rows: a partial panel and
+    a padded group; odd row counts: a partial register tile; an outlier and an all-zero block)."""
+    kernels = load()
+    w, _ = packed(qtype, rows=num_weight_rows, seed=num_rows)
+    w16 = w.with_int16_dot()
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(7))
+    x[:, 40] *= 80
+    x[0, 64:96] = 0
+    by_rows = kernels.qlinear_int16(x, w16.data, w16.tensor_type, 512, num_weight_rows, path=1)
+    by_panels = kernels.qlinear_int16(x, w16.data, w16.tensor_type, 512, num_weight_rows, path=2)
+    assert torch.equal(by_rows, by_panels)
+    assert torch.equal(linear(x, w16), by_rows)
 
 
 @needs_int16

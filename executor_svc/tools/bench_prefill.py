@@ -1,0 +1,233 @@
+"""Prefill on the CPU against this machine's compute peak: the integer matmul's two kernels, and prompts of T tokens.
+
+    python -m executor_svc.tools.bench_prefill [--model default] [--tokens 64,128,...,2048] [--chunk 256]
+
+An agent's turn is mostly prompt, so prefill speed is what its time to first token is made of.
+This prints, on the machine it runs on (its CPU model and vector ISA first):
+
+1. the measured peak: multiply-accumulates per second of the instruction the integer matmul
+   issues (256-bit int16-pair dot products: pmaddwd + paddd, or vpdpwssd with VNNI) and of
+   float32 FMA, one thread, times the threads;
+2. the integer matmul (`--matmul int16`, the CPU default) on each of the model's layer shapes at
+   M rows: the per-row kernel a decode step takes and the 16-row panels a prompt takes (the two
+   are bit-identical, qlinear.cpp), in GMAC/s and as a fraction of the int16 peak;
+3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
+   scheduler's default step budget is 256), as the engine runs it (the model's forward over a
+   ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
+   attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
+   machine's int16 peak the whole prefill reaches.
+
+Each point is the best of `--reps` runs: the machines are shared, and the minimum is the run
+least disturbed. Compare variants in one run, as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from executor_svc.engine.engine import resolve_kv_cache_dtype, resolve_ops
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
+from executor_svc.model.transformer import Transformer
+from executor_svc.weights.gguf_file import open_gguf
+from executor_svc.weights.model_config import ModelConfig
+from executor_svc.weights.model_source import resolve_model_path
+from executor_svc.weights.model_weights import load_weights
+from executor_svc.weights.weight_format import Kernel, PackedWeight
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+ROWS_KERNEL, PANEL_KERNEL = 1, 2  # qlinear_int16's `path`
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and which of the vector ISAs that matter here it has."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"model": model, "isa": [f for f in ISA_FLAGS if f in flags], "threads": torch.get_num_threads()}
+
+
+def best_of(reps: int, run) -> float:
+    """The shortest of `reps` timed calls of run() (after one untimed call)."""
+    run()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measured_peak(kernels) -> dict:
+    """MACs/s per thread of int16 pairs and float32 FMA (the best of three), and times the threads."""
+    int16, fp32 = max(kernels.measure_peak_macs() for _ in range(3))
+    threads = torch.get_num_threads()
+    return {"int16_macs_per_thread": int16, "fp32_macs_per_thread": fp32, "int16_macs": int16 * threads}
+
+
+def layer_shapes(weights) -> dict[str, PackedWeight]:
+    """The first layer's matmul weights by name (every layer has the same shapes)."""
+    layer = weights.layers[0]
+    named = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
+    return {name: w for name, w in named.items() if isinstance(w, PackedWeight) and w.kernel == Kernel.INT16}
+
+
+def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict) -> list[dict]:
+    rows = []
+    for name, w in layer_shapes(weights).items():
+        n, k = w.shape
+        for m in row_counts:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            point = {"weight": name, "n": n, "k": k, "m": m, "type": w.type_name}
+            for label, path in (("rows", ROWS_KERNEL), ("panels", PANEL_KERNEL)):
+                seconds = best_of(reps, lambda: kernels.qlinear_int16(x, w.data, w.tensor_type, k, n, path=path))
+                point[f"{label}_gmacs"] = m * n * k / seconds / 1e9
+            point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["int16_macs"]
+            rows.append(point)
+    return rows
+
+
+def matmul_macs_per_token(weights) -> int:
+    """Multiply-accumulates of every layer's matmuls for one token (the LM head runs once per prompt)."""
+    total = 0
+    for layer in weights.layers:
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            parts = w if isinstance(w, tuple) else (w,)
+            total += sum(p.shape[0] * p.shape[1] for p in parts if p is not None)
+    return total
+
+
+def attention_macs(config: ModelConfig, num_tokens: int) -> int:
+    """QK and PV multiply-accumulates of a causal prefill of num_tokens tokens from an empty cache."""
+    pairs = num_tokens * (num_tokens + 1) // 2
+    return 2 * pairs * config.num_heads * config.head_dim * len(config.kv_layers)
+
+
+def prefill_seconds(model: Transformer, cache: KVCache, num_tokens: int, chunk: int, reps: int) -> float:
+    """One prompt of num_tokens (fixed random ids) prefilled from an empty cache in chunks."""
+    ids = torch.randint(3, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    blocks = cache.allocator.allocate(cache.num_blocks_for(num_tokens))
+
+    def run() -> None:
+        for start in range(0, num_tokens, chunk):
+            piece = ids[start : start + chunk]
+            last = start + len(piece) == num_tokens
+            batch = RaggedBatch.build(
+                [RequestSlice(piece, start, blocks, 1 if last else 0)], cache.block_size, model.device
+            )
+            model.forward(batch, cache)
+
+    try:
+        return best_of(reps, run)
+    finally:
+        cache.allocator.free(blocks)
+
+
+def bench_prefill(
+    model: Transformer, kv_dtype, token_counts: list[int], chunk: int, reps: int, peak: dict
+) -> list[dict]:
+    config = model.config
+    cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device)
+    per_token = matmul_macs_per_token(model.weights)
+    rows = []
+    for t in token_counts:
+        seconds = prefill_seconds(model, cache, t, chunk, reps)
+        matmul, attention = per_token * t, attention_macs(config, t)
+        rows.append(
+            {
+                "tokens": t,
+                "seconds": seconds,
+                "tokens_per_s": t / seconds,
+                "matmul_gflops": 2 * matmul / seconds / 1e9,
+                "attention_gflops": 2 * attention / seconds / 1e9,
+                "share_of_int16_peak": (matmul + attention) / seconds / peak["int16_macs"],
+            }
+        )
+    return rows
+
+
+def run(model_name: str, token_counts: list[int], row_counts: list[int], chunk: int, kv_cache_dtype: str, reps: int):
+    from executor_svc.cpu_kernels import load
+
+    kernels = load()
+    gguf = open_gguf(resolve_model_path(model_name))
+    config = ModelConfig.from_gguf(gguf)
+    cpu = torch.device("cpu")
+    ops = resolve_ops("cpu", cpu)
+    weights = load_weights(gguf, config, torch.float32, cpu, int16_dot=True)
+    model = Transformer(config, weights, cpu, ops, torch.float32)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops)
+    peak = measured_peak(kernels)
+    return {
+        "model": config.name,
+        "cpu": cpu_description(),
+        "peak": peak,
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+        "chunk": chunk,
+        "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
+        "prefill": bench_prefill(model, kv_dtype, token_counts, chunk, reps, peak),
+    }
+
+
+def print_report(r: dict) -> None:
+    cpu, peak = r["cpu"], r["peak"]
+    print(f"{cpu['model']} ({', '.join(cpu['isa'])}), {cpu['threads']} threads; model {r['model']}")
+    print(
+        f"measured peak per thread: int16 pairs {peak['int16_macs_per_thread'] / 1e9:.1f} GMAC/s, "
+        f"float32 FMA {peak['fp32_macs_per_thread'] / 1e9:.1f} GMAC/s; "
+        f"machine int16 peak {peak['int16_macs'] / 1e9:.1f} GMAC/s"
+    )
+    print("\nthe integer matmul, GMAC/s (rows: the decode kernel; panels: the prompt kernel; bit-identical):")
+    print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}")
+    for m in r["matmuls"]:
+        print(
+            f"{m['weight']:>8} {m['n']:>6} {m['k']:>6} {m['m']:>6} | {m['rows_gmacs']:7.1f} {m['panels_gmacs']:7.1f} "
+            f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}"
+        )
+    print(f"\none prompt from an empty cache, chunks of {r['chunk']}, KV {r['kv_cache_dtype']}:")
+    print(f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of int16 peak':>14}")
+    for p in r["prefill"]:
+        print(
+            f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
+            f"{p['attention_gflops']:13.1f} {p['share_of_int16_peak']:14.0%}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", default="64,128,256,512,1024,2048", help="prompt lengths")
+    parser.add_argument("--rows", default="1,8,64,256,1024", help="M for the matmul kernels")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill tokens per forward pass")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(
+        args.model,
+        [int(x) for x in args.tokens.split(",")],
+        [int(x) for x in args.rows.split(",")],
+        args.chunk,
+        args.kv_cache_dtype,
+        args.reps,
+    )
+    print_report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

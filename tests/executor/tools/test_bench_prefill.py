@@ -1,0 +1,38 @@
+"""bench_prefill: the command a user runs to see prefill against the machine's peak (a short run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from executor_svc.weights.weight_format import has_int16_dot
+
+
+@pytest.mark.skipif(not has_int16_dot(), reason="the integer matmul needs AVX2 and FMA")
+def test_a_short_run_prints_and_writes_every_table(tmp_path):
+    out = tmp_path / "prefill.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "executor_svc.tools.bench_prefill", "--tokens", "48", "--rows", "1,9"]
+        + ["--chunk", "32", "--reps", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "measured peak per thread" in run.stdout and "one prompt from an empty cache" in run.stdout
+    r = json.loads(out.read_text())
+    peak = r["peak"]
+    # pmaddwd does 16 multiply-adds where an FMA does 8: the integer peak is the higher one.
+    assert peak["int16_macs_per_thread"] > peak["fp32_macs_per_thread"] > 0
+    assert {(m["weight"], m["m"]) for m in r["matmuls"]} == {
+        (w, m) for w in ("qkv", "o_proj", "gate_up", "down") for m in (1, 9)
+    }
+    for m in r["matmuls"]:
+        assert m["rows_gmacs"] > 0 and m["panels_share_of_peak"] == pytest.approx(
+            m["panels_gmacs"] * 1e9 / peak["int16_macs"]
+        )
+    (prefill,) = r["prefill"]
+    assert prefill["tokens"] == 48 and prefill["tokens_per_s"] == pytest.approx(48 / prefill["seconds"])

@@ -16,6 +16,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # model_runner.DTYPES maps the 
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
 MATMULS = ("auto", "exact", "int16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model_runner.resolve_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class EngineConfig:
         metadata=flag(
             "--dtype",
             choices=DTYPE_CHOICES,
-            help="activation and KV dtype; auto: bfloat16 on a GPU, float32 on the CPU (default %(default)s)",
+            help="activation dtype; auto: bfloat16 on a GPU, float32 on the CPU (default %(default)s)",
         ),
     )
     device: str = field(
@@ -61,6 +62,17 @@ class EngineConfig:
     kv_cache_bytes: int = field(
         default=1 << 30,
         metadata=flag("--kv-cache-gb", unit=GIB, help="memory for the paged KV cache in GiB (default %(default)s)"),
+    )
+    # See model_runner.resolve_kv_cache_dtype.
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "--kv-cache-dtype",
+            choices=KV_CACHE_DTYPES,
+            help="KV cache element type; auto: the activations' dtype; float16/bfloat16 with float32 activations "
+            "(the C++ CPU kernels) halve the bytes a long-context decode reads and double the tokens in the budget "
+            "(default %(default)s)",
+        ),
     )
     block_size: int = field(default=16, metadata=flag("--block-size", help="tokens per KV block (default %(default)s)"))
     # A guard against a runaway plan.
@@ -137,6 +149,8 @@ class EngineConfig:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -35,6 +35,7 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;  // a KV cache element only (--kv-cache-dtype float16); activations are float32 or bfloat16
 constexpr int64_t KV_CHUNK = 32;          // keys per online-softmax step (fixed: part of the arithmetic)
 constexpr int64_t QUERY_TILE_TOKENS = 16;  // tokens of one request per work item (does not affect results)
 constexpr int64_t PARALLEL_MIN_ROW_KEYS = 512;  // below this many (q row, key) pairs (~10 µs), one thread (no effect on results)
@@ -44,8 +45,9 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
+inline float to_f(f16 x) { return static_cast<float>(x); }
 template <typename T>
-inline T from_f(float x) { return static_cast<T>(x); }  // bf16: round to nearest even
+inline T from_f(float x) { return static_cast<T>(x); }  // bf16, f16: round to nearest even
 // The value x takes once stored in T (torch computes a bf16 op in float32 and rounds).
 template <typename T>
 inline float rnd(float x) { return to_f(from_f<T>(x)); }
@@ -58,6 +60,7 @@ inline float rnd<float>(float x) { return x; }
 using simd16::V16;
 SS_INLINE V16 load16(const float* p) { return simd16::load(p); }
 SS_INLINE V16 load16(const bf16* p) { return simd16::bf16x16(p); }
+SS_INLINE V16 load16(const f16* p) { return simd16::f16x16(p); }
 // The first n (0..16) values at p, zeros after.
 SS_INLINE V16 load16_first(const float* p, int64_t n) { return simd16::load_first(p, n); }
 SS_INLINE V16 load16_first(const bf16* p, int64_t n) {
@@ -112,6 +115,41 @@ inline float sum_squares(const T* x, int64_t n) {
     for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
   return lanes[0];
 #endif
+}
+
+template <typename F>
+void dispatch_float(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kBFloat16) {
+    f(bf16{});
+  } else {
+    TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// The KV cache's element type: the activations' dtype, or float16 (--kv-cache-dtype), whatever
+// the activations are; f gets a value of that type.
+template <typename F>
+void dispatch_kv(at::ScalarType type, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kBFloat16) {
+    f(bf16{});
+  } else if (type == at::kHalf) {
+    f(f16{});
+  } else {
+    TORCH_CHECK(false, "the KV cache must be float32, bfloat16 or float16, not ", type);
+  }
+}
+
+void check_kv_type(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "the KV caches must be on the CPU");
+  dispatch_kv(k_cache.scalar_type(), [](auto) {});
 }
 
 // ------------------------------------------------------------------ attention
@@ -258,8 +296,10 @@ struct Scratch {
   std::vector<float> q, acc, m, l, kbuf, vbuf;
 };
 
-template <typename T, int NV>
-void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+// T: q's and the output's dtype; C: the KV cache's (float32 math either way: K and V rows are
+// converted exactly to float32 as they are read).
+template <typename T, typename C, int NV>
+void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
                     int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
                     int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
   const int64_t G = H / Hkv;
@@ -269,7 +309,7 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
   sc.acc.assign(rows * D, 0.f);
   sc.m.assign(rows, NEG_INF);
   sc.l.assign(rows, 0.f);
-  constexpr bool kFloat = std::is_same<T, float>::value;
+  constexpr bool kFloat = std::is_same<C, float>::value;
   if (!kFloat) {
     sc.kbuf.resize(KV_CHUNK * D);
     sc.vbuf.resize(KV_CHUNK * D);
@@ -290,7 +330,7 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
   // rows while this one is computed (it does not change any value).
   constexpr int64_t kLine = 64;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
   auto prefetch_chunk = [&](int64_t c) {
     for (int64_t key = c; key < std::min(c + KV_CHUNK, max_keys); key++) {
       const int64_t offset = row_offset(key);
@@ -384,12 +424,12 @@ void attention_item(const WorkItem& it, const T* q, const T* k_cache, const T* v
 }
 
 // attention_item with the head_dim's vector count fixed at compile time where it can be.
-template <typename T>
-void run_item(const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+template <typename T, typename C>
+void run_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
               int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
               int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
 #define SWARMSERVE_ITEM(NV) \
-  attention_item<T, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
+  attention_item<T, C, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
                         block_size, num_blocks, scale, sc)
   switch (D) {
     case 32: SWARMSERVE_ITEM(2); break;
@@ -424,8 +464,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   check_float_type(q_in, "q");
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  check_kv_type(k_cache, v_cache);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
   const at::Tensor q = q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -504,35 +543,24 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
     }
   };
   const float fscale = static_cast<float>(scale);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        const float* qp = q.data_ptr<float>();
-        const float* kc = k_cache.data_ptr<float>();
-        const float* vc = v_cache.data_ptr<float>();
-        float* op = out.data_ptr<float>();
-        run_workers([&](int64_t, int64_t) {
-          Scratch sc;
-          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
-            const WorkItem& it = items[i];
-            run_item<float>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
-          }
-        });
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
-        const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
-        const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
-        bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
-        run_workers([&](int64_t, int64_t) {
-          Scratch sc;
-          for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
-            const WorkItem& it = items[i];
-            run_item<bf16>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                          cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
-          }
-        });
-      }));
+  dispatch_float(q.scalar_type(), "paged_attention", [&](auto q_tag) {
+    dispatch_kv(k_cache.scalar_type(), [&](auto kv_tag) {
+      using T = decltype(q_tag);
+      using C = decltype(kv_tag);
+      const T* qp = ptr<T>(q);
+      const C* kc = ptr<C>(k_cache);
+      const C* vc = ptr<C>(v_cache);
+      T* op = ptr<T>(out);
+      run_workers([&](int64_t, int64_t) {
+        Scratch sc;
+        for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
+          const WorkItem& it = items[i];
+          run_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
+                         cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+        }
+      });
+    });
+  });
   return out;
 }
 
@@ -584,19 +612,6 @@ inline void rms_norm_row(const T* x, const float* w, float eps, int64_t n, T* ou
   for (int64_t i = 0; i < n; i++) out[i] = from_f<T>(w[i] * rnd<T>(to_f(x[i]) * r));
 }
 
-template <typename F>
-void dispatch_float(at::ScalarType type, const char* name, F&& f) {
-  if (type == at::kFloat) {
-    f(float{});
-  } else if (type == at::kBFloat16) {
-    f(bf16{});
-  } else {
-    TORCH_CHECK(false, name, ": unsupported dtype ", type);
-  }
-}
-
-template <typename T>
-T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 }  // namespace
 
@@ -682,11 +697,21 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 namespace {
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType type, int64_t Hkv, int64_t D) {
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D,
               "k_cache and v_cache must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == type && v_cache.scalar_type() == type, "the KV caches must have the activations' dtype");
+  check_kv_type(k_cache, v_cache);
+}
+
+// n values from src to dst, rounded to dst's type (a copy when the types agree).
+template <typename T, typename C>
+inline void store_row(const T* src, C* dst, int64_t n) {
+  if constexpr (std::is_same<T, C>::value) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; i++) dst[i] = from_f<C>(to_f(src[i]));
+  }
 }
 
 const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::Tensor& holder) {
@@ -699,9 +724,11 @@ const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::
 }
 
 // One head: optional per-head RMSNorm, then RoPE (cos/sin already rounded to T), into dst.
-template <typename T>
+// T: the activations' dtype (every rounding the layer makes); C: dst's (q: T; a cached K: the KV
+// cache's, one more rounding as it is stored, as `k.to(cache dtype)` would).
+template <typename T, typename C = T>
 inline void norm_rope_head(const T* src, const float* norm_w, float eps, const float* c, const float* s, int64_t D,
-                           bool interleaved, T* dst) {
+                           bool interleaved, C* dst) {
   alignas(64) float x[512];
   if (norm_w != nullptr) {
     const float r = 1.0f / std::sqrt(sum_squares(src, D) / (float)D + eps);
@@ -713,8 +740,8 @@ inline void norm_rope_head(const T* src, const float* norm_w, float eps, const f
   for (int64_t i = 0; i < half; i++) {
     const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
     const float x1 = x[a], x2 = x[b];
-    dst[a] = from_f<T>(rnd<T>(x1 * c[i]) - rnd<T>(x2 * s[i]));
-    dst[b] = from_f<T>(rnd<T>(x2 * c[i]) + rnd<T>(x1 * s[i]));
+    dst[a] = from_f<C>(rnd<T>(rnd<T>(x1 * c[i]) - rnd<T>(x2 * s[i])));
+    dst[b] = from_f<C>(rnd<T>(rnd<T>(x2 * c[i]) + rnd<T>(x1 * s[i])));
   }
 }
 
@@ -737,7 +764,7 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
   const int64_t D = x.n / (H + 2 * Hkv);
   TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
   const int64_t T = x.rows;
-  check_cache(k_cache, v_cache, qkv_in.scalar_type(), Hkv, D);
+  check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D / 2 && cos_table.sizes() == sin_table.sizes() &&
                   cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
               "cos_table and sin_table must be float32 [context, ", D / 2, "]");
@@ -759,30 +786,33 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
   const float* cp = cos_t.data_ptr<float>();
   const float* sp = sin_t.data_ptr<float>();
   dispatch_float(x.t.scalar_type(), "qkv_rope_write", [&](auto tag) {
-    using T_ = decltype(tag);
-    const T_* xp = ptr<T_>(x.t);
-    T_* qp = ptr<T_>(q);
-    T_* kc = ptr<T_>(k_cache);
-    T_* vc = ptr<T_>(v_cache);
-    at::parallel_for(0, T, row_grain(x.n), [&](int64_t b, int64_t e) {
-      alignas(64) float c[256], s[256];
-      for (int64_t t = b; t < e; t++) {
-        const T_* row = xp + t * x.stride;
-        for (int64_t i = 0; i < D / 2; i++) {
-          c[i] = rnd<T_>(cp[pp[t] * (D / 2) + i]);
-          s[i] = rnd<T_>(sp[pp[t] * (D / 2) + i]);
-        }
-        for (int64_t h = 0; h < H; h++)
-          norm_rope_head<T_>(row + h * D, qw.empty() ? nullptr : qw.data(), (float)eps, c, s, D, interleaved,
-                             qp + (t * H + h) * D);
-        if (t < N) {
-          for (int64_t g = 0; g < Hkv; g++) {
-            norm_rope_head<T_>(row + (H + g) * D, kw.empty() ? nullptr : kw.data(), (float)eps, c, s, D, interleaved,
-                               kc + (slots[t] * Hkv + g) * D);
+    dispatch_kv(k_cache.scalar_type(), [&](auto kv_tag) {
+      using T_ = decltype(tag);
+      using C = decltype(kv_tag);
+      const T_* xp = ptr<T_>(x.t);
+      T_* qp = ptr<T_>(q);
+      C* kc = ptr<C>(k_cache);
+      C* vc = ptr<C>(v_cache);
+      at::parallel_for(0, T, row_grain(x.n), [&](int64_t b, int64_t e) {
+        alignas(64) float c[256], s[256];
+        for (int64_t t = b; t < e; t++) {
+          const T_* row = xp + t * x.stride;
+          for (int64_t i = 0; i < D / 2; i++) {
+            c[i] = rnd<T_>(cp[pp[t] * (D / 2) + i]);
+            s[i] = rnd<T_>(sp[pp[t] * (D / 2) + i]);
           }
-          std::memcpy(vc + slots[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(T_));
+          for (int64_t h = 0; h < H; h++)
+            norm_rope_head<T_>(row + h * D, qw.empty() ? nullptr : qw.data(), (float)eps, c, s, D, interleaved,
+                               qp + (t * H + h) * D);
+          if (t < N) {
+            for (int64_t g = 0; g < Hkv; g++) {
+              norm_rope_head<T_, C>(row + (H + g) * D, kw.empty() ? nullptr : kw.data(), (float)eps, c, s, D,
+                                    interleaved, kc + (slots[t] * Hkv + g) * D);
+            }
+            store_row(row + (H + Hkv) * D, vc + slots[t] * Hkv * D, Hkv * D);
+          }
         }
-      }
+      });
     });
   });
   return q;
@@ -829,7 +859,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   const int64_t N = k_in.size(0), Hkv = k_in.size(1), D = k_in.size(2);
   check_float_type(k_in, "k");
   TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "k and v must share a dtype");
-  check_cache(k_cache, v_cache, k_in.scalar_type(), Hkv, D);
+  check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(slot_mapping.size(0) == N, "slot_mapping must have one slot per token");
   at::Tensor holder;
   const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), holder);
@@ -838,15 +868,20 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
     return (t.stride(2) == 1 && t.stride(1) == D) ? t : t.contiguous();
   };
   const at::Tensor k = packed(k_in), v = packed(v_in);
-  const int64_t bytes = Hkv * D * k.element_size();
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < N; t++) {
-    std::memcpy(kc + slots[t] * bytes, kp + t * k.stride(0) * k.element_size(), bytes);
-    std::memcpy(vc + slots[t] * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
-  }
+  dispatch_float(k.scalar_type(), "write_kv", [&](auto tag) {
+    dispatch_kv(k_cache.scalar_type(), [&](auto kv_tag) {
+      using T = decltype(tag);
+      using C = decltype(kv_tag);
+      const T* kp = ptr<T>(k);
+      const T* vp = ptr<T>(v);
+      C* kc = ptr<C>(k_cache);
+      C* vc = ptr<C>(v_cache);
+      for (int64_t t = 0; t < N; t++) {
+        store_row(kp + t * k.stride(0), kc + slots[t] * Hkv * D, Hkv * D);
+        store_row(vp + t * v.stride(0), vc + slots[t] * Hkv * D, Hkv * D);
+      }
+    });
+  });
 }
 
 void register_layer_ops(pybind11::module_& m) {

@@ -54,6 +54,8 @@ SS_INLINE V16 bf16x16(const void* p) {
   const __m256i h = _mm256_loadu_si256((const __m256i*)p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+// 16 IEEE half values at p → float32 (exact).
+SS_INLINE V16 f16x16(const void* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 SS_INLINE V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // a · 2^n for integral n (exp's last step).
 SS_INLINE V16 scale_pow2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
@@ -109,6 +111,10 @@ SS_INLINE V16 bf16x16(const void* p) {
   const __m128i lo = _mm_loadu_si128((const __m128i*)p), hi = _mm_loadu_si128((const __m128i*)p + 1);
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
+}
+// 16 IEEE half values at p → float32 (exact; F16C).
+SS_INLINE V16 f16x16(const void* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
 }
 SS_INLINE V16 round_nearest(V16 x) {
   return {_mm256_round_ps(x.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),

@@ -31,6 +31,7 @@ from executor_svc.weights.model_weights import ModelWeights, load_weights
 from executor_svc.weights.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,6 +50,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops) -> torch.dtype:
+    """The KV cache's element type. `auto`: the activations' dtype. `float16` / `bfloat16` under
+    float32 activations (the C++ CPU kernels only: they compute in float32 and round each K/V
+    value once, where it is written) halve the bytes a decode step reads at long context and
+    double the tokens the KV budget holds; greedy output may then differ from the float32
+    reference on near-ties (the README's CPU section has the measured top-1 agreement)."""
+    if name == "auto":
+        return dtype
+    kv_dtype = KV_DTYPES[name]
+    if kv_dtype != dtype and ops.name != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype={name} differs from the activations' dtype, which only the C++ CPU kernels run "
+            f"(--device cpu, --kernels auto|cpu)"
+        )
+    return kv_dtype
 
 
 def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: str) -> str:
@@ -107,6 +125,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
         self.ops = resolve_ops(config.kernels, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.ops)
         weights = self._load_weights(gguf)
         self.weight_bytes = weights.num_bytes
         self.model = self._build_model(weights)
@@ -145,7 +164,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> KVManager:
         """The paged KV cache and its prefix cache; hybrid models also keep a recurrent state per running
-        request there. KV depends on the weights and the dtype: a cached block is only valid for this
+        request there. KV depends on the weights and the dtypes: a cached block is only valid for this
         model as loaded, hence the prefix root."""
         config = self.config
         return KVManager.from_memory_budget(
@@ -155,9 +174,12 @@ class ModelRunner:
             config.num_state_slots,
             self.dtype,
             self.device,
-            prefix_root=root_hash(f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}"),
+            prefix_root=root_hash(
+                f"{self.model_path.resolve()}:{self.model_path.stat().st_size}:{self.dtype}:{self.kv_dtype}"
+            ),
             enable_prefix_caching=config.enable_prefix_caching,
             num_state_snapshots=config.num_state_snapshots,
+            kv_dtype=self.kv_dtype,
         )
 
     def _capture_decode_graphs(self):

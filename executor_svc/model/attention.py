@@ -111,9 +111,9 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    """Store each token's K and V in its slot of the paged cache."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store each token's K and V in its slot of the paged cache (rounded to the cache's dtype)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.engine.engine import resolve_kv_cache_dtype, resolve_ops
+from executor_svc.engine.model_runner import resolve_kv_cache_dtype, resolve_ops
 from executor_svc.kv.kv_cache import KVCache
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer

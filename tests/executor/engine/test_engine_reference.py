@@ -149,26 +149,35 @@ def test_batched_with_unrelated_requests_joining_and_leaving(engine_fp32, prompt
     assert engine_fp32.kv.num_free_blocks == engine_fp32.kv.num_usable_blocks
 
 
-def all_position_logits(model, token_ids: list[int], dtype) -> torch.Tensor:
-    """Logits at every position of one sequence, from one forward over it."""
+def all_position_logits(model, token_ids: list[int], kv_dtype) -> torch.Tensor:
+    """Logits at every position of one sequence, from one forward over it (a KV cache of kv_dtype)."""
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
-    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, dtype, torch.device("cpu"))
+    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, kv_dtype, torch.device("cpu"))
     blocks: list[int] = []
     cache.grow(blocks, len(token_ids))
     batch = RaggedBatch.build([RequestSlice(token_ids, 0, blocks, len(token_ids))], 16, torch.device("cpu"))
     return model.forward(batch, cache)
 
 
-@pytest.mark.parametrize("dtype,matmul", [("float32", "exact"), ("float32", "int16"), ("bfloat16", "exact")])
+@pytest.mark.parametrize(
+    "dtype,matmul,kv_dtype",
+    [
+        ("float32", "exact", "float32"),
+        ("float32", "int16", "float32"),
+        ("float32", "int16", "float16"),
+        ("bfloat16", "exact", "bfloat16"),
+    ],
+)
 def test_top1_agreement_with_the_dequantized_float32_reference(
-    default_model_path, prompt_ids, solo_runs, dtype, matmul
+    default_model_path, prompt_ids, solo_runs, dtype, matmul, kv_dtype
 ):
     """Packed GGUF weights with the C++ kernels against dequantize-then-F.linear in float32
     with the plain-torch ops, teacher-forced over every reference prompt and its 64 greedy
     tokens. The exact float32 path must agree at >= 99% of positions (it measures 100%), and
-    so must the int16 matmul, the CPU default; bfloat16
+    so must the CPU default (the int16 matmul) with either KV cache, float32 or
+    --kv-cache-dtype float16; bfloat16
     activations, which --dtype auto does not pick on the CPU for this reason, measure ~98%
     and are held to 95%."""
     from executor_svc.weights.weight_format import has_int16_dot
@@ -192,10 +201,10 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     for i, ids in enumerate(prompt_ids):
         sequence = ids + solo_runs[f"p{i}"][0][:-1]
         expected = all_position_logits(reference, sequence, torch.float32).argmax(-1)
-        got = all_position_logits(ours, sequence, torch_dtype).argmax(-1)
+        got = all_position_logits(ours, sequence, getattr(torch, kv_dtype)).argmax(-1)
         agree += int((expected == got).sum())
         total += len(sequence)
     print(
-        f"\n{dtype}/{matmul}: top-1 agreement with the dequantized float32 reference {agree}/{total} = {agree / total:.4f}"
+        f"\n{dtype}/{matmul}/KV {kv_dtype}: top-1 agreement with the dequantized float32 reference {agree}/{total} = {agree / total:.4f}"
     )
     assert agree / total >= (0.99 if dtype == "float32" else 0.95)

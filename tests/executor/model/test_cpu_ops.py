@@ -24,8 +24,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
-    """parts: (request, first position, query tokens). Returns each part's output rows and the full output."""
+def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4, kv_dtype=None):
+    """parts: (request, first position, query tokens). Returns each part's output rows and the full output.
+    The cache holds K and V in kv_dtype (None: dtype)."""
     slices = [RequestSlice([0] * m, start, setup.tables[r], num_logits=1) for r, start, m in parts]
     batch = RaggedBatch.build(slices, BLOCK_SIZE, torch.device("cpu"), row_multiple=row_multiple)
     for r, start, m in parts:  # the whole history up to the part's end is in the cache
@@ -37,7 +38,9 @@ def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4):
     for (r, start, m), s0 in zip(parts, batch.query_starts):
         q[s0 : s0 + m] = setup.q[r][start : start + m]
     metadata = OPS.prepare(batch, BLOCK_SIZE)
-    out = OPS.attention(q.to(dtype), setup.k_cache.to(dtype), setup.v_cache.to(dtype), metadata, setup.head_dim**-0.5)
+    kv_dtype = kv_dtype or dtype
+    k_cache, v_cache = setup.k_cache.to(kv_dtype), setup.v_cache.to(kv_dtype)
+    out = OPS.attention(q.to(dtype), k_cache, v_cache, metadata, setup.head_dim**-0.5)
     return [out[s0 : s0 + m] for (_, _, m), s0 in zip(parts, batch.query_starts)], out, batch
 
 
@@ -187,6 +190,70 @@ def test_silu_mul(rows, dtype):
     assert out.shape == (rows, 1536) and out.dtype == dtype
     torch.testing.assert_close(out, REF.silu_mul(gate_up), **TOL[dtype])
     assert torch.equal(OPS.silu_mul(gate_up[rows - 1 :]), out[rows - 1 :])
+
+
+# (activations, KV cache): --kv-cache-dtype float16 under float32 or bfloat16 activations, and bfloat16 KV under float32.
+MIXED_KV = [(torch.float32, torch.float16), (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", MIXED_KV, ids=lambda t: str(t).removeprefix("torch."))
+def test_attention_over_a_16_bit_kv_cache_matches_dense_attention_on_the_rounded_kv(dtype, kv_dtype):
+    """K and V rounded once when stored, read back exactly: the dense reference on the rounded K/V."""
+    setup = Setup([1, 17, 300], num_heads=9, num_kv_heads=3, head_dim=64)
+    parts = [(0, 0, 1), (1, 8, 9), (2, 100, 200)]
+    outs, _, _ = run_attention(setup, parts, dtype, kv_dtype=kv_dtype)
+    for (r, start, m), out in zip(parts, outs):
+        q = setup.q[r][start : start + m].to(dtype).float()
+        k, v = (t[r][: start + m].to(kv_dtype).float() for t in (setup.k, setup.v))
+        torch.testing.assert_close(out.float(), dense_reference(q, k, v, setup.head_dim**-0.5), **TOL[dtype])
+        assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", MIXED_KV, ids=lambda t: str(t).removeprefix("torch."))
+def test_a_rows_attention_over_a_16_bit_kv_cache_does_not_depend_on_its_batch(dtype, kv_dtype):
+    setup = Setup([40, 40], num_heads=6, num_kv_heads=2, head_dim=64)
+    solo = run_attention(setup, [(0, 30, 1)], dtype, kv_dtype=kv_dtype)[0][0]
+    for parts in ([(1, 0, 40), (0, 30, 1)], [(0, 0, 31)], [(0, 20, 11), (1, 39, 1)]):
+        outs = run_attention(setup, parts, dtype, kv_dtype=kv_dtype)[0]
+        row = next(out[30 - start] for (r, start, m), out in zip(parts, outs) if r == 0)
+        assert torch.equal(row, solo[0]), parts
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", MIXED_KV, ids=lambda t: str(t).removeprefix("torch."))
+def test_a_16_bit_kv_cache_stores_what_torch_rounds(dtype, kv_dtype):
+    """write_kv and qkv_rope_write round K and V to the cache's dtype exactly as `.to(kv_dtype)` does."""
+    k, v = randn(5, 2, 32, dtype=dtype), randn(5, 2, 32, dtype=dtype, seed=1)
+    slots = torch.tensor([17, 3, 40, 41, 8])
+    caches = [torch.zeros(6, 8, 2, 32, dtype=kv_dtype) for _ in range(4)]
+    OPS.write_kv(k, v, caches[0], caches[1], slots)
+    REF.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=2)
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
+    positions, slots = torch.tensor([5, 6, 7, 0]), torch.tensor([21, 22, 23, 9])
+    results = []
+    for ops in (OPS, REF):
+        k_cache, v_cache = (torch.zeros(6, 8, num_kv_heads, head_dim, dtype=kv_dtype) for _ in range(2))
+        q = ops.qkv_rope_write(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            None,
+            None,
+            1e-6,
+            angles.cos(),
+            angles.sin(),
+            positions,
+            slots,
+            k_cache,
+            v_cache,
+        )
+        results.append((q, k_cache, v_cache))
+    (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
+    assert kc.dtype == kv_dtype and torch.equal(vc, vc_ref)  # V: one rounding, the same one
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(kc.float(), kc_ref.float(), **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

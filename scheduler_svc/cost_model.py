@@ -17,7 +17,7 @@ drafting, verification), and every coefficient ≥ 0. t is the executor's whole
 step (prepare + forward + sample): what a step occupies the executor for, and
 so what the scheduler must predict. Without the L and R terms a batched decode
 step looks like a one-request step of B tokens, which calibration (one request)
-prices far too cheap: the fit was 30–40% under on batched decode (issue 10, item 8).
+prices far too cheap: the fit was 30–40% under on batched decode, measured.
 
 The hinge is there because a decode step is a roofline: flat (memory-bound)
 until the arithmetic catches up with the weight stream, then linear in T. A

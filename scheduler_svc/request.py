@@ -8,7 +8,7 @@ Two ids: `request_id` is the client's (streams, logs, Abort); `executor_request_
 is unique per submission and is the only id plans and step results carry. A client
 may reuse its id once a request has ended, while a step still in flight carries
 results for the old one: keyed by the client's id, those results would be applied
-to the new request (issue 12, item 1).
+to the new request.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Matching is an Aho-Corasick automaton over the stop strings, fed one character
 at a time: its state *is* the longest suffix that begins some stop string, so
 each character costs amortised O(1) whatever the number and length of the stop
 strings. (Searching every stop string in the held-back text at every delta cost
-0.23 s per token for 2,000 stop strings of 1,000 characters: issue 12, item 3.)
+0.23 s per token for 2,000 stop strings of 1,000 characters.)
 """
 
 from __future__ import annotations

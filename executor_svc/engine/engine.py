@@ -158,7 +158,7 @@ class Engine:
             scheduled=[
                 replace(s, num_tokens=1)
                 for s in plan.scheduled
-                if (state := self._requests.get(s.request_id)) is not None and state.num_uncomputed_tokens == 1
+                if (state := self._requests.get(s.request_id)) is not None and state.num_pending_tokens == 1
             ]
         )
 
@@ -254,7 +254,7 @@ class Engine:
         """KV (and a state slot) for one scheduled request's tokens and drafts: its part of the step."""
         state = self._requests[s.request_id]
         # A prefix hit may have covered part of what the plan asked to compute.
-        num_tokens = min(s.num_tokens, state.num_uncomputed_tokens)
+        num_tokens = min(s.num_tokens, state.num_pending_tokens)
         start = state.num_computed_tokens
         end = start + num_tokens
         self.kv.allocate_slots(s.request_id, end + len(draft_ids))
@@ -367,7 +367,7 @@ class Engine:
             if state is None and s.request_id in self._finished_ids:
                 continue
             if state is not None and s.request_id not in emptied:
-                s = replace(s, num_tokens=min(s.num_tokens, state.num_uncomputed_tokens))
+                s = replace(s, num_tokens=min(s.num_tokens, state.num_pending_tokens))
             scheduled.append(s)
         preempted = [r for r in plan.preempted if r in self._requests or r not in self._finished_ids]
         return replace(plan, scheduled=scheduled, preempted=preempted)
@@ -400,7 +400,7 @@ class Engine:
         gone = {*plan.released, *plan.preempted}
         for s in plan.scheduled:
             state = self._requests.get(s.request_id)
-            if not s.draft_budget or state is None or s.request_id in gone or state.num_uncomputed_tokens != 1:
+            if not s.draft_budget or state is None or s.request_id in gone or state.num_pending_tokens != 1:
                 continue
             room = min(
                 s.draft_budget,

@@ -74,5 +74,5 @@ class RequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def num_uncomputed_tokens(self) -> int:
+    def num_pending_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

@@ -18,7 +18,7 @@ sampling's; a draft is kept with probability p_j(d), the same acceptance rate as
 the residual form ((p − q)+) of speculative sampling. And reproducible: the tokens
 are the very ones plain decoding draws with the same seed, whether or not anything
 was drafted (the residual form used a second uniform on rejection, so a seeded
-request's tokens depended on what the drafter proposed: issue 12, item 7).
+request's tokens depended on what the drafter proposed).
 
 The uniforms come from the request's counter-based stream (sampler.uniform) keyed
 by the output index, so a step's outcome does not depend on the batch around it.

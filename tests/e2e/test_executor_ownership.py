@@ -1,4 +1,4 @@
-"""One executor serves one scheduler (issue 12, item 5), on real servers in this process.
+"""One executor serves one scheduler, on real servers in this process.
 
 A second scheduler is refused (FAILED_PRECONDITION at attach, so it reports NOT_SERVING
 and answers UNAVAILABLE naming --take-over) and no stream of the first is lost; one

@@ -2,7 +2,7 @@
 wrapped so a test can hold a step's answer, and planner methods raise where a test says).
 
 - A client id reused right after an abort, while a step that carried the old request is
-  in flight, never receives the old request's results (issue 12, item 1).
+  in flight, never receives the old request's results.
 - A step that raises ends only its own requests, with INTERNAL; the loop goes on.
 - A step loop that dies anyway fails every stream and turns health NOT_SERVING.
 - A long prompt is tokenized off the event loop: other calls are answered meanwhile.

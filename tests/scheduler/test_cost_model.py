@@ -335,7 +335,7 @@ def test_recovers_known_per_row_and_per_request_coefficients():
 
 
 def test_calibrated_on_one_request_the_error_on_batched_decode_converges_within_20_steps():
-    """The live failure of issue 10 (item 8): calibration sees one request; batched decode steps cost
+    """A failure seen live: calibration sees one request; batched decode steps cost
     per row and per request too, so the old model was 30-40% under and stayed there."""
     truth = batched(8 * MS, 0.05 * MS, 4e-7, 0.4 * MS, 0.6 * MS)
     calibration = [

@@ -133,7 +133,7 @@ def test_message_size_must_exceed_the_prompt_limit():
         SchedulerConfig(max_prompt_bytes=4 << 20, max_message_bytes=4 << 20)
 
 
-# ------------------------------------------------------------- structured output (issue 13)
+# ------------------------------------------------------------------------- structured output
 
 
 def test_a_grammar_is_carried_to_the_request(limits):

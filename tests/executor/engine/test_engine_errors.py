@@ -239,7 +239,7 @@ def test_preempt_and_recompute_gives_the_same_tokens(engine, sampling):
     assert state.num_computed_tokens == 0 and engine.kv.block_ids(state.request_id) == []
     # Recompute prompt + output in chunks of 4, then keep decoding.
     while True:
-        pending = state.num_uncomputed_tokens
+        pending = state.num_pending_tokens
         out = engine.step(StepRequest(scheduled=[ScheduledRequest("y", min(4, pending))])).outputs[0]
         tokens += out.new_token_ids
         if out.finish_reason:

@@ -256,7 +256,7 @@ def test_a_preempted_request_keeps_its_place_in_the_grammar(engine):
     engine.step(StepRequest(preempted=["p"]))
     while True:
         state = engine.get_request("p")
-        out = engine.step(StepRequest(scheduled=[ScheduledRequest("p", state.num_uncomputed_tokens)])).outputs[0]
+        out = engine.step(StepRequest(scheduled=[ScheduledRequest("p", state.num_pending_tokens)])).outputs[0]
         tokens += out.new_token_ids
         if out.finish_reason is not None:
             break

@@ -268,7 +268,10 @@ class CostModel:
         samples = self._calibration + list(self._online)
         self._num_unfitted = 0
         self.num_refits += 1
-        self.max_observed_tokens = max((s.num_tokens for s in samples), default=0)
+        # A whole number of tokens: steps are observed as their mean run (13 tokens over 4 runs is 3.25,
+        # and 8 over 1 run is 8.0), which counts as its floor, so S, a token count, stays an int wherever
+        # it goes (plans, traces, the step history, GetTimeline).
+        self.max_observed_tokens = math.floor(max((s.num_tokens for s in samples), default=0))
         if not samples:
             self.fitted = self.config.prior
             self._update_level()

@@ -113,6 +113,18 @@ def test_free_token_budget_never_claims_past_the_largest_measured_step():
     assert flat.free_token_budget(0) == 8
 
 
+def test_free_token_budget_is_a_whole_number_after_mean_runs_are_observed():
+    """A decode-runs step is observed as its mean run (13 tokens over 4 runs: 3.25): S stays an int,
+    within the largest whole step measured, and so does the goodput policy's room that shares the cap."""
+    flat = CostModel(calibration=samples(linear(25 * MS, 0.0, 0.0), tokens=(1, 2)))
+    flat.observe(13 / 4, 400 / 4, 25 * MS, 13 / 4, 3.25)
+    assert flat.max_observed_tokens == 3 and type(flat.max_observed_tokens) is int
+    budget = flat.free_token_budget(100)
+    assert budget == 3 and type(budget) is int
+    flat.observe(8 / 1, 100 / 1, 25 * MS, 1.0, 1.0)  # one run: still a division
+    assert type(flat.max_observed_tokens) is int and type(flat.free_token_budget(100)) is int
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     a=st.floats(1 * MS, 50 * MS),

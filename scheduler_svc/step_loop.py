@@ -46,39 +46,12 @@ from scheduler_svc.executor_recovery import ExecutorRecovery, reconnect_backoff_
 from scheduler_svc.loop_view import LoopView
 from scheduler_svc.planner import Plan, Planner, RequestResult, RequestUpdate, StepFailure
 from scheduler_svc.request_stream import RequestStream
-from scheduler_svc.step_requests import StepRequestRecord, step_request_records
+from scheduler_svc.step_record import StepRecord, step_request_records
 from scheduler_svc.telemetry import StepScope, Telemetry
 from service_common.finish_reason import FinishReason
 from swarmserve.executor.v1 import executor_pb2 as epb
 
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step as the scheduler saw it: the raw material for timelines and the cost model."""
-
-    step_id: int
-    start_s: float  # time.monotonic() when the plan was sent
-    wall_s: float  # plan sent → result back (with overlapped scheduling: including the wait behind the step before)
-    num_requests: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_new_requests: int
-    num_preempted: int
-    num_free_kv_blocks: int
-    executor_forward_s: float
-    executor_total_s: float  # prepare + forward + sample, as the executor timed it
-    request_ids: tuple[str, ...]
-    num_draft_tokens: int = 0  # draft budget allocated (a request's budget holds in each run it takes part in)
-    num_drafted_tokens: int = 0  # drafts the executor proposed and verified
-    num_accepted_tokens: int = 0
-    num_free_tokens: int = 0  # the free-token budget S the policy saw (0 without speculation)
-    predicted_step_s: float = 0.0  # the cost model's prediction of executor_total_s for the step as planned
-    executor_prepare_s: float = 0.0
-    executor_sample_s: float = 0.0  # sampling and draft verification
-    requests: tuple[StepRequestRecord, ...] = ()  # each request's part: one timeline track per request
-    num_runs: int = 1  # runs of the plan in the call (decodes only run more than once): the times cover them all
 
 
 @dataclass

@@ -9,13 +9,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from scheduler_svc.step_record import StepRecord
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
 def timeline_to_pb(
-    history: Sequence, max_steps: int, num_kv_blocks: int, max_steps_kept: int
+    history: Sequence[StepRecord], max_steps: int, num_kv_blocks: int, max_steps_kept: int
 ) -> pb.GetTimelineResponse:
-    """`history`: StepRecords, oldest first; the last `max_steps` of them (0: all)."""
+    """`history`: oldest first; the last `max_steps` of it (0: all). Every field of a record fits
+    its proto field: the record's own check saw to that when the step made it (step_record.py)."""
     records = list(history)
     if max_steps:
         records = records[-max_steps:]

@@ -139,6 +139,16 @@ class EngineConfig:
             help="on a GPU, launch every decode step's kernels from Python instead of replaying captured graphs",
         ),
     )
+    # Start from the calibration measured last for this setup (model file, kernel build, CPU, settings:
+    # see engine/calibration_cache.py) instead of measuring again; the scheduler refines it online.
+    reuse_calibration: bool = field(
+        default=True,
+        metadata=flag(
+            "--recalibrate",
+            negated=True,
+            help="measure the start-up calibration even if one is cached for this setup (and keep the new one)",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -8,6 +8,7 @@ import signal
 
 import structlog
 
+from executor_svc.engine.calibration_cache import calibrate, default_cache_dir
 from executor_svc.engine.engine import Engine
 from executor_svc.flags import build_parser, config_from_args
 from executor_svc.observability.executor_metrics import ExecutorMetrics
@@ -23,10 +24,15 @@ async def run(args: argparse.Namespace) -> None:
     telemetry = start_service_telemetry(args, "swarmserve-executor", ExecutorMetrics, "swarmserve.executor")
     engine_thread = engine_thread_pool()  # every OpenMP-parallel call from one thread
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(engine_thread, Engine, config_from_args(args))
-    calibrate = engine.model_runner.calibrate
-    calibration = [] if args.no_calibration else await loop.run_in_executor(engine_thread, calibrate)
-    log.info("calibrated", num_samples=len(calibration))
+    config = config_from_args(args)
+    engine = await loop.run_in_executor(engine_thread, Engine, config)
+    if args.no_calibration:
+        calibration, source = [], "off"
+    else:  # the one cached for this setup, or measured now (and cached)
+        calibration, source = await loop.run_in_executor(
+            engine_thread, calibrate, engine.model_runner, default_cache_dir(), config.reuse_calibration
+        )
+    log.info("calibrated", num_samples=len(calibration), calibration=source)
     log.debug(
         "calibration_samples",
         samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration],

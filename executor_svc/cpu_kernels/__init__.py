@@ -59,7 +59,7 @@ def build_root() -> Path:
     return Path(base) / _cpu_signature()
 
 
-def _source_signature() -> str:
+def source_signature() -> str:
     """The sources, their folder, the flags and torch's version: a build folder is never shared by
     two of them (torch's build file holds the sources' absolute paths, so two checkouts with the
     same sources would otherwise rebuild over each other)."""
@@ -96,7 +96,7 @@ def load() -> ModuleType:
     from torch.utils import cpp_extension
 
     _find_ninja()
-    build_dir = build_root() / f"kernels-{_source_signature()}"
+    build_dir = build_root() / f"kernels-{source_signature()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:

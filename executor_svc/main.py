@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import time
 
 import structlog
 
@@ -12,7 +13,7 @@ from executor_svc.engine.calibration_cache import calibrate, default_cache_dir
 from executor_svc.engine.engine import Engine
 from executor_svc.flags import build_parser, config_from_args
 from executor_svc.observability.executor_metrics import ExecutorMetrics
-from executor_svc.server import engine_thread_pool, serve
+from executor_svc.server import engine_thread_pool, start_server
 from service_common.heap import freeze_startup_heap
 from service_common.observability.logs import configure_logging
 from service_common.observability.service_telemetry import start_service_telemetry
@@ -21,26 +22,15 @@ log = structlog.get_logger()
 
 
 async def run(args: argparse.Namespace) -> None:
+    """Listen first (health NOT_SERVING: a scheduler waiting for this executor sees it is on its
+    way), then build the engine and calibrate it (or reuse the calibration cached for this setup),
+    then serve."""
+    t0 = time.monotonic()
     telemetry = start_service_telemetry(args, "swarmserve-executor", ExecutorMetrics, "swarmserve.executor")
     engine_thread = engine_thread_pool()  # every OpenMP-parallel call from one thread
     loop = asyncio.get_running_loop()
-    config = config_from_args(args)
-    engine = await loop.run_in_executor(engine_thread, Engine, config)
-    if args.no_calibration:
-        calibration, source = [], "off"
-    else:  # the one cached for this setup, or measured now (and cached)
-        calibration, source = await loop.run_in_executor(
-            engine_thread, calibrate, engine.model_runner, default_cache_dir(), config.reuse_calibration
-        )
-    log.info("calibrated", num_samples=len(calibration), calibration=source)
-    log.debug(
-        "calibration_samples",
-        samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration],
-    )
-    server = await serve(
-        engine,
+    starting = await start_server(
         args.listen,
-        calibration,
         tracer=telemetry.tracer,
         metrics=telemetry.metrics,
         scheduler_token_file=args.scheduler_token_file,
@@ -48,14 +38,38 @@ async def run(args: argparse.Namespace) -> None:
         tls_key=args.tls_key,
         engine_thread=engine_thread,
     )
+    listen_s = time.monotonic() - t0
+    log.info("executor_listening", address=args.listen, state="starting")
+    config = config_from_args(args)
+    engine = await loop.run_in_executor(engine_thread, Engine, config)
+    engine_s = time.monotonic() - t0 - listen_s
+    if args.no_calibration:
+        calibration, source = [], "off"
+    else:  # the one cached for this setup, or measured now (and cached)
+        calibration, source = await loop.run_in_executor(
+            engine_thread, calibrate, engine.model_runner, default_cache_dir(), config.reuse_calibration
+        )
+    calibration_s = time.monotonic() - t0 - listen_s - engine_s
+    log.debug(
+        "calibration_samples",
+        samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration],
+    )
+    await starting.ready(engine, calibration)
     freeze_startup_heap()
     log.info(
-        "executor_listening",
+        "executor_ready",
         address=args.listen,
         model=engine.model_config.name,
         kv_blocks=engine.kv.num_usable_blocks,
         block_size=engine.kv.block_size,
+        calibration=source,
+        num_calibration_samples=len(calibration),
+        listen_s=round(listen_s, 3),
+        engine_s=round(engine_s, 3),
+        calibration_s=round(calibration_s, 3),
+        ready_s=round(time.monotonic() - t0, 3),
     )
+    server = starting.server
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -4,6 +4,11 @@ from_pb → engine → to_pb. Steps run one at a time on a worker thread so the
 event loop keeps answering health checks while the model computes. Engine
 exceptions become status codes; the engine stays usable for the next call.
 
+The server listens while the executor starts (start_server): health says NOT_SERVING and
+every ExecutorService call is UNAVAILABLE until the engine is built and calibrated (ready),
+so a scheduler whose executor restarted can tell one that is on its way back from one that
+is gone.
+
 Exactly one scheduler drives the executor. A scheduler attaches with GetInfo
 under its id (stable across its restarts); every attach releases whatever the
 engine holds, since an attaching scheduler has lost its state (it restarted, or
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -40,6 +46,9 @@ from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
 
+STARTING_MESSAGE = (
+    "the executor is starting (loading the model, calibrating): its health says NOT_SERVING until it serves"
+)
 STEP_ORDER_TIMEOUT_S = 30.0  # how long a plan built ahead waits for the step it follows to arrive
 
 SERVICE_NAME = "swarmserve.executor.v1.ExecutorService"
@@ -63,9 +72,12 @@ def engine_thread_pool() -> ThreadPoolExecutor:
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def __init__(
-        self, engine: Engine, calibration: list[CostSample] = (), engine_thread: ThreadPoolExecutor | None = None
+        self,
+        engine: Engine | None,
+        calibration: list[CostSample] = (),
+        engine_thread: ThreadPoolExecutor | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # None while the executor starts: every call is UNAVAILABLE until `ready`
         self.calibration = [c.to_pb() for c in calibration]
         self.executor_id = uuid.uuid4().hex
         self._scheduler_id = ""
@@ -77,6 +89,15 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._step_done = asyncio.Condition()
         self._last_step_id = 0
         self._failed_step_ids: set[int] = set()
+
+    def ready(self, engine: Engine, calibration: list[CostSample]) -> None:
+        """The engine is built and calibrated: serve it."""
+        self.calibration = [c.to_pb() for c in calibration]
+        self.engine = engine
+
+    async def _refuse_while_starting(self, context: grpc.aio.ServicerContext) -> None:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STARTING_MESSAGE)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -112,6 +133,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return None
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        await self._refuse_while_starting(context)
         async with self._lock:
             released = 0
             if request.scheduler_id:
@@ -182,6 +204,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         if not request.scheduler_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id is required")
+        await self._refuse_while_starting(context)
         is_ok = False
         try:
             await self._wait_for_step(request, context)
@@ -220,6 +243,63 @@ def _interceptors(tracer, metrics, scheduler_token_file: str | None) -> list:
     return interceptors
 
 
+@dataclass
+class StartingServer:
+    """The executor's gRPC server, listening while the engine is built: health NOT_SERVING and
+    every ExecutorService call UNAVAILABLE until `ready`. A scheduler that finds it so knows the
+    executor is on its way back, and keeps its streams waiting (see scheduler_svc/executor_recovery.py)."""
+
+    server: grpc.aio.Server
+    servicer: ExecutorServicer
+    health: health.aio.HealthServicer
+    metrics: object = None
+
+    async def ready(self, engine: Engine, calibration: list[CostSample] = ()) -> None:
+        if self.metrics is not None:
+            self.metrics.watch(engine)
+        self.servicer.ready(engine, calibration)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def start_server(
+    listen: str,
+    *,
+    tracer=None,
+    metrics=None,
+    scheduler_token_file: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    engine_thread: ThreadPoolExecutor | None = None,
+) -> StartingServer:
+    """Start the executor's gRPC server (service + standard health) before its engine exists.
+
+    `engine_thread` should be the `engine_thread_pool()` that builds the engine. `tracer`
+    (OpenTelemetry) and `metrics` (ExecutorMetrics) are optional: without them no
+    interceptor is installed at all.
+    """
+    server = grpc.aio.server(
+        interceptors=_interceptors(tracer, metrics, scheduler_token_file) or None,
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+        ],
+    )
+    servicer = ExecutorServicer(None, engine_thread=engine_thread)
+    pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server_port(server, listen, tls_cert, tls_key)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.bound_port = port  # type: ignore[attr-defined]
+    return StartingServer(server, servicer, health_servicer, metrics)
+
+
 async def serve(
     engine: Engine,
     listen: str,
@@ -232,31 +312,16 @@ async def serve(
     tls_key: str | None = None,
     engine_thread: ThreadPoolExecutor | None = None,
 ) -> grpc.aio.Server:
-    """Start the executor's gRPC server (service + standard health) and return it.
-
-    `engine_thread` should be the `engine_thread_pool()` that built the engine.
-
-    `tracer` (OpenTelemetry) and `metrics` (ExecutorMetrics) are optional: without them
-    no interceptor is installed at all.
-    """
-    if metrics is not None:
-        metrics.watch(engine)
-    server = grpc.aio.server(
-        interceptors=_interceptors(tracer, metrics, scheduler_token_file) or None,
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
-        ],
+    """Start the executor's gRPC server for a built engine, SERVING at once, and return it
+    (`start_server` then `ready`)."""
+    starting = await start_server(
+        listen,
+        tracer=tracer,
+        metrics=metrics,
+        scheduler_token_file=scheduler_token_file,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        engine_thread=engine_thread,
     )
-    pb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, calibration, engine_thread), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server_port(server, listen, tls_cert, tls_key)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    server.bound_port = port  # type: ignore[attr-defined]
-    return server
+    await starting.ready(engine, calibration)
+    return starting.server

@@ -15,11 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
 from scheduler_svc.intake import ModelLimits
 from swarmserve.executor.v1 import executor_pb2 as pb
 from swarmserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+EXECUTOR_SERVICE = "swarmserve.executor.v1.ExecutorService"  # its name in the executor's health service
 
 
 class ExecutorLink:
@@ -37,7 +40,14 @@ class ExecutorLink:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.step_timeout_s = step_timeout_s
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # Reconnect within a second of a restarted executor listening: gRPC's default backoff
+            # grows to two minutes over a long outage, which a slow restart is.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         interceptors = list(interceptors) or None  # e.g. trace context propagation, the executor's token
         if ca_file:  # TLS, the executor's certificate verified against this CA
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
@@ -45,6 +55,7 @@ class ExecutorLink:
         else:
             self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.scheduler_id = scheduler_id
         self.take_over = take_over
         self.info: pb.GetInfoResponse | None = None
@@ -73,6 +84,17 @@ class ExecutorLink:
             )
         self.info = info
         return info
+
+    async def is_starting(self) -> bool:
+        """Whether the executor is listening but not serving yet: its process is starting (loading
+        the model, calibrating), so it will be back. Asked of the standard health service."""
+        try:
+            response = await self.health.Check(
+                health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE), timeout=self.connect_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
     def detach(self) -> None:
         """Forget the connection (after a failed step); the next attach starts clean."""

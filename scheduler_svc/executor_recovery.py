@@ -5,8 +5,10 @@ restarted), the loop keeps every request and re-attaches; once the executor is
 back, each request is sent again as its prompt plus the tokens already streamed,
 and its stream goes on with no error and no repeated or missing text (greedy and
 seeded sampling continue token for token: the executor's random numbers are keyed
-by output position). New requests wait meanwhile. Only if the executor is not back
-within `executor_reconnect_timeout_s` do the streams end with UNAVAILABLE.
+by output position). New requests wait meanwhile. A restarted executor listens while
+it loads and calibrates, its health NOT_SERVING: a sign of life that restarts the
+wait, so streams wait however long a start takes on a busy machine. Only after
+`executor_reconnect_timeout_s` with no sign of the executor do they end with UNAVAILABLE.
 
 `ExecutorRecovery` holds what crosses the gap: the lost executor's requests (the
 orphans), since when they wait, and the model they were generated with (another
@@ -75,7 +77,8 @@ class ExecutorRecovery:
         self._fail_stream = fail_stream
         self.last_connect_error = ""
         self._orphans: list[Request] = []  # live requests of a lost executor, to send to the next one
-        self._lost_since: float | None = None  # when the executor was lost with requests in flight
+        # When the executor was lost with requests in flight, or last seen starting again since.
+        self._lost_since: float | None = None
         self._lost_model: tuple[str, int] | None = None  # (name, vocab size) they were generated with
 
     def connect_wait_s(self, grace_s: float) -> float:
@@ -152,6 +155,18 @@ class ExecutorRecovery:
         """Every stream is being ended (the executor is reset): no request waits any longer."""
         self._orphans, self._lost_since = [], None
 
+    async def executor_is_starting(self) -> bool:
+        """Whether the lost executor's process is starting again (listening, health NOT_SERVING
+        while it loads and calibrates): a sign of life. The reconnect window counts from the last
+        one, so the streams wait however long a start takes on a busy machine, and end only when
+        the executor stays unreachable for `executor_reconnect_timeout_s`."""
+        if self._lost_since is None or not await self.link.is_starting():
+            return False
+        if time.monotonic() - self._lost_since > 1.0:  # log once in a while, not at every poll
+            log.info("executor_starting", executor=self.link.address, requests_waiting=len(self._orphans))
+        self._lost_since = time.monotonic()
+        return True
+
     def give_up_if_waited_too_long(self) -> None:
         """Still no executor: once the streams have waited long enough, end them."""
         if self._lost_since is None:
@@ -160,7 +175,7 @@ class ExecutorRecovery:
         if waited < self.config.executor_reconnect_timeout_s:
             return
         self._end_orphans(
-            f"the executor at {self.link.address} was lost {waited:.0f} s ago and has not come back "
+            f"the executor at {self.link.address} has been unreachable for {waited:.0f} s and has not come back "
             f"({self.last_connect_error or 'unreachable'}; executor_reconnect_timeout_s="
             f"{self.config.executor_reconnect_timeout_s:g})"
         )

@@ -181,6 +181,8 @@ class StepLoop:
             self._connected.set()
             return 0
         self._connected.clear()
+        if await self.recovery.executor_is_starting():
+            attempt = 0  # about to serve: poll at the shortest interval
         self.recovery.give_up_if_waited_too_long()
         await asyncio.sleep(reconnect_backoff_s(attempt))
         return attempt + 1

@@ -20,6 +20,7 @@ from clients import timeline
 from clients.bench import batching as bench_batching
 from clients.bench import http_overhead as bench_http
 from clients.bench import overlap as bench_overlap
+from clients.bench import restart as bench_restart
 from clients.bench import scaleout as bench_scaleout
 from clients.bench import speculation as bench_speculation
 from clients.bench import swarm as bench_swarm
@@ -156,6 +157,11 @@ BENCHES = (
     ("swarm", bench_swarm, "agents x turns with a shared system prompt, tool pauses and copy-heavy turns"),
     ("overlap", bench_overlap, "scheduler + RPC share of each step, sync vs overlapped scheduling; cost-model error"),
     ("tracing", bench_tracing, "per-step overhead of tracing on vs off"),
+    (
+        "restart",
+        bench_restart,
+        "executor restart: time to listen and serve, kill to first resumed token, idle or loaded",
+    ),
     ("http", bench_http, "the HTTP front's overhead per token against gRPC, at 1 and 16 streams"),
     ("vs", bench_vs, "swarmserve vs llama.cpp's llama-server on the same GGUF: tok/s and resident memory"),
     (

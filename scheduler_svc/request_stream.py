@@ -46,16 +46,37 @@ class RequestStream:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def push_tokens(self, token_ids: list[int], logprobs: list) -> bool:
-        """Stream new tokens; returns True when a stop string matched (the request must end)."""
-        text = self._stops.feed(self._detokenizer.push(token_ids))
+    @property
+    def has_stopped(self) -> bool:
+        """A stop string matched: the request must end (its text ends before the stop string)."""
+        return self._stops.matched is not None
+
+    def push_tokens(self, token_ids: list[int], logprobs: list) -> int:
+        """Stream new tokens; returns how many of them are output: all, or once a stop string
+        matched (`has_stopped`), those up to the one that completed it. The tokens after it are
+        not output, so a request's tokens end at the same token however many a step brought
+        (speculation, decode runs)."""
+        if self._stops.is_empty:
+            text, num_output = self._detokenizer.push(token_ids), len(token_ids)
+        else:
+            text, num_output = self._feed_until_stop(token_ids)
         self._put(
             pb.GenerateResponse(
                 request_id=self.request_id,
-                delta=pb.TokenDelta(token_ids=token_ids, text=text, logprobs=logprobs),
+                delta=pb.TokenDelta(token_ids=token_ids[:num_output], text=text, logprobs=logprobs[:num_output]),
             )
         )
-        return self._stops.matched is not None
+        return num_output
+
+    def _feed_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """(text to stream, tokens fed): token by token, as if each came in a step of its own, until
+        a stop string matches."""
+        text = []
+        for i, token_id in enumerate(token_ids):
+            text.append(self._stops.feed(self._detokenizer.push([token_id])))
+            if self._stops.matched is not None:
+                return "".join(text), i + 1
+        return "".join(text), len(token_ids)
 
     def finish(self, reason: FinishReason) -> None:
         """Send the held-back text (unless a stop string matched) and the final message."""

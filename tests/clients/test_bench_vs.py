@@ -195,7 +195,8 @@ def test_swarmserve_only_run_end_to_end(tmp_path):
         [
             sys.executable, "-m", "clients.cli", "bench", "vs", "--model", str(model), "--streams", "1,3",
             "--max-tokens", "6", "--copy-tokens", "8", "--threads", "1", "--executor-arg=--kv-cache-gb=0.01",
-            "--scheduler-arg=--spec=goodput", "--json", str(out), "--log", str(tmp_path / "log"),
+            "--scheduler-arg=--spec=goodput", "--workloads", "streams,copy", "--json", str(out),
+            "--log", str(tmp_path / "log"),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -317,3 +317,36 @@ def test_the_report_of_a_run_cut_short_still_formats():
     }
     report = format_report(result)
     assert "N=1 1024+128" in report and "vs llama.cpp" in report and "abc" in report
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(
+    not os.environ.get("SWARMSERVE_BENCH_LLAMA_SERVER"),
+    reason="set SWARMSERVE_BENCH_LLAMA_SERVER to a llama-server (and SWARMSERVE_BENCH_VLLM_COMMAND to a vLLM "
+    "command with {port}) to run the prompt-bound rows against the real peers",
+)
+def test_prompt_bound_rows_against_the_real_peers(tmp_path):
+    """The peers take the same token ids and count them as sent, and stream exact lengths:
+    llama.cpp always, vLLM when its command is given (../shared/anchors/vllm-cpu.sh)."""
+    vllm = os.environ.get("SWARMSERVE_BENCH_VLLM_COMMAND")
+    out = tmp_path / "vs.json"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "clients.cli", "bench", "vs", "--workloads", "prefill,swarm",
+            "--prefill-streams", "2", "--prefill-tokens", "64", "--prefill-max-tokens", "4", "--agents", "2",
+            "--turns", "2", "--swarm-chunk-chars", "300", "--swarm-output-scale", "0.05",
+            "--llama-server", os.environ["SWARMSERVE_BENCH_LLAMA_SERVER"], "--json", str(out),
+            "--log", str(tmp_path / "log"), *(["--vllm-command", vllm] if vllm else []),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    prefill, swarm = json.loads(out.read_text())["rows"]
+    engines = {"llama.cpp", "swarmserve", *(["vllm"] if vllm else [])}
+    assert set(prefill["engines"]) == set(swarm["engines"]) == engines
+    for engine in engines:
+        assert prefill["errors"] == swarm["errors"] == {}
+        assert prefill["engines"][engine]["prompt_tokens"] == [64], engine
+        assert prefill["engines"][engine]["output_tokens"] == 2 * 4, engine
+        turns = swarm["engines"][engine]["turns"]
+        assert [t["output_tokens"] for t in turns] == [2, 11, 4, 15], engine  # 40, 220, 90, 300 x 0.05

@@ -1,5 +1,6 @@
-"""The prompt-bound rows of `swarmserve bench vs` (issue 23): measure one engine's OpenAI HTTP
-server on the prefill and swarm workloads (clients/bench/workloads.py), summarize, compare.
+"""The prompt-bound rows of `swarmserve bench vs` (issue 23): each engine's OpenAI HTTP server
+measured on the prefill and swarm workloads (clients/bench/workloads.py) by the same client
+code, one engine after another, summarized and compared (the report: prompt_bound_report.py).
 
 - **prefill**: N requests sent at once, each `num_tokens` random token ids (the same ids to
   every engine) and `max_tokens` greedy tokens out. Output tok/s = output tokens / the wall
@@ -20,19 +21,21 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import httpx
 
-from clients.bench.openai_stream import StreamedRequest, chat_body, completion_body, stream_request
-from clients.bench.workloads import AgentScript
+from clients.bench.llama_server import LlamaServerError
+from clients.bench.openai_stream import StreamedRequest, StreamError, chat_body, completion_body, stream_request
+from clients.bench.workloads import AgentScript, workload_fingerprint
 
 SWARMSERVE = "swarmserve"
 PEERS = ("llama.cpp", "vllm")  # in the order they run, before swarmserve
 ENGINE_LABELS = {SWARMSERVE: "swarmserve", "llama.cpp": "llama.cpp", "vllm": "vLLM-CPU"}
-MISSING = "–"
 WARM_UP_TOKENS = 8
+SLOT_MARGIN = 64  # llama-server KV tokens a slot holds beyond its request's prompt and output
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ async def measure_swarm(endpoint: Endpoint, system_prompt: str, scripts: Sequenc
     return swarm_summary(turns, t0, end)
 
 
-# -- comparison and report ------------------------------------------------------------------
+# -- comparison ---------------------------------------------------------------------------
 
 
 def advantage(ours: float | None, theirs: float | None, *, higher_is_better: bool) -> float | None:
@@ -210,67 +213,84 @@ def row_advantages(row: dict, metrics) -> dict:
     return result
 
 
-def metric_text(summary: dict | None, key: str) -> str:
-    if summary is None or summary.get(key) is None:
-        return MISSING
-    value = summary[key]
-    if key.endswith("_per_s"):
-        return f"{value:.1f}"
-    return f"{value * 1000:.0f} ms" if key.startswith("tpot") else f"{value:.2f} s"
+# -- rows: every engine on one workload ----------------------------------------------------
 
 
-def _times(value: float | None) -> str:
-    return MISSING if value is None else f"{value:.2f}x"
+@dataclass(frozen=True)
+class Peers:
+    """The peers of a run. llama.cpp is a fresh llama-server per row, sized for the row:
+    `llama(num_slots, slot_context)` starts one; vLLM is one server for the whole run."""
+
+    llama: Callable[[int, int], AbstractAsyncContextManager[Endpoint]] | None = None
+    vllm: Endpoint | None = None
 
 
-def format_rows(rows: Sequence[dict], metrics, title: str, label) -> list[str]:
-    """One table: a line per (row, engine) with the metrics, then swarmserve's advantage per peer."""
-    if not rows:
-        return []
-    engines = [e for e in (*PEERS, SWARMSERVE) if any(e in row["engines"] for row in rows)]
-    head = f"{'run':<22} | {'engine':<12} | " + " | ".join(f"{name:>10}" for _, name, _ in metrics) + " | load 1m"
-    lines = [title, head, "-" * len(head)]
-    for row in rows:
-        for engine in engines:
-            summary = row["engines"].get(engine)
-            cells = " | ".join(f"{metric_text(summary, key):>10}" for key, _, _ in metrics)
-            load = MISSING if summary is None else f"{summary['load_avg_1m']:.1f}"
-            lines.append(f"{label(row):<22} | {ENGINE_LABELS[engine]:<12} | {cells} | {load:>7}")
-        for peer, ratios in row.get("advantage", {}).items():
-            cells = " | ".join(f"{_times(ratios[key]):>10}" for key, _, _ in metrics)
-            lines.append(f"{'':<22} | {'vs ' + ENGINE_LABELS[peer]:<12} | {cells} |")
-    lines.append("  vs X: swarmserve's advantage over X (> 1: swarmserve better; tok/s ours/theirs, times theirs/ours)")
-    return lines
+async def measure_engines(peers: Peers, swarmserve: Endpoint, measure, *, num_slots: int, slot_context: int):
+    """`measure(endpoint)` on llama.cpp, vLLM, then swarmserve, one after another (the cores are
+    shared). An engine that fails gets None and its error, not the run's end."""
+    engines: list[tuple[str, Callable[[], AbstractAsyncContextManager[Endpoint]] | Endpoint]] = []
+    if peers.llama:
+        engines.append(("llama.cpp", lambda: peers.llama(num_slots, slot_context)))
+    if peers.vllm:
+        engines.append(("vllm", peers.vllm))
+    engines.append((SWARMSERVE, swarmserve))
+    summaries, errors = {}, {}
+    for engine, endpoint in engines:
+        try:
+            if isinstance(endpoint, Endpoint):
+                summaries[engine] = await measure(endpoint)
+            else:
+                async with endpoint() as fresh:
+                    summaries[engine] = await measure(fresh)
+        except (StreamError, LlamaServerError, httpx.HTTPError) as error:
+            summaries[engine], errors[engine] = None, f"{type(error).__name__}: {error}"
+            print(f"  {ENGINE_LABELS[engine]} failed: {errors[engine]}", flush=True)
+    return summaries, errors
 
 
-def prefill_label(row: dict) -> str:
-    return f"N={row['streams']} {row['prompt_tokens']}+{row['max_tokens']}"
+async def prefill_row(
+    peers: Peers, swarmserve: Endpoint, prompts: list[list[int]], warm_up_prompt: list[int], max_tokens: int
+) -> dict:
+    """One prefill row: every engine on `prompts` at once; llama.cpp with one slot per prompt."""
+    num_tokens = len(prompts[0])
+    summaries, errors = await measure_engines(
+        peers,
+        swarmserve,
+        lambda endpoint: measure_prefill(endpoint, prompts, max_tokens, warm_up_prompt),
+        num_slots=len(prompts),
+        slot_context=num_tokens + max_tokens + SLOT_MARGIN,
+    )
+    row = {
+        "kind": "prefill",
+        "streams": len(prompts),
+        "prompt_tokens": num_tokens,
+        "max_tokens": max_tokens,
+        "fingerprint": workload_fingerprint(prompts),
+        "engines": summaries,
+        "errors": errors,
+    }
+    row["advantage"] = row_advantages(row, PREFILL_METRICS)
+    return row
 
 
-def swarm_label(row: dict) -> str:
-    return f"{row['num_agents']} agents x {row['num_turns']} turns"
-
-
-def workload_checks(rows: Sequence[dict]) -> list[str]:
-    """Where an engine counted a different prompt than the ids sent, or generated fewer tokens
-    than asked: the comparison is then not like for like."""
-    lines = []
-    for row in rows:
-        if row["kind"] != "prefill":
-            continue
-        for engine, summary in row["engines"].items():
-            if summary is None:
-                continue
-            counted = summary["prompt_tokens"]
-            if counted and counted != [row["prompt_tokens"]]:
-                lines.append(
-                    f"  NOTE: {ENGINE_LABELS[engine]} counted {counted} prompt tokens in {prefill_label(row)} "
-                    f"(sent {row['prompt_tokens']} ids)"
-                )
-            expected = row["streams"] * row["max_tokens"]
-            if summary["output_tokens"] != expected:
-                lines.append(
-                    f"  NOTE: {ENGINE_LABELS[engine]} generated {summary['output_tokens']} tokens in "
-                    f"{prefill_label(row)}, not {expected}"
-                )
-    return lines
+async def swarm_row(
+    peers: Peers, swarmserve: Endpoint, system_prompt: str, scripts: Sequence[AgentScript], *, slot_context: int
+) -> dict:
+    """The swarm row: every engine runs the agents' scripts; llama.cpp with one slot per agent."""
+    summaries, errors = await measure_engines(
+        peers,
+        swarmserve,
+        lambda endpoint: measure_swarm(endpoint, system_prompt, scripts),
+        num_slots=len(scripts),
+        slot_context=slot_context,
+    )
+    row = {
+        "kind": "swarm",
+        "num_agents": len(scripts),
+        "num_turns": max(len(s.turns) for s in scripts),
+        "fingerprint": workload_fingerprint(system_prompt, *scripts),
+        "engines": summaries,
+        "errors": errors,
+    }
+    row["advantage"] = row_advantages(row, SWARM_METRICS)
+    return row

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shlex
@@ -45,15 +46,9 @@ from pathlib import Path
 import grpc
 import httpx
 
-from clients.bench import prompt_bound, workloads
-from clients.bench.llama_server import (
-    LlamaServerError,
-    llama_complete,
-    llama_server_version,
-    start_llama_server,
-)
-from clients.bench.openai_stream import StreamError
-from clients.bench.prompt_bound import SWARMSERVE, Endpoint
+from clients.bench import prompt_bound, prompt_bound_report, workloads
+from clients.bench.llama_server import llama_complete, llama_server_version, start_llama_server
+from clients.bench.prompt_bound import SWARMSERVE, Endpoint, Peers
 from clients.bench.services import start_services
 from clients.bench.vllm_server import served_version, start_vllm_server, wait_healthy
 from clients.client import AsyncSwarmClient
@@ -341,12 +336,12 @@ def _row(kind: str, num_streams: int, max_tokens: int, theirs: dict | None, ours
 def _print_progress(row: dict) -> None:
     if row["kind"] in PROMPT_BOUND:
         key, name, label = (
-            ("output_tokens_per_s", "out tok/s", prompt_bound.prefill_label(row))
+            ("output_tokens_per_s", "out tok/s", prompt_bound_report.prefill_label(row))
             if row["kind"] == "prefill"
-            else ("makespan_s", "makespan", prompt_bound.swarm_label(row))
+            else ("makespan_s", "makespan", prompt_bound_report.swarm_label(row))
         )
         cells = ", ".join(
-            f"{prompt_bound.ENGINE_LABELS[engine]} {prompt_bound.metric_text(summary, key)}"
+            f"{prompt_bound.ENGINE_LABELS[engine]} {prompt_bound_report.metric_text(summary, key)}"
             for engine, summary in row["engines"].items()
         )
         print(f"{row['kind']} {label}: {name} {cells}", flush=True)
@@ -376,78 +371,38 @@ async def run_short_rows(args: argparse.Namespace, model: str, log_file, service
         add_row(result, _row("copy", 1, args.copy_tokens, theirs, ours), args.json)
 
 
-@asynccontextmanager
-async def llama_endpoint(args: argparse.Namespace, model: str, log_file, *, num_slots: int, slot_context: int):
-    """A fresh llama-server with `num_slots` slots of `slot_context` tokens, as an Endpoint."""
-    async with start_llama_server(
-        args.llama_server,
-        model,
-        log_file,
-        num_slots=num_slots,
-        context_length=num_slots * slot_context,
-        threads=args.threads,
-        extra_args=shlex.split(args.llama_args),
-    ) as server:
-        yield Endpoint("llama.cpp", server.url, "llama")
+def llama_factory(args: argparse.Namespace, model: str, log_file):
+    """`(num_slots, slot_context) -> a fresh llama-server as an Endpoint`, or None without --llama-server."""
+    if not args.llama_server:
+        return None
+
+    @asynccontextmanager
+    async def start(num_slots: int, slot_context: int):
+        async with start_llama_server(
+            args.llama_server,
+            model,
+            log_file,
+            num_slots=num_slots,
+            context_length=num_slots * slot_context,
+            threads=args.threads,
+            extra_args=shlex.split(args.llama_args),
+        ) as server:
+            yield Endpoint("llama.cpp", server.url, "llama")
+
+    return start
 
 
-async def measure_engines(peer_endpoints: dict, swarmserve: Endpoint, measure) -> tuple[dict, dict]:
-    """`measure(endpoint)` on each peer (llama.cpp, vLLM) then swarmserve, one after another.
-
-    `peer_endpoints` maps a peer to a context-manager factory (a fresh server per row) or an
-    Endpoint (one server for the run). A failed engine gets None and its error, not the run's end."""
-    summaries, errors = {}, {}
-    for engine, endpoint in [*peer_endpoints.items(), (SWARMSERVE, swarmserve)]:
-        try:
-            if isinstance(endpoint, Endpoint):
-                summaries[engine] = await measure(endpoint)
-            else:
-                async with endpoint() as fresh:
-                    summaries[engine] = await measure(fresh)
-        except (StreamError, LlamaServerError, httpx.HTTPError) as error:
-            summaries[engine], errors[engine] = None, f"{type(error).__name__}: {error}"
-            print(f"  {prompt_bound.ENGINE_LABELS[engine]} failed: {errors[engine]}", flush=True)
-    return summaries, errors
-
-
-async def run_prefill_rows(args, model, log_file, swarmserve: Endpoint, vllm: Endpoint | None, info, result) -> None:
+async def run_prefill_rows(args: argparse.Namespace, peers: Peers, swarmserve: Endpoint, info, result: dict) -> None:
     vocab_size, special_ids = vocabulary(info)
-    slot_context = args.prefill_tokens + args.prefill_max_tokens + CONTEXT_MARGIN
+    draw = functools.partial(workloads.random_prompts, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed)
+    warm_up_prompt = draw(1, args.prefill_tokens, purpose="warm-up")[0]
     for num_streams in args.prefill_streams:
-        prompts = workloads.random_prompts(
-            num_streams, args.prefill_tokens, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed
-        )
-        warm_up_prompt = workloads.random_prompts(
-            1, args.prefill_tokens, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed, purpose="warm-up"
-        )[0]
-        peers: dict = {}
-        if args.llama_server:
-            peers["llama.cpp"] = lambda n=num_streams: llama_endpoint(
-                args, model, log_file, num_slots=n, slot_context=slot_context
-            )
-        if vllm:
-            peers["vllm"] = vllm
-        summaries, errors = await measure_engines(
-            peers,
-            swarmserve,
-            lambda endpoint, p=prompts, w=warm_up_prompt: prompt_bound.measure_prefill(
-                endpoint, p, args.prefill_max_tokens, w
-            ),
-        )
-        row = {
-            "kind": "prefill",
-            "streams": num_streams,
-            "prompt_tokens": args.prefill_tokens,
-            "max_tokens": args.prefill_max_tokens,
-            "fingerprint": workloads.workload_fingerprint(prompts),
-            "engines": summaries,
-            "errors": errors,
-        }
-        row["advantage"] = prompt_bound.row_advantages(row, prompt_bound.PREFILL_METRICS)
+        prompts = draw(num_streams, args.prefill_tokens)
+        row = await prompt_bound.prefill_row(peers, swarmserve, prompts, warm_up_prompt, args.prefill_max_tokens)
         add_row(result, row, args.json)
 
 
-async def run_swarm_row(args, model, log_file, swarmserve: Endpoint, vllm: Endpoint | None, info, result) -> None:
+async def run_swarm_row(args: argparse.Namespace, peers: Peers, swarmserve: Endpoint, info, result: dict) -> None:
     config = workloads.SwarmConfig(
         num_agents=args.agents,
         num_turns=args.turns,
@@ -457,28 +412,10 @@ async def run_swarm_row(args, model, log_file, swarmserve: Endpoint, vllm: Endpo
     )
     system_prompt = workloads.swarm_system_prompt()
     scripts = workloads.agent_scripts(config, workloads.load_source_files(REPO_ROOT))
-    peers: dict = {}
-    if args.llama_server:
-        peers["llama.cpp"] = lambda: llama_endpoint(
-            args, model, log_file, num_slots=config.num_agents, slot_context=args.swarm_slot_context
-        )
-    if vllm:
-        peers["vllm"] = vllm
-    summaries, errors = await measure_engines(
-        peers, swarmserve, lambda endpoint: prompt_bound.measure_swarm(endpoint, system_prompt, scripts)
-    )
-    row = {
-        "kind": "swarm",
-        "num_agents": config.num_agents,
-        "num_turns": config.num_turns,
-        "config": asdict(config),
-        "source_files": list(workloads.SWARM_SOURCE_FILES),
-        "workload_tokens": swarm_token_counts(info, system_prompt, scripts),
-        "fingerprint": workloads.workload_fingerprint(system_prompt, *scripts),
-        "engines": summaries,
-        "errors": errors,
-    }
-    row["advantage"] = prompt_bound.row_advantages(row, prompt_bound.SWARM_METRICS)
+    row = await prompt_bound.swarm_row(peers, swarmserve, system_prompt, scripts, slot_context=args.swarm_slot_context)
+    row["config"] = asdict(config)
+    row["source_files"] = list(workloads.SWARM_SOURCE_FILES)
+    row["workload_tokens"] = swarm_token_counts(info, system_prompt, scripts)
     add_row(result, row, args.json)
 
 
@@ -517,7 +454,7 @@ async def vllm_endpoint(args: argparse.Namespace, log_file):
         await wait_healthy(args.vllm_server.rstrip("/"), timeout_s=30)
         yield Endpoint("vllm", args.vllm_server.rstrip("/"), args.vllm_model)
         return
-    print("starting vLLM (minutes: it compiles on every start) ...", flush=True)
+    print("starting vLLM (its start-up takes minutes) ...", flush=True)
     t0 = time.monotonic()
     async with start_vllm_server(args.vllm_command, log_file, startup_timeout_s=args.vllm_startup_timeout) as url:
         print(f"vLLM healthy after {time.monotonic() - t0:.0f} s", flush=True)
@@ -593,11 +530,12 @@ async def run_bench(args: argparse.Namespace) -> dict:
                 "max_decode_runs"
             )
             await run_short_rows(args, model, log_file, services, info, result)
+            peers = Peers(llama=llama_factory(args, model, log_file), vllm=vllm)
             swarmserve = Endpoint(SWARMSERVE, f"http://{services.http_address}", "swarmserve")
             if "prefill" in args.workloads:
-                await run_prefill_rows(args, model, log_file, swarmserve, vllm, info, result)
+                await run_prefill_rows(args, peers, swarmserve, info, result)
             if "swarm" in args.workloads:
-                await run_swarm_row(args, model, log_file, swarmserve, vllm, info, result)
+                await run_swarm_row(args, peers, swarmserve, info, result)
             result["swarmserve_weight_bytes"] = await reported_weight_bytes(
                 services.executor_address, services.scheduler_address
             )
@@ -718,55 +656,6 @@ def _short_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _prompt_bound_tables(result: dict) -> list[str]:
-    prefill = [row for row in result["rows"] if row["kind"] == "prefill"]
-    swarm = [row for row in result["rows"] if row["kind"] == "swarm"]
-    lines = []
-    if prefill:
-        lines += [
-            "",
-            *prompt_bound.format_rows(
-                prefill,
-                prompt_bound.PREFILL_METRICS,
-                "prefill: N requests at once, random token ids in, greedy tokens out (/v1/completions, streamed)",
-                prompt_bound.prefill_label,
-            ),
-            *prompt_bound.workload_checks(prefill),
-        ]
-    for row in swarm:
-        tokens = row["workload_tokens"]
-        lines += [
-            "",
-            *prompt_bound.format_rows(
-                [row],
-                prompt_bound.SWARM_METRICS,
-                f"swarm: {row['num_agents']} agents x {row['num_turns']} turns, shared system prompt "
-                f"{tokens['system_prompt']} tokens, {tokens['user_turn_mean']:.0f} tokens of a source file a turn, "
-                f"{tokens['output']} tokens out in all (/v1/chat/completions, streamed)",
-                prompt_bound.swarm_label,
-            ),
-        ]
-        for engine, summary in row["engines"].items():
-            if summary and summary.get("prompt_tokens") is not None:
-                cached = summary.get("cached_tokens")
-                lines.append(
-                    f"  {prompt_bound.ENGINE_LABELS[engine]}: {summary['prompt_tokens']} prompt tokens over the turns"
-                    + (f", {cached} of them cached" if cached is not None else "")
-                    + f", {summary['output_tokens']} out ({summary['output_tokens_per_s']:.1f} tok/s over the makespan)"
-                )
-    for row in prefill + swarm:
-        for engine, error in row.get("errors", {}).items():
-            lines.append(f"  {prompt_bound.ENGINE_LABELS[engine]} failed in {row['kind']}: {error}")
-    if prefill or swarm:
-        fingerprints = ", ".join(
-            f"{row['kind']} {prompt_bound.prefill_label(row) if row['kind'] == 'prefill' else prompt_bound.swarm_label(row)}"
-            f" {row['fingerprint']}"
-            for row in prefill + swarm
-        )
-        lines.append(f"  workloads (same fingerprint, same requests): {fingerprints}")
-    return lines
-
-
 def format_report(result: dict) -> str:
     gguf = result["gguf_bytes"]
     short_rows = [row for row in result["rows"] if row["kind"] not in PROMPT_BOUND]
@@ -789,7 +678,7 @@ def format_report(result: dict) -> str:
             f"vLLM-CPU: {result.get('vllm_version') or '?'}, "
             + (f"at {result['vllm_server']}" if result.get("vllm_server") else f"started as: {result['vllm_command']}")
         )
-    lines += ["", *_short_table(short_rows), *_prompt_bound_tables(result)]
+    lines += ["", *_short_table(short_rows), *prompt_bound_report.format_prompt_bound(result["rows"])]
     weight_bytes = result.get("swarmserve_weight_bytes")
     lines += [
         f"  load 1m above the core count ({result['cpu_count']}): other processes shared the cores and the numbers are not comparable.",

@@ -4,6 +4,7 @@ a second swarmserve standing in for vLLM (started by `--vllm-command`, as vLLM w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from clients.bench import prompt_bound, workloads
+from clients.bench import prompt_bound, prompt_bound_report, workloads
 from clients.bench.openai_stream import StreamedRequest
 from clients.bench.prompt_bound import Endpoint, advantage, percentile, prefill_summary, swarm_summary
 from clients.bench.vllm_server import vllm_command
@@ -188,7 +189,9 @@ def test_rows_compare_swarmserve_with_each_peer_that_ran():
     assert row["advantage"]["llama.cpp"]["output_tokens_per_s"] == pytest.approx(40 / 17)
     assert row["advantage"]["vllm"]["ttft_median_s"] == pytest.approx(0.5)
     assert row["advantage"]["vllm"]["tpot_median_s"] == pytest.approx(0.4)
-    lines = prompt_bound.format_rows([row], prompt_bound.PREFILL_METRICS, "title", prompt_bound.prefill_label)
+    lines = prompt_bound_report.format_rows(
+        [row], prompt_bound.PREFILL_METRICS, "title", prompt_bound_report.prefill_label
+    )
     cells = lambda line: [c.strip() for c in line.split("|")]  # noqa: E731
     assert cells(next(line for line in lines if "vLLM-CPU" in line and "vs" not in line)) == [
         "N=8 1024+128", "vLLM-CPU", "100.0", "1.50 s", "60 ms", "1.0",
@@ -201,7 +204,9 @@ def test_rows_compare_swarmserve_with_each_peer_that_ran():
     failed["engines"]["llama.cpp"] = None
     failed["advantage"] = prompt_bound.row_advantages(failed, prompt_bound.PREFILL_METRICS)
     assert set(failed["advantage"]) == {"vllm"}
-    lines = prompt_bound.format_rows([failed], prompt_bound.PREFILL_METRICS, "t", prompt_bound.prefill_label)
+    lines = prompt_bound_report.format_rows(
+        [failed], prompt_bound.PREFILL_METRICS, "t", prompt_bound_report.prefill_label
+    )
     assert cells(next(line for line in lines if "llama.cpp" in line)) == [
         "N=16 1024+128", "llama.cpp", "–", "–", "–", "–",
     ]  # fmt: skip
@@ -209,10 +214,10 @@ def test_rows_compare_swarmserve_with_each_peer_that_ran():
 
 def test_an_engine_that_counted_another_prompt_is_noted():
     row = _prefill_row(1, {"llama.cpp": (15.0, 5.0, 0.02), "swarmserve": (30.0, 3.0, 0.01)})
-    assert prompt_bound.workload_checks([row]) == []
+    assert prompt_bound_report.workload_checks([row]) == []
     row["engines"]["llama.cpp"]["prompt_tokens"] = [1025]
     row["engines"]["swarmserve"]["output_tokens"] = 100
-    assert prompt_bound.workload_checks([row]) == [
+    assert prompt_bound_report.workload_checks([row]) == [
         "  NOTE: llama.cpp counted [1025] prompt tokens in N=1 1024+128 (sent 1024 ids)",
         "  NOTE: swarmserve generated 100 tokens in N=1 1024+128, not 128",
     ]
@@ -350,3 +355,13 @@ def test_prompt_bound_rows_against_the_real_peers(tmp_path):
         assert prefill["engines"][engine]["output_tokens"] == 2 * 4, engine
         turns = swarm["engines"][engine]["turns"]
         assert [t["output_tokens"] for t in turns] == [2, 11, 4, 15], engine  # 40, 220, 90, 300 x 0.05
+
+
+def test_an_engine_that_cannot_be_reached_fails_its_cells_not_the_run():
+    closed = lambda: Endpoint("vllm", f"http://127.0.0.1:{free_port()}", "m")  # noqa: E731 - nothing listens there
+    peers = prompt_bound.Peers(vllm=closed())
+    row = asyncio.run(prompt_bound.prefill_row(peers, replace(closed(), engine="swarmserve"), [[5, 6, 7]], [5], 4))
+    assert row["engines"] == {"vllm": None, "swarmserve": None}
+    assert set(row["errors"]) == {"vllm", "swarmserve"} and "ConnectError" in row["errors"]["vllm"]
+    assert row["advantage"] == {}
+    assert "vLLM-CPU failed in prefill: ConnectError" in "\n".join(prompt_bound_report.format_prompt_bound([row]))

@@ -1,4 +1,4 @@
-"""The prompt-bound rows of `swarmserve bench vs` (issue 23): each engine's OpenAI HTTP server
+"""The prompt-bound rows of `swarmserve bench vs`: each engine's OpenAI HTTP server
 measured on the prefill and swarm workloads (clients/bench/workloads.py) by the same client
 code, one engine after another, summarized and compared (the report: prompt_bound_report.py).
 

@@ -16,7 +16,7 @@ llama-server and of our executor (with its anonymous and file-backed parts, sinc
 llama.cpp maps the GGUF), next to the GGUF's size and, where GetInfo reports it, the
 executor's own count of weight bytes.
 
-Then the prompt-bound rows (issue 23; clients/bench/prompt_bound.py): `prefill`, N requests
+Then the prompt-bound rows (clients/bench/prompt_bound.py): `prefill`, N requests
 of 1024 random token ids x 128 tokens out through /v1/completions, and `swarm`, eight agents
 over /v1/chat/completions, each engine through its OpenAI HTTP server (ours: the scheduler's
 HTTP front) and measured by the same client code. vLLM-CPU joins these rows when given

@@ -1,4 +1,4 @@
-"""The prompt-bound workloads of `swarmserve bench vs` (issue 23), generated the same way every
+"""The prompt-bound workloads of `swarmserve bench vs`, generated the same way every
 run so that runs on different days, branches and engines measure the same thing.
 
 - **prefill**: N requests of `num_tokens` random token ids each (seeded, special tokens

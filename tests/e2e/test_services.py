@@ -112,11 +112,13 @@ async def concurrent_tokens(address):
 
 def test_decodes_run_several_times_per_call_only_with_one_step_in_flight(stack, solo_tokens):
     """The solo runs (agreeing across the modes: see solo_tokens) made their decodes in calls of
-    several runs with one step in flight (--max-decode-runs, default 4), and one run per call overlapped."""
+    several runs with one step in flight (up to --max-decode-runs, default 4: as many as the cost
+    model predicts within --decode-runs-window-ms, so fewer on a slow or busy machine), and one run
+    per call overlapped."""
     steps = fetch_timeline(stack.scheduler_address).steps
     runs = {s.num_runs for s in steps}
     if stack.scheduling_mode == "sync":
-        assert max(runs) == 4, runs
+        assert 1 < max(runs) <= 4, runs
         assert all(s.num_prefill_tokens == 0 for s in steps if s.num_runs > 1)
         assert sum(s.num_decode_tokens for s in steps if s.num_runs > 1) > sum(1 for s in steps if s.num_runs > 1)
     else:

@@ -12,7 +12,10 @@ the kernels (their kind, the C++ kernels' build: CPU model and flags, sources, t
 device, dtype, KV cache dtype, matmul, threads and batch invariance, and the grid itself. Anything else
 changed makes another key, hence a new measurement. A reused calibration is only where the
 cost model starts: the scheduler refines it from every real step's timings (its level and
-refits), which is also what corrects one measured on a busier or quieter machine than now.
+refits). But a start-up far off misleads the first decisions (a calibration measured at a load
+of 10 priced a lone decode at 360 ms where it took 20, and speculation was priced out), so a
+cached one is first checked against one step timed now (`still_holds`): the lone decode, the
+grid's first point. Off by more than `MAX_DRIFT` either way, it is measured again.
 
 Files live in `$XDG_CACHE_HOME/swarmserve/calibration/` (`~/.cache/...`), one small JSON
 file per setup, written atomically; the oldest beyond `MAX_FILES` are removed.
@@ -35,6 +38,8 @@ log = structlog.get_logger()
 
 FORMAT_VERSION = 1  # of the file and of the grid Engine.calibrate measures: bump when either changes
 MAX_FILES = 64
+MAX_DRIFT = 3.0  # a cached lone decode this many times slower or faster than one timed now: measured again
+DRIFT_SLACK_S = 0.002  # differences below this are timer and scheduling noise, whatever the ratio
 
 
 def default_cache_dir() -> Path:
@@ -118,9 +123,25 @@ def calibrate(runner, cache_dir: Path | None, reuse: bool = True) -> tuple[list[
     setup = runner_setup(runner) if cache_dir is not None else {}
     if cache_dir is not None and reuse:
         samples = load_calibration(cache_dir, setup)
-        if samples is not None:
+        if samples is not None and still_holds(runner, samples):
             return samples, "cached"
     samples = runner.calibrate()
     if cache_dir is not None:
         save_calibration(cache_dir, setup, samples)
     return samples, "measured"
+
+
+def still_holds(runner, samples: list[CostSample]) -> bool:
+    """Whether a cached calibration prices a lone decode (one request, one token, no context) as
+    the fastest of three timed now does, within MAX_DRIFT; True when it has no such point."""
+    cached = next((s for s in samples if (s.num_tokens, s.num_kv_tokens, s.num_requests) == (1, 1, 1)), None)
+    if cached is None:
+        return True
+    now = runner.time_step(0, 1, 1, 1, reps=3)
+    if now is None:
+        return True
+    then_s, now_s = cached.step_s or cached.forward_s, now.step_s or now.forward_s
+    if abs(then_s - now_s) <= DRIFT_SLACK_S or then_s / MAX_DRIFT <= now_s <= then_s * MAX_DRIFT:
+        return True
+    log.info("calibration_stale", cached_decode_ms=round(then_s * 1e3, 2), measured_decode_ms=round(now_s * 1e3, 2))
+    return False

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from executor_svc.engine import calibration_cache
-from executor_svc.engine.calibration_cache import calibrate, load_calibration, runner_setup, setup_key
+from executor_svc.engine.calibration_cache import calibrate, load_calibration, runner_setup, setup_key, still_holds
+from executor_svc.engine.step_messages import CostSample
 from tests.support.tiny_gguf import TinyModelSpec
 
 
@@ -28,6 +29,32 @@ def test_a_measured_calibration_is_kept_and_reused(tiny_runner, tmp_path, monkey
     monkeypatch.setattr(tiny_runner, "calibrate", no_measuring)
     reused, source = calibrate(tiny_runner, tmp_path)
     assert source == "cached" and reused == measured
+
+
+def test_a_calibration_cached_on_a_busier_machine_is_measured_again(tiny_runner, tmp_path):
+    """A calibration measured at a load of 10 priced a lone decode at 360 ms where it took 20: a
+    cached one is checked against a lone decode timed at start-up, and measured again if far off."""
+    calibrate(tiny_runner, tmp_path)
+    path = next(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    for s in data["samples"]:
+        s["forward_s"] += 1.0
+        s["step_s"] += 1.0
+    path.write_text(json.dumps(data))
+    samples, source = calibrate(tiny_runner, tmp_path)
+    assert source == "measured" and all(s.step_s < 1.0 for s in samples)
+    assert load_calibration(tmp_path, runner_setup(tiny_runner)) == samples
+
+
+@pytest.mark.parametrize(
+    "cached_s,now_s,holds",
+    [(0.020, 0.360, False), (0.360, 0.020, False), (0.020, 0.045, True), (0.0002, 0.0015, True)],
+)
+def test_still_holds_within_a_factor_or_the_noise_slack(tiny_runner, monkeypatch, cached_s, now_s, holds):
+    """The decision alone (the step timed now is given): MAX_DRIFT either way, DRIFT_SLACK_S absolute."""
+    lone_decode = CostSample(1, 1, cached_s, 1, 1, cached_s)
+    monkeypatch.setattr(tiny_runner, "time_step", lambda *args, **kwargs: CostSample(1, 1, now_s, 1, 1, now_s))
+    assert still_holds(tiny_runner, [CostSample(8, 8, 1.0, 1, 1, 1.0), lone_decode]) is holds
 
 
 def test_recalibrate_measures_again_and_keeps_the_new_one(tiny_runner, tmp_path):

@@ -1,4 +1,5 @@
-"""Waiting for a server to report SERVING on the standard grpc.health.v1 service.
+"""Waiting for a server to report SERVING on the standard grpc.health.v1 service, or, for the
+peers the benchmarks start (llama.cpp's and vLLM's HTTP servers), for its `/health` to answer 200.
 
 Both servers register it (the executor and the scheduler), so one loop serves the
 client's `wait_ready` and `swarmserve serve`'s startup. Each probe waits for the
@@ -10,8 +11,10 @@ not ready yet.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # Probes are cheap and local; short ones notice readiness soon after it happens.
@@ -54,3 +57,28 @@ async def wait_serving(channel: grpc.aio.Channel, timeout: float, service: str =
         if last == "SERVING":
             return
         await asyncio.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - loop.time())))
+
+
+async def wait_http_healthy(
+    url: str,
+    *,
+    timeout_s: float,
+    name: str,
+    error: type[Exception],
+    process: asyncio.subprocess.Process | None = None,
+    poll_s: float = 0.2,
+) -> None:
+    """Return once `url`/health answers 200; `error` if `process` (the server, when this run started
+    it) exits first, or after `timeout_s`. `name` names the server in the message."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            if process is not None and process.returncode is not None:
+                raise error(f"{name} exited with code {process.returncode} during startup (see its log)")
+            try:
+                if (await http.get(f"{url}/health", timeout=5.0)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            await asyncio.sleep(poll_s)
+    raise error(f"{name} was not healthy on {url} within {timeout_s:g}s")

@@ -18,6 +18,7 @@ both do), so each flag is defined once and each server's defaults stay the only 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -190,19 +191,28 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-async def stop_process(process: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM (the services' "stop gracefully"), then SIGKILL if it is still there after `grace_s`."""
-    if process.returncode is not None:
-        return
-    try:
-        process.terminate()
-    except ProcessLookupError:
-        pass
-    try:
-        await asyncio.wait_for(process.wait(), grace_s)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
+async def stop_process(process: asyncio.subprocess.Process, grace_s: float, *, group: bool = False) -> None:
+    """SIGTERM (the services' "stop gracefully"), then SIGKILL if it is still there after `grace_s`.
+
+    `group`: the process leads its own process group (started with `start_new_session`), and the
+    signals go to the whole group: a peer such as vLLM runs its engine in child processes, which
+    must not outlive it (they get SIGKILL once the leader is gone)."""
+
+    def signal_it(signum: int) -> None:
+        try:
+            os.killpg(process.pid, signum) if group else process.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    if process.returncode is None:
+        signal_it(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), grace_s)
+        except TimeoutError:
+            signal_it(signal.SIGKILL)
+            await process.wait()
+    if group:
+        signal_it(signal.SIGKILL)  # children that outlived their leader
 
 
 class ServeError(Exception):

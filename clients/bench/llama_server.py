@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ from dataclasses import dataclass
 import httpx
 
 from clients.bench.services import STOP_GRACE_S
+from clients.health import wait_http_healthy
 from clients.serve import free_port, stop_process
-
-HEALTH_POLL_S = 0.2
 
 
 class LlamaServerError(RuntimeError):
@@ -71,22 +69,6 @@ def completion_body(prompt: str, max_tokens: int) -> dict:
     }
 
 
-async def _wait_healthy(
-    http: httpx.AsyncClient, url: str, process: asyncio.subprocess.Process, timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.returncode is not None:
-            raise LlamaServerError(f"llama-server exited with code {process.returncode} during startup (see its log)")
-        try:
-            if (await http.get(f"{url}/health", timeout=2.0)).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        await asyncio.sleep(HEALTH_POLL_S)
-    raise LlamaServerError(f"llama-server was not healthy on {url} within {timeout_s:g}s")
-
-
 @asynccontextmanager
 async def start_llama_server(
     binary: str,
@@ -113,8 +95,9 @@ async def start_llama_server(
     process = await asyncio.create_subprocess_exec(*command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     try:
         url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient() as http:
-            await _wait_healthy(http, url, process, startup_timeout_s)
+        await wait_http_healthy(
+            url, timeout_s=startup_timeout_s, name="llama-server", error=LlamaServerError, process=process
+        )
         yield LlamaServer(url, process.pid)
     finally:
         await stop_process(process, STOP_GRACE_S)

@@ -10,17 +10,15 @@ serves the embedded model's weights as a bf16 checkpoint under the name
 from __future__ import annotations
 
 import asyncio
-import os
 import shlex
-import signal
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 
-from clients.serve import free_port
+from clients.health import wait_http_healthy
+from clients.serve import free_port, stop_process
 
 HEALTH_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # vLLM stops its engine core process before it exits
@@ -38,38 +36,10 @@ def vllm_command(template: str, port: int) -> list[str]:
 
 
 async def wait_healthy(url: str, *, timeout_s: float, process: asyncio.subprocess.Process | None = None) -> None:
-    """Poll `url`/health until it answers 200; fail early if `process` exits."""
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient() as http:
-        while time.monotonic() < deadline:
-            if process is not None and process.returncode is not None:
-                raise VllmServerError(f"the vLLM command exited with code {process.returncode} (see its log)")
-            try:
-                if (await http.get(f"{url}/health", timeout=5.0)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            await asyncio.sleep(HEALTH_POLL_S)
-    raise VllmServerError(f"vLLM was not healthy on {url} within {timeout_s:g}s")
-
-
-async def _stop_group(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM to the process group the command leads (vLLM's API server and its engine core),
-    then SIGKILL to what is left after the grace period."""
-    if process.returncode is None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # children that outlived their parent
-    except ProcessLookupError:
-        pass
-    await process.wait()
+    """vLLM's /health answers 200 (VllmServerError if `process` exits first or after `timeout_s`)."""
+    await wait_http_healthy(
+        url, timeout_s=timeout_s, name="the vLLM command", error=VllmServerError, process=process, poll_s=HEALTH_POLL_S
+    )
 
 
 @asynccontextmanager
@@ -88,7 +58,7 @@ async def start_vllm_server(template: str, log_file, *, startup_timeout_s: float
         await wait_healthy(url, timeout_s=startup_timeout_s, process=process)
         yield url
     finally:
-        await _stop_group(process)
+        await stop_process(process, STOP_GRACE_S, group=True)
 
 
 async def served_version(url: str) -> str | None:

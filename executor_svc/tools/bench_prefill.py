@@ -5,9 +5,9 @@
 An agent's turn is mostly prompt, so prefill speed is what its time to first token is made of.
 This prints, on the machine it runs on (its CPU model and vector ISA first):
 
-1. the measured peak: multiply-accumulates per second of the instruction the integer matmul
-   issues (256-bit int16-pair dot products: pmaddwd + paddd, or vpdpwssd with VNNI) and of
-   float32 FMA, one thread, times the threads;
+1. the measured peak: multiply-accumulates per second of the instruction the prompt kernel
+   issues (int16-pair dot products at its vector width, 512-bit on AVX-512 and 256-bit on AVX2:
+   pmaddwd + paddd, or vpdpwssd with VNNI) and of float32 FMA, one thread, times the threads;
 2. the integer matmul (`--matmul int16`, the CPU default) on each of the model's layer shapes at
    M rows: the per-row kernel a decode step takes and the 16-row panels a prompt takes (the two
    are bit-identical, qlinear.cpp), in GMAC/s and as a fraction of the int16 peak;

@@ -38,8 +38,9 @@ Each step, under one token budget (`max_num_batched_tokens`):
    decoding requests, as the draft policy decides from the cost model, each
    request's acceptance estimate and what its drafter can propose.
 
-With a decode-latency target, prefill chunks (2 and 3) are also capped so the
-cost model predicts the step within the target.
+While requests decode, prefill chunks (2 and 3) are also capped so the cost
+model predicts the step within the decode-latency target, but a prefill always
+gets at least half of the step (`_prefill_budget` states the rule).
 
 Plans and results name requests by `Request.executor_request_id` (unique per
 submission), never by the client's id; `requests` is keyed the same way.
@@ -426,13 +427,26 @@ class Planner:
             plan.preempted.append(victim.executor_request_id)
 
     def _prefill_budget(self, scheduled: dict[str, int], num_tokens: int) -> int:
-        """Of the tokens left after the decodes, those prefill chunks and admissions may take: all
-        of them, or with a decode-latency target, what the cost model says keeps the step within it."""
-        if self.config.decode_latency_target_s is None:
+        """Of the tokens left after the decodes, those prefill chunks and admissions may take.
+
+        The rule, so that a newcomer's long prompt never freezes the agents already streaming and
+        the streaming agents never starve a newcomer either:
+        - a step with no decodes gives prefill all of them (no one is waiting for a token);
+        - a step with decodes is capped where the cost model predicts it within the decode-latency
+          target, but never below twice what the decodes alone take (a prefill always gets at least
+          half of a step, however many agents decode) nor below `min_prefill_chunk` tokens.
+        """
+        target = self.config.decode_latency_target_s
+        if not target or not scheduled:  # None or 0: no cap
             return num_tokens
+        num_decodes = len(scheduled)
         decode_kv = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
+        decodes_alone_s = self.cost_model.predict(num_decodes, decode_kv, num_decodes, num_decodes)
+        # The chunk's own request attends to what it has cached: price the oldest prefill's context.
+        prefilling = next((r for r in self.running if r.num_pending_tokens > 1), None)
+        context = prefilling.num_expected_computed_tokens if prefilling is not None else 0
         cap = self.cost_model.max_chunk_tokens(
-            len(scheduled), decode_kv, self.config.decode_latency_target_s, self.config.min_prefill_chunk
+            num_decodes, decode_kv + context, max(target, 2 * decodes_alone_s), self.config.min_prefill_chunk
         )
         return min(num_tokens, cap)
 

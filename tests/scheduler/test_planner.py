@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost
 from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request
 from service_common.sampling_params import SamplingParams
@@ -115,6 +118,70 @@ def test_decodes_are_never_starved_by_prefill():
         running_decoders = [r for r in p.running if r.request_id.startswith("d") and r.num_pending_tokens == 1]
         assert len(decodes) == min(8, len(running_decoders))
         ex.step(plan)
+
+
+def latency_planner(target_s, budget=256, min_chunk=16):
+    """A planner whose cost model is a known line: a step costs 10 ms + 1 ms per token (no KV term)."""
+    config = SchedulerConfig(
+        max_running_requests=32,
+        max_num_batched_tokens=budget,
+        kv_watermark=0.0,
+        decode_latency_target_s=target_s,
+        min_prefill_chunk=min_chunk,
+    )
+    line = StepCost(fixed_s=0.010, per_token_s=0.001, per_kv_token_s=0.0)
+    cost_model = CostModel(CostModelConfig(prior=line))
+    return Planner(config, block_size=BLOCK, num_kv_blocks=100_000, max_num_batched_tokens=8192, cost_model=cost_model)
+
+
+def decoding(p, ex, num_agents):
+    """`num_agents` requests admitted and prefilled: each decodes one token a step from now on."""
+    for i in range(num_agents):
+        p.add(req(f"agent{i}", 4))
+    ex.run_step()
+    assert all(p.requests[r].num_pending_tokens == 1 for r in scheduled(ex.plans[-1]))
+
+
+def test_a_newcomers_prompt_takes_the_whole_budget_when_no_one_decodes():
+    p = latency_planner(target_s=0.020)
+    p.add(req("newcomer", 1000))
+    plan = p.schedule(now=0.0)
+    assert scheduled(plan) == {"newcomer": 256}  # the 20 ms target does not apply: no one waits for a token
+
+
+def test_while_agents_decode_a_newcomers_chunks_keep_each_step_within_the_target():
+    p = latency_planner(target_s=0.050)
+    ex = FakeExecutor(p)
+    decoding(p, ex, 4)
+    p.add(req("newcomer", 1000))
+    for _ in range(5):
+        plan = p.schedule(now=0.0)
+        tokens = scheduled(plan)
+        assert all(tokens[f"agent{i}"] == 1 for i in range(4))  # decodes first, every step
+        # 10 ms + (4 decodes + chunk) x 1 ms <= 50 ms: a chunk of 36.
+        assert tokens["newcomer"] == 36
+        assert plan.predicted_step_s <= 0.050 + 1e-9
+        ex.step(plan)
+
+
+def test_many_decoders_still_leave_a_newcomer_half_of_each_step():
+    p = latency_planner(target_s=0.020)
+    ex = FakeExecutor(p)
+    decoding(p, ex, 30)  # the decodes alone take 40 ms, past the 20 ms target
+    p.add(req("newcomer", 1000))
+    plan = p.schedule(now=0.0)
+    # Within twice the decodes' 40 ms: 10 ms + (30 + chunk) x 1 ms <= 80 ms, a chunk of 40.
+    assert scheduled(plan)["newcomer"] == 40
+    assert plan.predicted_step_s == pytest.approx(0.080)
+
+
+def test_no_latency_target_gives_prefill_the_rest_of_the_budget():
+    for off in (None, 0.0):
+        p = latency_planner(target_s=off)
+        ex = FakeExecutor(p)
+        decoding(p, ex, 4)
+        p.add(req("newcomer", 1000))
+        assert scheduled(p.schedule(now=0.0))["newcomer"] == 252
 
 
 def test_max_running_requests_caps_the_batch_and_finished_slots_refill_next_step():

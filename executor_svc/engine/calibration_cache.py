@@ -117,18 +117,22 @@ def _prune(cache_dir: Path) -> None:
 
 
 def calibrate(runner, cache_dir: Path | None, reuse: bool = True) -> tuple[list[CostSample], str]:
-    """(samples, where they came from: "cached" or "measured"). A measurement is kept in
-    `cache_dir` for the next start (None: not kept); `reuse` False measures even when one is
-    cached. Call it on the engine's thread, while no request runs."""
+    """(samples, where they came from: "cached"; "measured", none being cached; or "remeasured",
+    the cached one no longer holding, see `still_holds`). A measurement is kept in `cache_dir`
+    for the next start (None: not kept); `reuse` False measures even when one is cached. Call it
+    on the engine's thread, while no request runs."""
     setup = runner_setup(runner) if cache_dir is not None else {}
+    source = "measured"
     if cache_dir is not None and reuse:
         samples = load_calibration(cache_dir, setup)
-        if samples is not None and still_holds(runner, samples):
-            return samples, "cached"
+        if samples is not None:
+            if still_holds(runner, samples):
+                return samples, "cached"
+            source = "remeasured"
     samples = runner.calibrate()
     if cache_dir is not None:
         save_calibration(cache_dir, setup, samples)
-    return samples, "measured"
+    return samples, source
 
 
 def still_holds(runner, samples: list[CostSample]) -> bool:

@@ -36,10 +36,12 @@ def test_restart_bench_times_a_start_and_a_kill_and_the_streams_resume_identical
     assert result["first_resumed_token_s"]["min"] <= result["all_streams_resumed_s"]["max"]
     assert result["streams_identical"] == result["kills"] == 1 and not result["kill_rounds"][0]["errors"]
     # The first start measured its calibration (a new model file is a new setup); the later ones, and
-    # the restart after the kill, reused it.
+    # the restart after the kill, found it. They reuse it unless the lone decode they time at start
+    # differs from it by over 3x, which a machine whose load swings (a shared CI box) can make
+    # happen: then they measure again, and say so ("remeasured", never "measured").
     calibrations = [s["events"]["calibration"] for s in result["starts"]]
     calibrations.append(result["kill_rounds"][0]["restart"]["calibration"])
-    assert calibrations == ["measured", "cached", "cached"], calibrations
+    assert calibrations[0] == "measured" and all(c in ("cached", "remeasured") for c in calibrations[1:]), calibrations
     for start in result["starts"]:
         events = start["events"]
         assert 0 < events["executor_listening"] <= events["executor_ready"], events

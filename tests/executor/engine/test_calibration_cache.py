@@ -27,6 +27,9 @@ def test_a_measured_calibration_is_kept_and_reused(tiny_runner, tmp_path, monkey
         raise AssertionError("a cached calibration was measured again")
 
     monkeypatch.setattr(tiny_runner, "calibrate", no_measuring)
+    # The machine as fast as when it measured: the lone decode timed now would otherwise follow the
+    # load of a shared machine past the drift check (tested on its own below) and fail this test.
+    monkeypatch.setattr(calibration_cache, "still_holds", lambda runner, samples: True)
     reused, source = calibrate(tiny_runner, tmp_path)
     assert source == "cached" and reused == measured
 
@@ -42,7 +45,7 @@ def test_a_calibration_cached_on_a_busier_machine_is_measured_again(tiny_runner,
         s["step_s"] += 1.0
     path.write_text(json.dumps(data))
     samples, source = calibrate(tiny_runner, tmp_path)
-    assert source == "measured" and all(s.step_s < 1.0 for s in samples)
+    assert source == "remeasured" and all(s.step_s < 1.0 for s in samples)
     assert load_calibration(tmp_path, runner_setup(tiny_runner)) == samples
 
 

@@ -68,20 +68,23 @@ class SchedulerConfig:
         ),
     )
     # The cost model's prediction.
-    # 150 ms: ~7 tokens/s for every streaming agent while a newcomer's prompt is computed, where a full
-    # 256-token chunk holds them for ~0.6 s on a 2-core CPU; a GPU step is far within it anyway.
+    # Off by default: measured with 4 agents streaming while a 2,000-token prompt arrived (2-core Zen 4,
+    # load ~5), a 150 ms target cut the agents' longest gap from ~530 to ~300 ms but made the
+    # newcomer's time to first token 1.6-2.2x longer; a swarm's turns are mostly prompt.
     decode_latency_target_s: float | None = field(
-        default=0.15,
+        default=None,
         metadata=flag(
             "--decode-latency-target-ms",
             unit=MS,
             help=(
                 "while requests decode, cap prefill chunks so the cost model predicts each step within this "
-                "many ms, but give a prefill at least half of each step (default 150; 0 turns the cap off)"
+                "many ms, but give a prefill at least half of each step (default: no cap; 0 also means none)"
             ),
         ),
     )
-    min_prefill_chunk: int = 16  # ... but never below this, so prefills always progress
+    # ... but never below this, so prefills always progress, and at a size the prompt kernel runs well: with
+    # 16, a busy machine (its calibration slow) cut a 3,000-token prompt into 16-token steps, 3.7x its TTFT.
+    min_prefill_chunk: int = 64
     # Overlapped scheduling: build and send step N+1 while the executor runs step N (two steps in flight).
     # Off by default: on a CPU-only box the scheduler's overlapped work takes the executor's cores (README).
     async_scheduling: bool = field(

@@ -62,11 +62,17 @@ def _raise_unless_serving(loop: StepLoop, config: SchedulerConfig) -> None:
 
 
 async def admit(
-    loop: StepLoop, config: SchedulerConfig, msg: pb.GenerateRequest, metadata: Iterable[tuple[str, str]] = ()
+    loop: StepLoop,
+    config: SchedulerConfig,
+    msg: pb.GenerateRequest,
+    metadata: Iterable[tuple[str, str]] = (),
+    clamp_max_new_tokens: bool = False,
 ) -> RequestStream:
     """Validate `msg`, queue it and return its stream; raises Refused.
 
     `metadata` (gRPC metadata or HTTP headers as pairs) may carry a trace context.
+    `clamp_max_new_tokens`: a max_new_tokens beyond what the prompt leaves of the context (or of
+    what the KV cache can ever hold for one request) is cut to fit, not refused (see intake).
     """
     if not loop.is_connected:
         # After a crash, as long as the streams in flight wait for the executor to return.
@@ -76,7 +82,8 @@ async def admit(
     limits = view.limits
     try:
         # Off the event loop: tokenizing a long prompt takes seconds (see intake).
-        accepted = await asyncio.to_thread(intake, msg, limits, config)
+        clamp_to = view.max_request_tokens if clamp_max_new_tokens else None
+        accepted = await asyncio.to_thread(intake, msg, limits, config, clamp_to)
     except InvalidRequestError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     _raise_unless_serving(loop, config)  # the executor may have gone meanwhile

@@ -143,6 +143,17 @@ class SchedulerConfig:
             "none, or auto: picked from the chat template (default %(default)s)",
         ),
     )
+    # /v1/messages always clamps (Claude Code asks for 64000 whatever the model); OpenAI clients that
+    # do the same (agent frameworks' fixed defaults) need this.
+    clamp_max_tokens: bool = field(
+        default=False,
+        metadata=flag(
+            "--clamp-max-tokens",
+            group=HTTP_GROUP,
+            help="on the OpenAI routes, cut a max_tokens beyond what the prompt leaves of the context to fit "
+            "instead of refusing it, as /v1/messages always does (default: refuse)",
+        ),
+    )
     # Server-side limits on what a client controls (checked at intake, before any expensive work).
     max_retention_s: float = field(
         default=600.0,

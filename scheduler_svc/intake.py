@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError, render_chat_template
+from scheduler_svc.chat_template import ChatTemplateError, InvalidMessagesError
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.grammar_checker import GrammarChecker
 from scheduler_svc.request import Request
 from scheduler_svc.request_limits import check_request_limits
+from scheduler_svc.template_fit import render_prompt
 from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request, check_retention_s, check_room_to_generate
 from service_common.sampling_params import SamplingParams
@@ -148,13 +149,12 @@ def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
     if not limits.chat_template:
         raise InvalidRequestError("this model has no chat template; send text or token_ids")
     try:
-        text = render_chat_template(
+        text = render_prompt(
             limits.chat_template,
             messages,
-            add_generation_prompt=True,
+            _tools(msg.chat.tools),
             bos_token=limits.bos_token,
             eos_token=limits.eos_token,
-            tools=_tools(msg.chat.tools),
         )
     except InvalidMessagesError as exc:
         raise InvalidRequestError(f"chat.{exc}") from None
@@ -164,9 +164,16 @@ def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
     return _encode(limits.tokenizer, text, add_special_tokens=False)
 
 
-def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig) -> Intake:
+def intake(
+    msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig, clamp_to_tokens: int | None = None
+) -> Intake:
     """Validate a Generate call against the model and the server's limits (`config`): the
-    cheap checks first, then the grammar (compiled), the prompt (tokenized) and the rest."""
+    cheap checks first, then the grammar (compiled), the prompt (tokenized) and the rest.
+
+    With `clamp_to_tokens` (the most tokens one request can hold: LoopView.max_request_tokens),
+    a max_new_tokens beyond what the prompt leaves of it is cut to fit instead of refused, as
+    llama.cpp's server cuts it to its slot: agent clients ask for far more than any small
+    model's context (Claude Code: 64000) and have no setting to ask for less."""
     check_request_limits(msg, config)
     sampling = _sampling(msg)
     structured_output = _structured_output(msg, limits)
@@ -178,7 +185,7 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         sampling=sampling,
-        max_new_tokens=_max_new_tokens(msg, len(prompt), limits.context_length, config),
+        max_new_tokens=_max_new_tokens(msg, len(prompt), limits.context_length, config, clamp_to_tokens),
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         arrival_time=time.monotonic(),
@@ -192,13 +199,26 @@ def intake(msg: pb.GenerateRequest, limits: ModelLimits, config: SchedulerConfig
 
 
 def _max_new_tokens(
-    msg: pb.GenerateRequest, num_prompt_tokens: int, context_length: int, config: SchedulerConfig
+    msg: pb.GenerateRequest,
+    num_prompt_tokens: int,
+    context_length: int,
+    config: SchedulerConfig,
+    clamp_to_tokens: int | None = None,
 ) -> int:
     """The client's, if it fits the context (0 is check_new_request's to refuse); else the server's
-    default, cut to fit."""
+    default, cut to fit. With `clamp_to_tokens`, the client's is cut to fit that too; a prompt that
+    leaves no room there is refused (the prompt alone beyond the KV cache is admission's to say)."""
     room = context_length - num_prompt_tokens
     if not msg.HasField("max_new_tokens"):
         return min(config.default_max_new_tokens, room)
+    if clamp_to_tokens is not None:
+        kv_room = min(context_length, clamp_to_tokens) - num_prompt_tokens
+        if kv_room <= 0:
+            raise InvalidRequestError(
+                f"the prompt is {num_prompt_tokens} tokens; one request can hold at most {clamp_to_tokens} tokens "
+                f"here (the model's context is {context_length}), which leaves no room to generate"
+            )
+        return min(msg.max_new_tokens, kv_room) if msg.max_new_tokens > 0 else msg.max_new_tokens
     if msg.max_new_tokens > room:
         raise InvalidRequestError(
             f"max_new_tokens={msg.max_new_tokens} is beyond the context: the prompt is {num_prompt_tokens} tokens "

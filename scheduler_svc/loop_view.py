@@ -38,6 +38,14 @@ class LoopView:
         return planner is not None and planner.can_ever_fit(num_tokens)
 
     @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request can hold: the context length or, when
+        the KV cache is smaller, what it can ever give one request. 0 while detached."""
+        limits = self._link.limits
+        kv_tokens = self._read(lambda p: p.max_request_tokens)
+        return min(limits.context_length, kv_tokens) if limits is not None else 0
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued (or preempted) for a place in the batch."""
         return self._read(lambda p: p.num_waiting)

@@ -264,6 +264,11 @@ class Planner:
         """Whether a request of this many tokens fits in the whole KV cache at all."""
         return self.blocks_for(num_tokens) <= self.num_kv_blocks - self.watermark_blocks
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request can ever hold: can_ever_fit's bound."""
+        return (self.num_kv_blocks - self.watermark_blocks) * self.block_size
+
     def add(self, request: Request) -> None:
         if request.executor_request_id in self.requests:
             raise ValueError(

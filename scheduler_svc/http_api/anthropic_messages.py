@@ -24,13 +24,14 @@ from scheduler_svc.http_api.anthropic_schema import (
     MediaBlock,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
 from scheduler_svc.http_api.choice import ChoiceOutput
 from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
-from scheduler_svc.http_api.front import Front, param_for_refusal, protobuf_values, sampling, tools_json
+from scheduler_svc.http_api.front import Front, http_refusal, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar
 from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
 from scheduler_svc.intake import prompt_token_ids
@@ -64,6 +65,8 @@ def chat_messages(body: CountTokensRequest) -> list[pb.ChatMessage]:
         current = pb.ChatMessage(role=message.role)
         for j, block in enumerate(message.content):
             where = f"messages[{i}].content[{j}]"
+            if message.role == "system" and not isinstance(block, (TextBlock, ThinkingBlock)):
+                raise bad_field(where, f"a system message holds text blocks only, not {block.type}")
             if isinstance(block, TextBlock):
                 current.content += block.text
             elif isinstance(block, ToolUseBlock):
@@ -88,7 +91,7 @@ def chat_messages(body: CountTokensRequest) -> list[pb.ChatMessage]:
                 )
             elif isinstance(block, MediaBlock):
                 raise bad_field(where, f"{block.type} blocks are not supported; this server reads text only")
-            # thinking blocks: the model's earlier reasoning, not part of the prompt
+            # thinking blocks: the model's earlier reasoning (a frontier model's), not part of the prompt
         if current.content or current.tool_calls or message.role == "assistant":
             out.append(current)
     return out
@@ -158,7 +161,7 @@ async def count_tokens(front: Front, body: CountTokensRequest) -> Response:
     try:
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
     except InvalidRequestError as exc:  # LimitExceeded is one
-        raise ApiError(400, str(exc), param_for_refusal(str(exc))) from None
+        raise ApiError(400, *http_refusal(str(exc))) from None
 
 
 def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
@@ -194,7 +197,10 @@ def _tool_use(call: ToolCall) -> dict:
 async def messages(front: Front, body: MessagesRequest, request: HttpRequest) -> Response:
     msg, parses_tools = generate_request(front, body, request)
     parser_name = front.tool_parser_name() if parses_tools else "none"
-    streams = await generation.admit_all(front.loop, front.config, [msg], request.headers.items())
+    # Clamped always: Claude Code asks for max_tokens 64000 (32000 on older models) whatever the model.
+    streams = await generation.admit_all(
+        front.loop, front.config, [msg], request.headers.items(), clamp_max_tokens=True
+    )
     output = ChoiceOutput(make_parser(parser_name))
     message_id = "msg_" + uuid.uuid4().hex
     if body.stream:

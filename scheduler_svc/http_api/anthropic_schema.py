@@ -1,7 +1,11 @@
 """Request bodies of the Anthropic-compatible routes (/v1/messages, /v1/messages/count_tokens).
 
-Unknown fields (cache_control, metadata, thinking, ...) are accepted and ignored;
-thinking blocks sent back in assistant turns are dropped from the prompt.
+Unknown fields are accepted and ignored, at every level: what Claude Code sends besides the
+conversation (`thinking`, `context_management`, `output_config.effort`, `metadata`,
+`cache_control`, fields of betas this server has not heard of) steers a frontier model's
+extras, which a local model has none of. Thinking blocks sent back in assistant turns are
+dropped from the prompt. A `system` message inside `messages` (Claude Code's
+mid-conversation system beta) is a system turn (see scheduler_svc/template_fit.py).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ ContentBlock = Annotated[
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

@@ -45,13 +45,29 @@ _PARAMS = (
     ("the prompt", "messages"),
     ("the chat template", "messages"),
 )
+_SAMPLING_RENAMES = tuple((f"sampling.{name}", param) for name, param in _SAMPLING_PARAMS.items())
 
 
-def param_for_refusal(message: str, prompt_field: str = "messages") -> str | None:
+def param_for_refusal(message: str, prompt_field: str = "messages", max_tokens_field: str = "max_tokens") -> str | None:
     for prefix, param in _PARAMS:
         if message.startswith(prefix):
+            if param == "max_tokens":
+                return max_tokens_field
             return prompt_field if param in ("messages", "prompt") else param
     return None
+
+
+def http_refusal(
+    message: str, prompt_field: str = "messages", max_tokens_field: str = "max_tokens"
+) -> tuple[str, str | None]:
+    """(intake's refusal worded for an HTTP client, the field it names): a message that starts
+    with a gRPC field (`max_new_tokens=64000 ...`, `sampling.min_p ...`) starts with the body's
+    field instead, as the client spelled it (`max_tokens`, `max_completion_tokens`, `min_p`)."""
+    param = param_for_refusal(message, prompt_field, max_tokens_field)
+    for grpc_name, http_name in (("max_new_tokens", max_tokens_field), *_SAMPLING_RENAMES):
+        if message.startswith(grpc_name) and not message[len(grpc_name) : len(grpc_name) + 1].isalnum():
+            return http_name + message[len(grpc_name) :], param
+    return message, param
 
 
 @dataclass

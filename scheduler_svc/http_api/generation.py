@@ -20,7 +20,7 @@ from starlette.requests import Request as HttpRequest
 from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.http_api.errors import ApiError
-from scheduler_svc.http_api.front import param_for_refusal
+from scheduler_svc.http_api.front import http_refusal
 from scheduler_svc.request_stream import RequestStream, StreamError
 from scheduler_svc.step_loop import StepLoop
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
@@ -38,16 +38,21 @@ async def admit_all(
     msgs: list[pb.GenerateRequest],
     headers: Iterable[tuple[str, str]],
     prompt_field: str = "messages",
+    max_tokens_field: str = "max_tokens",
+    clamp_max_tokens: bool = False,
 ) -> list[RequestStream]:
     """Queue every request or none; a refusal is an ApiError with the matching HTTP status,
-    naming the API's field (`prompt_field` for the prompt) where intake named one."""
+    naming the API's field as the client spelled it (`prompt_field` for the prompt,
+    `max_tokens_field` for max_new_tokens) where intake named one. `clamp_max_tokens`: a
+    max_tokens beyond what the prompt leaves is cut to fit (admission.admit)."""
     streams: list[RequestStream] = []
     try:
         for msg in msgs:
-            streams.append(await admit(loop, config, msg, headers))
+            streams.append(await admit(loop, config, msg, headers, clamp_max_new_tokens=clamp_max_tokens))
     except Refused as exc:
         release_all(loop, streams)
-        raise ApiError.from_grpc(exc.code, exc.message, param_for_refusal(exc.message, prompt_field)) from None
+        message, param = http_refusal(exc.message, prompt_field, max_tokens_field)
+        raise ApiError.from_grpc(exc.code, message, param) from None
     except BaseException:
         release_all(loop, streams)
         raise

@@ -138,7 +138,14 @@ def generate_requests(
 async def chat_completions(front: Front, body: ChatCompletionRequest, request: HttpRequest) -> Response:
     msgs, parses_tools = generate_requests(front, body, request)
     parser_name = front.tool_parser_name() if parses_tools else "none"
-    streams = await generation.admit_all(front.loop, front.config, msgs, request.headers.items())
+    streams = await generation.admit_all(
+        front.loop,
+        front.config,
+        msgs,
+        request.headers.items(),
+        max_tokens_field="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        clamp_max_tokens=front.config.clamp_max_tokens,
+    )
     outputs = [ChoiceOutput(make_parser(parser_name)) for _ in streams]
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if body.stream:

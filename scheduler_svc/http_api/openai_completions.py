@@ -66,7 +66,14 @@ def generate_requests(front: Front, body: CompletionRequest, request: HttpReques
 
 async def completions(front: Front, body: CompletionRequest, request: HttpRequest) -> Response:
     msgs = generate_requests(front, body, request)
-    streams = await generation.admit_all(front.loop, front.config, msgs, request.headers.items(), prompt_field="prompt")
+    streams = await generation.admit_all(
+        front.loop,
+        front.config,
+        msgs,
+        request.headers.items(),
+        prompt_field="prompt",
+        clamp_max_tokens=front.config.clamp_max_tokens,
+    )
     outputs = [ChoiceOutput(None) for _ in streams]
     completion_id = "cmpl-" + uuid.uuid4().hex
     if body.stream:

@@ -188,7 +188,15 @@ def _response(front: Front, body: ResponsesRequest, ids: _Ids, created: int, out
 async def responses(front: Front, body: ResponsesRequest, request: HttpRequest) -> Response:
     msg, parses_tools = generate_request(front, body, request)
     parser_name = front.tool_parser_name() if parses_tools else "none"
-    streams = await generation.admit_all(front.loop, front.config, [msg], request.headers.items(), prompt_field="input")
+    streams = await generation.admit_all(
+        front.loop,
+        front.config,
+        [msg],
+        request.headers.items(),
+        prompt_field="input",
+        max_tokens_field="max_output_tokens",
+        clamp_max_tokens=front.config.clamp_max_tokens,
+    )
     output = ChoiceOutput(make_parser(parser_name))
     ids, created = _Ids(), int(time.time())
     if body.stream:

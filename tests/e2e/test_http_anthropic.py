@@ -31,7 +31,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = http_stack(tmp_path_factory)
+    s = http_stack(tmp_path_factory, "--clamp-max-tokens")  # the OpenAI routes' opt-in (the clamp test)
     yield s
     s.stop()
 
@@ -152,3 +152,76 @@ def test_errors_come_in_anthropics_shape(stack, client):
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", messages=MESSAGES, max_tokens=4, tool_choice={"type": "any"})
+
+
+def claude_code_body(num_tools: int, **overrides) -> dict:
+    """A body of the shape Claude Code sends (2.x): system blocks with cache_control, a system
+    message inside `messages` (its mid-conversation system beta), `thinking`, `context_management`,
+    `output_config.effort`, `metadata`, `max_tokens` 64000, tools with cache_control, a thinking
+    block sent back in history; the tools' text cut down to fit the test model's small context."""
+    tools = [
+        {"name": f"Tool{i}", "description": f"Tool number {i}.", "input_schema": {
+            "type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"],
+            "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"}}
+        for i in range(num_tools)
+    ]  # fmt: skip
+    tools[-1]["cache_control"] = {"type": "ephemeral"}
+    body = {
+        "model": "claude-sonnet-4-5-20250929",
+        "max_tokens": 64000,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be terse."},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "greet back", "signature": "c2ln"},
+                {"type": "redacted_thinking", "data": "b3BhcXVl"},
+                {"type": "text", "text": "Hello."}]},
+            {"role": "system", "content": "<system-reminder>The date is 2026-12-02.</system-reminder>"},
+            {"role": "user", "content": "What next?"},
+        ],
+        "tools": tools,
+        "metadata": {"user_id": "user_abc_account__session_123"},
+        "thinking": {"type": "enabled", "budget_tokens": 31999},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+        "temperature": 1,
+    }  # fmt: skip
+    return {**body, **overrides}
+
+
+def test_claude_codes_request_shape_is_answered_with_a_stream(stack):
+    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+               "anthropic-version": "2023-06-01", "x-api-key": "unused"}  # fmt: skip
+    body = claude_code_body(1)
+    with httpx.stream("POST", stack.http_url + "/v1/messages", json=body, headers=headers, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        kinds = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    counted = httpx.post(stack.http_url + "/v1/messages/count_tokens", json={**body, "stream": False}, headers=headers)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+
+
+def test_max_tokens_beyond_the_context_is_clamped_on_messages_and_on_openai_routes_by_flag(client):
+    # The stack's context is 1024 tokens; its KV cache holds 992 for one request (64 blocks of 16:
+    # one the executor's null block, one the watermark), the least of the two, so a prompt of
+    # ~980 tokens leaves a few, and 64000 is cut to those.
+    long = [{"role": "user", "content": "hi " * 320}]
+    counted = client.messages.count_tokens(model="m", messages=long).input_tokens
+    assert 970 < counted < 992
+    reply = client.messages.create(model="m", messages=long, max_tokens=64000, extra_body=GREEDY)
+    assert reply.stop_reason == "max_tokens"
+    assert reply.usage.output_tokens == 992 - counted
+    # The OpenAI routes clamp too with --clamp-max-tokens (this stack's; without it they refuse).
+    chat = httpx.post(
+        str(client.base_url) + "/v1/chat/completions",
+        json={"model": "m", "messages": long, "max_tokens": 64000, "temperature": 0.0},
+    ).json()
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 992 - counted
+    # A prompt that leaves no room is refused, clearly.
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="m", messages=[{"role": "user", "content": "hi " * 600}], max_tokens=64000)
+    assert "leaves no room to generate" in refused.value.body["error"]["message"]

@@ -177,3 +177,22 @@ def test_a_grammar_beyond_the_size_limit_is_refused_before_it_is_compiled(limits
     assert intake(
         generate(structured_output=pb.StructuredOutput(regex="a" * 64)), limits, config
     ).request.structured_output
+
+
+# ------------------------------------------------------------- max_new_tokens clamped (agent clients)
+
+
+def test_max_new_tokens_beyond_the_context_is_refused_unless_clamped(limits):
+    config = SchedulerConfig()
+    num_prompt = len(intake(generate(max_new_tokens=1), limits, config).request.prompt_token_ids)
+    with pytest.raises(InvalidRequestError, match=r"^max_new_tokens=64000 is beyond the context"):
+        intake(generate(max_new_tokens=64000), limits, config)
+    # Clamped to what one request can hold: the context, or less where the KV cache is smaller.
+    assert intake(generate(max_new_tokens=64000), limits, config, 10_000).request.max_new_tokens == 256 - num_prompt
+    assert intake(generate(max_new_tokens=64000), limits, config, 100).request.max_new_tokens == 100 - num_prompt
+    assert intake(generate(max_new_tokens=5), limits, config, 100).request.max_new_tokens == 5
+    # A prompt that leaves no room is still refused, saying why.
+    with pytest.raises(InvalidRequestError, match=r"one request can hold at most 1 tokens here.*no room to generate"):
+        intake(generate(max_new_tokens=64000), limits, config, 1)
+    with pytest.raises(InvalidRequestError, match="which leaves no room to generate"):
+        intake(generate(text="hi " * 300, max_new_tokens=64000), limits, config, 10_000)

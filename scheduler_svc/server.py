@@ -20,6 +20,7 @@ from scheduler_svc.admission import Refused, admit, release
 from scheduler_svc.api_keys import api_key_interceptor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor_link import ExecutorLink
+from scheduler_svc.refusals import grpc_field, log_refusal
 from scheduler_svc.request_limits import LimitExceeded, check_id
 from scheduler_svc.request_stream import StreamError
 from scheduler_svc.step_loop import StepLoop
@@ -32,6 +33,7 @@ from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 log = structlog.get_logger()
 
 SERVICE_NAME = "swarmserve.scheduler.v1.SchedulerService"
+GENERATE_ROUTE = f"/{SERVICE_NAME}/Generate"
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
@@ -44,6 +46,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         try:
             stream = await admit(loop, self.config, request, context.invocation_metadata())
         except Refused as exc:
+            log_refusal(GENERATE_ROUTE, exc.code.name, grpc_field(exc.message), exc.message)
             await context.abort(exc.code, exc.message)
         structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         try:

@@ -29,6 +29,7 @@ from scheduler_svc.http_api.front import Front
 from scheduler_svc.http_api.generation import ClientGone
 from scheduler_svc.http_api.openai_schema import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from scheduler_svc.load_report import Load, smg_loads
+from scheduler_svc.refusals import log_refusal
 from scheduler_svc.step_loop import StepLoop
 
 log = structlog.get_logger()
@@ -41,7 +42,15 @@ def error_body(path: str, error: ApiError) -> dict:
 
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(path, error), status_code=error.status)
+    return JSONResponse(refusal_body(path, error), status_code=error.status)
+
+
+def refusal_body(path: str, error: ApiError) -> dict:
+    """error_body, and the refusal's one log line (scheduler_svc/refusals.py); a 500 is a bug,
+    logged with its traceback where it is caught instead."""
+    if error.status != 500:
+        log_refusal(path, error.status, error.param, error.message)
+    return error_body(path, error)
 
 
 def _field_path(loc: tuple) -> str:
@@ -166,7 +175,7 @@ def build_app(config: SchedulerConfig, loop: StepLoop, metrics=None) -> FastAPI:
     async def count_tokens(body: CountTokensRequest):
         return await anthropic_messages.count_tokens(front, body)
 
-    app.add_middleware(BodyLimit, max_bytes=config.max_message_bytes, error_body=error_body)
+    app.add_middleware(BodyLimit, max_bytes=config.max_message_bytes, error_body=refusal_body)
     return app
 
 

@@ -1,19 +1,23 @@
 """Refusals over HTTP, in each API's shape and status, from real servers on loopback:
 401 without a key from --api-key-file (either header), 429 when the queue is full,
-503 while the executor is down; /health stays open and tells the truth."""
+503 while the executor is down; /health stays open and tells the truth. Each refusal,
+over HTTP or gRPC, leaves exactly one `request_refused` line in the scheduler's log."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from tests.support.http_stack import http_stack  # noqa: E402
+from swarmserve.scheduler.v1 import scheduler_pb2 as pb  # noqa: E402
+from swarmserve.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
+from tests.support.http_stack import http_stack, refusal_lines  # noqa: E402
 
 KEY = "sk-test-key"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -52,6 +56,44 @@ def test_a_missing_or_wrong_key_is_refused_with_401(stack):
         assert client.messages.create(model="m", messages=MESSAGES, max_tokens=2).usage.output_tokens == 2
 
 
+def test_each_refusal_leaves_one_log_line_naming_the_field_as_the_client_spelled_it(stack):
+    headers = {"authorization": f"Bearer {KEY}"}
+    chat = stack.http_url + "/v1/chat/completions"
+    cases = [  # (url, body, status, field, the message's start)
+        (stack.http_url + "/v1/messages", {"model": "m", "messages": MESSAGES}, 400, "max_tokens", "max_tokens:"),
+        (chat, {"model": "m", "messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice", "tool_choice:"),
+        (chat, {"model": "m", "messages": MESSAGES, "max_tokens": 64000}, 400, "max_tokens", "max_tokens=64000"),
+        (chat, {"model": "m", "messages": MESSAGES, "max_completion_tokens": 64000}, 400, "max_completion_tokens",
+         "max_completion_tokens=64000"),
+        (stack.http_url + "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 64000}, 400,
+         "max_output_tokens", "max_output_tokens=64000"),
+    ]  # fmt: skip
+    for url, body, status, field, start in cases:
+        before = len(refusal_lines(stack))
+        reply = httpx.post(url, json=body, headers=headers)
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert error["message"].startswith(start) and "max_new_tokens" not in error["message"]
+        new = refusal_lines(stack)[before:]
+        assert len(new) == 1, new
+        assert (new[0]["route"], new[0]["status"], new[0]["field"]) == (url.removeprefix(stack.http_url), status, field)
+        assert new[0]["message"].startswith(start) and new[0]["level"] == "info"
+
+    before = len(refusal_lines(stack))
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        stub = pb_grpc.SchedulerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(text="hi", max_new_tokens=64000), metadata=[("authorization", f"Bearer {KEY}")]
+                )
+            )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    new = refusal_lines(stack)[before:]
+    assert len(new) == 1 and new[0]["status"] == "INVALID_ARGUMENT" and new[0]["field"] == "max_new_tokens"
+    assert new[0]["route"] == "/swarmserve.scheduler.v1.SchedulerService/Generate"
+
+
 def test_a_full_queue_is_429(stack):
     """One request runs (--max-running-requests 1), one waits (--max-queued-requests 1): the next is refused.
 
@@ -82,6 +124,7 @@ def test_a_full_queue_is_429(stack):
         assert running.wait(30), "the first request never streamed a token"
         holders[1].start()
         assert waiting.wait(30), "the second request was not queued"
+        before = len(refusal_lines(stack))
         with openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0) as client:
             with pytest.raises(openai.RateLimitError) as refused:
                 client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
@@ -89,6 +132,10 @@ def test_a_full_queue_is_429(stack):
         with anthropic.Anthropic(base_url=stack.http_url, api_key=KEY, max_retries=0) as client:
             with pytest.raises(anthropic.RateLimitError):
                 client.messages.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert [(line["route"], line["status"]) for line in refusal_lines(stack)[before:]] == [
+            ("/v1/chat/completions", 429),
+            ("/v1/messages", 429),
+        ]
     finally:
         stop.set()
         for t in holders:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from tests.support.stack import Stack
 from tests.support.tiny_gguf import HERMES_TOOLS_TEMPLATE, TinyModelSpec, write_tiny_model
 
@@ -33,3 +35,12 @@ def pick_stop(text: str) -> str:
     stop = next((c for c in text[4:] if c.isascii() and c.isalnum()), None)
     assert stop is not None, f"no stop string to pick in {text!r}"
     return stop
+
+
+def refusal_lines(stack: Stack) -> list[dict]:
+    """The scheduler's `request_refused` log lines so far (JSON lines: its output is a file)."""
+    lines = []
+    for line in (stack.log_dir / "scheduler.log").read_text(errors="replace").splitlines():
+        if '"request_refused"' in line:
+            lines.append(json.loads(line))
+    return lines

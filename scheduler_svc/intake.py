@@ -129,8 +129,9 @@ def _tools(text: str) -> list[dict] | None:
     return tools or None
 
 
-def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
-    """The prompt's token ids: text tokenized, or chat rendered by the template and tokenized."""
+def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits, tool_call_parser: str = "auto") -> list[int]:
+    """The prompt's token ids: text tokenized, or chat rendered by the template (fitted to it:
+    template_fit, which `tool_call_parser`, --tool-call-parser, steers) and tokenized."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequestError("prompt is missing: set one of text, chat or token_ids")
@@ -153,6 +154,7 @@ def prompt_token_ids(msg: pb.GenerateRequest, limits: ModelLimits) -> list[int]:
             limits.chat_template,
             messages,
             _tools(msg.chat.tools),
+            tool_call_parser,
             bos_token=limits.bos_token,
             eos_token=limits.eos_token,
         )
@@ -179,7 +181,7 @@ def intake(
     structured_output = _structured_output(msg, limits)
     if any(not s for s in msg.stop):
         raise InvalidRequestError("stop strings must not be empty")
-    prompt = prompt_token_ids(msg, limits)
+    prompt = prompt_token_ids(msg, limits, config.tool_call_parser)
     check_room_to_generate(len(prompt), limits.context_length)
     request = Request(
         request_id=msg.request_id or uuid.uuid4().hex,

@@ -156,7 +156,7 @@ async def count_tokens(front: Front, body: CountTokensRequest) -> Response:
 
     def count() -> int:
         check_request_limits(msg, front.config)
-        return len(prompt_token_ids(msg, limits))
+        return len(prompt_token_ids(msg, limits, front.config.tool_call_parser))
 
     try:
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.http_api.errors import ApiError, bad_field
-from scheduler_svc.http_api.tool_calls import parser_name_for_template
 from scheduler_svc.intake import ModelLimits
 from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.template_fit import tool_syntax
 from service_common.sampling_params import SamplingParams
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
@@ -93,9 +93,10 @@ class Front:
         return self.limits.tokenizer
 
     def tool_parser_name(self) -> str:
-        if self.config.tool_call_parser != "auto":
-            return self.config.tool_call_parser
-        return parser_name_for_template(self.limits.chat_template)
+        """The tool-call syntax of this model's prompts: --tool-call-parser's, the template's, or the
+        generic format the scheduler renders for a template without tools (template_fit)."""
+        limits = self.limits
+        return tool_syntax(limits.chat_template, self.config.tool_call_parser, limits.bos_token, limits.eos_token)[0]
 
     def session_id(self, body_value: str | None, request: HttpRequest) -> str:
         if body_value:

@@ -72,8 +72,9 @@ def forced_tool_grammar(
     if parser == "none":
         raise bad_field(
             param,
-            "cannot force a tool call: this model's chat template shows no tool-call syntax this server knows "
-            "(start the scheduler with --tool-call-parser hermes|llama3)",
+            "cannot force a tool call: this model's chat template renders tools in a syntax this server does not "
+            "read, or the scheduler runs with --tool-call-parser none (start it with --tool-call-parser "
+            "hermes|llama3)",
         )
     if tool_choice != "required":
         named = [f for f in functions if f[0] == tool_choice]

@@ -12,12 +12,13 @@ NUM_KV_BLOCKS = 64
 BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
 
 
-def http_stack(tmp_path_factory, *scheduler_args: str) -> Stack:
+def http_stack(tmp_path_factory, *scheduler_args: str, chat_template: str = HERMES_TOOLS_TEMPLATE) -> Stack:
     """Executor + scheduler with --http-listen on a tiny random model whose chat template
-    renders tools and tool calls Qwen-style (so the hermes tool-call parser is picked)."""
+    renders tools and tool calls Qwen-style (so the hermes tool-call parser is picked), or
+    `chat_template`."""
     model = write_tiny_model(
         tmp_path_factory.mktemp("m") / "tiny.gguf",
-        TinyModelSpec(context_length=1024, chat_template=HERMES_TOOLS_TEMPLATE, tie_word_embeddings=False),
+        TinyModelSpec(context_length=1024, chat_template=chat_template, tie_word_embeddings=False),
     )
     kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
     stack = Stack(

@@ -11,7 +11,11 @@ Models write calls in the syntax their chat template taught them:
 A parser is fed text deltas and returns what may be streamed now: plain text (held
 back only while it could still be the start of a call) and each call once it is
 complete. Text that looks like a call but does not parse is returned as text, so
-nothing the model wrote is lost.
+nothing the model wrote is lost; and it is returned as soon as it can no longer be a
+call (hermes: a body that does not start with `{`, holds a character JSON has no place
+for outside a string, or goes on after its object closes), not at the end of the
+output: a model that opens `<tool_call>` and then rambles must not hold a stream's
+text back for a thousand tokens.
 """
 
 from __future__ import annotations
@@ -95,6 +99,43 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# Outside its strings a JSON object holds only these (true, false and null spelled out).
+_JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n{}[]:,.+-0123456789eE" + "truefalsn")
+
+
+def _can_be_call_body(body: str) -> bool:
+    """Whether `body` (what follows `<tool_call>` so far, no closing tag yet) can still become
+    `{json object}` and the closing tag. A cheap structural check, not a JSON parser: strings
+    are skipped, brackets counted, and once the object closes only whitespace and the start
+    of the closing tag may follow."""
+    text = body.lstrip()
+    if not text:
+        return True
+    if text[0] != "{":
+        return False
+    depth, in_string, escaped = 0, False, False
+    for i, c in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c not in _JSON_OUTSIDE_STRINGS:
+            return False
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                rest = text[i + 1 :].lstrip()
+                return HERMES_CLOSE.startswith(rest)
+    return True
+
+
 class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks among text. Once a call has been seen, text
     that is only whitespace (the newlines between blocks) is dropped."""
@@ -111,6 +152,11 @@ class HermesParser:
             if self._in_call:
                 end = self._buffer.find(HERMES_CLOSE)
                 if end < 0:
+                    if not _can_be_call_body(self._buffer):
+                        # Not a call after all: the tag is text, and the rest is read again as text.
+                        self._in_call = False
+                        self._take_text(HERMES_OPEN, out)
+                        continue
                     return out
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(HERMES_CLOSE) :]
                 self._in_call = False

@@ -71,6 +71,34 @@ def test_a_malformed_hermes_call_comes_back_as_text():
     assert _calls(unterminated) == [("f", {"a": 1})], "a call cut off before its closing tag still parses"
 
 
+def test_an_opened_tag_that_cannot_be_a_call_does_not_hold_the_stream():
+    # A random model opens <tool_call> and rambles: the text streams on, chunk by chunk.
+    parser = HermesParser()
+    assert parser.feed("Sure <tool_call>").text == "Sure "
+    assert parser.feed("\n").text == ""  # still could be a call
+    assert parser.feed("I think").text == "<tool_call>\nI think"
+    assert parser.feed(" so").text == " so"
+    # A body that starts as JSON but holds what JSON cannot, or goes on after its object closes.
+    for junk in ['{"name": "f", "arguments": {}} and more', '{"name": "f", @', "{ramble"]:
+        parser = HermesParser()
+        parsed = Parsed()
+        for piece in ["<tool_call>\n", *junk]:  # a character at a time
+            step = parser.feed(piece)
+            parsed.text += step.text
+            parsed.calls += step.calls
+        assert parsed.calls == [] and parsed.text == "<tool_call>\n" + junk
+    # ... while a real call split anywhere is still held to its end, strings and all.
+    call = '<tool_call>\n{"name": "f", "arguments": {"s": "}{@ x\\" ]"}}\n</tool_call>'
+    parsed = _run(HermesParser(), list(call))
+    assert parsed.text == "" and _calls(parsed) == [("f", {"s": '}{@ x" ]'})]
+
+
+def test_a_long_ramble_after_the_tag_is_text_long_before_the_end():
+    parser = HermesParser()
+    held = sum(len(parser.feed(piece).text) == 0 for piece in ["<tool_call>", " ", "x"] + ["word "] * 1000)
+    assert held == 2  # the tag and the space: at "x" it cannot be a call
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 400), max_size=12))
 def test_llama3_json_calls_are_found_however_the_text_is_split(cuts):

@@ -33,7 +33,7 @@ from scheduler_svc.http_api.errors import ApiError, bad_field
 from scheduler_svc.http_api.event_stream import EventStream, sse
 from scheduler_svc.http_api.front import Front, http_refusal, protobuf_values, sampling, tools_json
 from scheduler_svc.http_api.openai_chat import forced_tool_grammar
-from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
+from scheduler_svc.http_api.tool_calls import ToolCall
 from scheduler_svc.intake import prompt_token_ids
 from scheduler_svc.request_limits import check_request_limits
 from service_common.errors import InvalidRequestError
@@ -113,8 +113,8 @@ def _tool_choice(body: CountTokensRequest) -> tuple[str, bool]:
 @protobuf_values
 def generate_request(
     front: Front, body: CountTokensRequest, request: HttpRequest | None
-) -> tuple[pb.GenerateRequest, bool]:
-    """(the GenerateRequest, whether tool calls are parsed from the output)."""
+) -> tuple[pb.GenerateRequest, str]:
+    """(the GenerateRequest, the tool choice its output is parsed under: Front.output_parser)."""
     choice, several = _tool_choice(body)
     if choice != "none" and not body.tools:
         raise bad_field("tool_choice", f"is {body.tool_choice.type!r} but no tools are given")
@@ -147,7 +147,7 @@ def generate_request(
         msg.sampling.CopyFrom(sampling(body))
         if request is not None:
             msg.session_id = front.session_id(body.session_id, request)
-    return msg, bool(tools)
+    return msg, choice if tools else "none"
 
 
 async def count_tokens(front: Front, body: CountTokensRequest) -> Response:
@@ -165,24 +165,35 @@ async def count_tokens(front: Front, body: CountTokensRequest) -> Response:
 
 
 def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
+    """Cut by the length limit is `max_tokens`, calls or not (choice.py says why)."""
+    if output.is_cut:
+        return "max_tokens", None
     if output.calls:
         return "tool_use", None
-    reason = output.final.finish_reason
-    if reason == pb.FINISH_REASON_STOP_STRING:
+    if output.final.finish_reason == pb.FINISH_REASON_STOP_STRING:
         return "stop_sequence", output.final.stop_string
-    if reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL):
-        return "max_tokens", None
     return "end_turn", None
 
 
-def _usage(final: pb.GenerateFinal) -> dict:
-    u = final.usage
+def _usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict:
     return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "output_tokens": u.completion_tokens,
-        "cache_read_input_tokens": u.cached_tokens,
+        "input_tokens": num_prompt_tokens - num_cached_tokens,
+        "output_tokens": num_output_tokens,
+        "cache_read_input_tokens": num_cached_tokens,
         "cache_creation_input_tokens": 0,
     }
+
+
+def _final_usage(final: pb.GenerateFinal) -> dict:
+    u = final.usage
+    return _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+
+
+def _content(output: ChoiceOutput) -> list[dict]:
+    """The content blocks in the order the stream gives them (an empty text block when there is
+    nothing else, as Anthropic answers)."""
+    blocks = [{"type": "text", "text": item} if isinstance(item, str) else _tool_use(item) for item in output.items]
+    return blocks or [{"type": "text", "text": ""}]
 
 
 def _tool_use(call: ToolCall) -> dict:
@@ -195,21 +206,18 @@ def _tool_use(call: ToolCall) -> dict:
 
 
 async def messages(front: Front, body: MessagesRequest, request: HttpRequest) -> Response:
-    msg, parses_tools = generate_request(front, body, request)
-    parser_name = front.tool_parser_name() if parses_tools else "none"
+    msg, tool_choice = generate_request(front, body, request)
     # Clamped always: Claude Code asks for max_tokens 64000 (32000 on older models) whatever the model.
     streams = await generation.admit_all(
         front.loop, front.config, [msg], request.headers.items(), clamp_max_tokens=True
     )
-    output = ChoiceOutput(make_parser(parser_name))
+    output = ChoiceOutput(front.output_parser(tool_choice))
     message_id = "msg_" + uuid.uuid4().hex
     if body.stream:
         events = _stream_events(front, message_id, streams, output)
         return EventStream(events, on_close=lambda: generation.release_all(front.loop, streams))
     await generation.collect_all(front.loop, request, streams, [output])
-    content = ([{"type": "text", "text": output.text}] if output.text or not output.calls else []) + [
-        _tool_use(call) for call in output.calls
-    ]
+    content = _content(output)
     stop_reason, stop_sequence = _stop_reason(output)
     return JSONResponse(
         {
@@ -220,15 +228,26 @@ async def messages(front: Front, body: MessagesRequest, request: HttpRequest) ->
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": _usage(output.final),
+            "usage": _final_usage(output.final),
         }
     )
 
 
 async def _stream_events(front: Front, message_id: str, streams, output: ChoiceOutput) -> AsyncIterator[str]:
     """message_start, ping, then content blocks (text deltas; each tool_use with its input
-    as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
-    prompt_tokens = streams[0].request.num_prompt_tokens
+    as one input_json_delta), message_delta with the stop reason and usage, message_stop.
+
+    message_start waits for the first event: by then the request is scheduled and its prefix
+    cache hit known, so message_start and message_delta give the same input_tokens (the SDKs
+    take message_delta's over message_start's; Claude Code sums them per turn)."""
+    request = streams[0].request
+    events = generation.events(streams)
+    try:
+        first = await anext(events)
+    except ApiError as exc:
+        yield sse(exc.anthropic_body(), "error")
+        return
+    num_prompt, num_cached = request.num_prompt_tokens, min(request.num_cached_tokens, request.num_prompt_tokens)
     start = {
         "id": message_id,
         "type": "message",
@@ -237,7 +256,7 @@ async def _stream_events(front: Front, message_id: str, streams, output: ChoiceO
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        "usage": _usage(num_prompt, num_cached, 0),
     }
     yield sse({"type": "message_start", "message": start}, "message_start")
     yield sse({"type": "ping"}, "ping")
@@ -246,8 +265,13 @@ async def _stream_events(front: Front, message_id: str, streams, output: ChoiceO
     def stop_block() -> str:
         return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
 
+    async def all_events():
+        yield first
+        async for item in events:
+            yield item
+
     try:
-        async for _, event in generation.events(streams):
+        async for _, event in all_events():
             parsed = output.add(event)
             if parsed.text:
                 if not text_open:
@@ -277,5 +301,6 @@ async def _stream_events(front: Front, message_id: str, streams, output: ChoiceO
         yield stop_block()
     stop_reason, stop_sequence = _stop_reason(output)
     delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-    yield sse({"type": "message_delta", "delta": delta, "usage": _usage(output.final)}, "message_delta")
+    usage = _usage(num_prompt, num_cached, output.final.usage.completion_tokens)
+    yield sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.http_api.errors import ApiError, bad_field
+from scheduler_svc.http_api.tool_calls import ToolCallParser, make_parser
 from scheduler_svc.intake import ModelLimits
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.template_fit import tool_syntax
@@ -97,6 +98,13 @@ class Front:
         generic format the scheduler renders for a template without tools (template_fit)."""
         limits = self.limits
         return tool_syntax(limits.chat_template, self.config.tool_call_parser, limits.bos_token, limits.eos_token)[0]
+
+    def output_parser(self, tool_choice: str) -> ToolCallParser | None:
+        """A parser for one output under `tool_choice` (none | auto | required | a function's name):
+        none reads it all as text; required or a name, forced by the grammar, as calls only."""
+        if tool_choice == "none":
+            return None
+        return make_parser(self.tool_parser_name(), forced=tool_choice != "auto")
 
     def session_id(self, body_value: str | None, request: HttpRequest) -> str:
         if body_value:

@@ -24,7 +24,7 @@ from scheduler_svc.http_api.front import (
     tools_json,
 )
 from scheduler_svc.http_api.openai_schema import ChatCompletionRequest, ChatMessageIn, TextPart
-from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
+from scheduler_svc.http_api.tool_calls import ToolCall
 from scheduler_svc.http_api.tool_grammar import forced_call_grammar
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
@@ -94,8 +94,8 @@ def _tool_choice_name(tool_choice) -> str | None:
 @protobuf_values
 def generate_requests(
     front: Front, body: ChatCompletionRequest, request: HttpRequest
-) -> tuple[list[pb.GenerateRequest], bool]:
-    """(one GenerateRequest per choice, whether tool calls are parsed from the output)."""
+) -> tuple[list[pb.GenerateRequest], str]:
+    """(one GenerateRequest per choice, the tool choice its output is parsed under: Front.output_parser)."""
     refuse_unsupported(body, UNSUPPORTED)
     if body.modalities and body.modalities != ["text"]:
         raise bad_field("modalities", "only text output is supported")
@@ -133,12 +133,11 @@ def generate_requests(
         if grammar is not None:
             msg.structured_output.CopyFrom(grammar)
         msgs.append(msg)
-    return msgs, bool(tools)
+    return msgs, choice if tools else "none"
 
 
 async def chat_completions(front: Front, body: ChatCompletionRequest, request: HttpRequest) -> Response:
-    msgs, parses_tools = generate_requests(front, body, request)
-    parser_name = front.tool_parser_name() if parses_tools else "none"
+    msgs, tool_choice = generate_requests(front, body, request)
     streams = await generation.admit_all(
         front.loop,
         front.config,
@@ -147,7 +146,7 @@ async def chat_completions(front: Front, body: ChatCompletionRequest, request: H
         max_tokens_field="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
         clamp_max_tokens=front.config.clamp_max_tokens,
     )
-    outputs = [ChoiceOutput(make_parser(parser_name)) for _ in streams]
+    outputs = [ChoiceOutput(front.output_parser(tool_choice)) for _ in streams]
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if body.stream:
         chunks = _stream_chunks(front, body, completion_id, streams, outputs)

@@ -31,7 +31,7 @@ from scheduler_svc.http_api.openai_schema import (
     OtherItem,
     ResponsesRequest,
 )
-from scheduler_svc.http_api.tool_calls import ToolCall, make_parser
+from scheduler_svc.http_api.tool_calls import ToolCall
 from swarmserve.scheduler.v1 import scheduler_pb2 as pb
 
 
@@ -69,7 +69,8 @@ def _functions(body: ResponsesRequest) -> list:
 
 
 @protobuf_values
-def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest) -> tuple[pb.GenerateRequest, bool]:
+def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest) -> tuple[pb.GenerateRequest, str]:
+    """(the GenerateRequest, the tool choice its output is parsed under: Front.output_parser)."""
     if body.previous_response_id:
         raise bad_field("previous_response_id", "responses are not stored here; send the whole conversation as input")
     functions = _functions(body)
@@ -116,18 +117,35 @@ def generate_request(front: Front, body: ResponsesRequest, request: HttpRequest)
     if body.max_output_tokens is not None:
         msg.max_new_tokens = body.max_output_tokens
     msg.sampling.CopyFrom(sampling(body))
-    return msg, bool(tools)
+    return msg, choice if tools else "none"
 
 
 class _Ids:
     def __init__(self) -> None:
         self.response = "resp_" + uuid.uuid4().hex
-        self.message = "msg_" + uuid.uuid4().hex
+        self._message = "msg_" + uuid.uuid4().hex
+
+    def message(self, k: int) -> str:
+        """The id of the output's k-th message item (text after a call starts another)."""
+        return self._message if k == 0 else f"{self._message}_{k}"
 
 
-def _message_item(ids: _Ids, text: str, status: str) -> dict:
+def _message_item(message_id: str, text: str, status: str) -> dict:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-    return {"type": "message", "id": ids.message, "status": status, "role": "assistant", "content": content}
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
+
+
+def _output_items(ids: _Ids, output: ChoiceOutput) -> list[dict]:
+    """The output items in the order the stream gave them their output_index: a message item
+    per run of text, a function_call item per call (an empty message when there is neither)."""
+    items, num_messages = [], 0
+    for item in output.items:
+        if isinstance(item, str):
+            items.append(_message_item(ids.message(num_messages), item, "completed"))
+            num_messages += 1
+        else:
+            items.append(_call_item(item))
+    return items or [_message_item(ids.message(0), "", "completed")]
 
 
 def _call_item(call: ToolCall, status: str = "completed") -> dict:
@@ -145,11 +163,8 @@ def _response(front: Front, body: ResponsesRequest, ids: _Ids, created: int, out
     """The response object; `output` None: just created (in progress)."""
     items, status, incomplete, usage = [], "in_progress", None, None
     if output is not None:
-        if output.text or not output.calls:
-            items.append(_message_item(ids, output.text, "completed"))
-        items.extend(_call_item(call) for call in output.calls)
-        truncated = output.final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL)
-        status = "incomplete" if truncated and not output.calls else "completed"
+        items = _output_items(ids, output)
+        status = "incomplete" if output.is_cut else "completed"  # calls or not: choice.py says why
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         u = output.final.usage
         usage = {
@@ -186,8 +201,7 @@ def _response(front: Front, body: ResponsesRequest, ids: _Ids, created: int, out
 
 
 async def responses(front: Front, body: ResponsesRequest, request: HttpRequest) -> Response:
-    msg, parses_tools = generate_request(front, body, request)
-    parser_name = front.tool_parser_name() if parses_tools else "none"
+    msg, tool_choice = generate_request(front, body, request)
     streams = await generation.admit_all(
         front.loop,
         front.config,
@@ -197,7 +211,7 @@ async def responses(front: Front, body: ResponsesRequest, request: HttpRequest) 
         max_tokens_field="max_output_tokens",
         clamp_max_tokens=front.config.clamp_max_tokens,
     )
-    output = ChoiceOutput(make_parser(parser_name))
+    output = ChoiceOutput(front.output_parser(tool_choice))
     ids, created = _Ids(), int(time.time())
     if body.stream:
         events = _stream_events(front, body, ids, created, streams, output)
@@ -216,16 +230,20 @@ async def _stream_events(front, body, ids: _Ids, created: int, streams, output: 
 
     yield event("response.created", response=_response(front, body, ids, created, None))
     yield event("response.in_progress", response=_response(front, body, ids, created, None))
-    output_index, text_open = 0, False
+    output_index, text_open, num_messages, text = 0, False, 0, ""
 
     def close_text() -> list[str]:
-        text = output.text
+        message_id = ids.message(num_messages)
         part = {"type": "output_text", "text": text, "annotations": []}
-        where = dict(item_id=ids.message, output_index=output_index, content_index=0)
+        where = dict(item_id=message_id, output_index=output_index, content_index=0)
         return [
             event("response.output_text.done", **where, text=text),
             event("response.content_part.done", **where, part=part),
-            event("response.output_item.done", output_index=output_index, item=_message_item(ids, text, "completed")),
+            event(
+                "response.output_item.done",
+                output_index=output_index,
+                item=_message_item(message_id, text, "completed"),
+            ),
         ]
 
     try:
@@ -233,23 +251,24 @@ async def _stream_events(front, body, ids: _Ids, created: int, streams, output: 
             parsed = output.add(update)
             if parsed.text:
                 if not text_open:
-                    text_open = True
+                    text_open, text = True, ""
                     yield event(
                         "response.output_item.added",
                         output_index=output_index,
-                        item=_message_item(ids, "", "in_progress"),
+                        item=_message_item(ids.message(num_messages), "", "in_progress"),
                     )
                     part = {"type": "output_text", "text": "", "annotations": []}
                     yield event(
                         "response.content_part.added",
-                        item_id=ids.message,
+                        item_id=ids.message(num_messages),
                         output_index=output_index,
                         content_index=0,
                         part=part,
                     )
+                text += parsed.text
                 yield event(
                     "response.output_text.delta",
-                    item_id=ids.message,
+                    item_id=ids.message(num_messages),
                     output_index=output_index,
                     content_index=0,
                     delta=parsed.text,
@@ -258,7 +277,7 @@ async def _stream_events(front, body, ids: _Ids, created: int, streams, output: 
                 if text_open:
                     for line in close_text():
                         yield line
-                    text_open, output_index = False, output_index + 1
+                    text_open, output_index, num_messages = False, output_index + 1, num_messages + 1
                 item = _call_item(call)
                 yield event(
                     "response.output_item.added", output_index=output_index, item=_call_item(call, "in_progress")
@@ -273,6 +292,11 @@ async def _stream_events(front, body, ids: _Ids, created: int, streams, output: 
         failed = {**_response(front, body, ids, created, None), "status": "failed", "error": error}
         yield event("response.failed", response=failed)
         return
+    if not text_open and output_index == 0:  # nothing at all: the final's one empty message, streamed too
+        text_open, text = True, ""
+        yield event("response.output_item.added", output_index=0, item=_message_item(ids.message(0), "", "in_progress"))
+        part = {"type": "output_text", "text": "", "annotations": []}
+        yield event("response.content_part.added", item_id=ids.message(0), output_index=0, content_index=0, part=part)
     if text_open:
         for line in close_text():
             yield line

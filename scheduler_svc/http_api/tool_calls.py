@@ -16,6 +16,11 @@ call (hermes: a body that does not start with `{`, holds a character JSON has no
 for outside a string, or goes on after its object closes), not at the end of the
 output: a model that opens `<tool_call>` and then rambles must not hold a stream's
 text back for a thousand tokens.
+
+A *forced* parser reads an output the tool-call grammar (tool_grammar.py) forced: it
+holds calls and the separators between them only, so it returns no text at all, and
+a call cut off by the length limit is dropped, not returned as text (it would show
+the template's syntax to the client).
 """
 
 from __future__ import annotations
@@ -66,12 +71,13 @@ def parser_name_for_template(chat_template: str | None) -> str:
     return "none"
 
 
-def make_parser(name: str) -> ToolCallParser | None:
-    """A fresh parser for one output, or None for `none` (the output is all text)."""
+def make_parser(name: str, forced: bool = False) -> ToolCallParser | None:
+    """A fresh parser for one output, or None for `none` (the output is all text); `forced`:
+    the output was forced by the tool-call grammar (see the module docstring)."""
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(forced)
     if name == "llama3":
-        return Llama3JsonParser()
+        return Llama3JsonParser(forced)
     if name == "none":
         return None
     raise ValueError(f"unknown tool-call parser {name!r}")
@@ -140,10 +146,11 @@ class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks among text. Once a call has been seen, text
     that is only whitespace (the newlines between blocks) is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
         self._buffer = ""
         self._in_call = False
         self._has_calls = False
+        self._forced = forced
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
@@ -152,7 +159,7 @@ class HermesParser:
             if self._in_call:
                 end = self._buffer.find(HERMES_CLOSE)
                 if end < 0:
-                    if not _can_be_call_body(self._buffer):
+                    if not self._forced and not _can_be_call_body(self._buffer):
                         # Not a call after all: the tag is text, and the rest is read again as text.
                         self._in_call = False
                         self._take_text(HERMES_OPEN, out)
@@ -197,7 +204,7 @@ class HermesParser:
         self._has_calls = True
 
     def _take_text(self, text: str, out: Parsed) -> None:
-        if self._has_calls and not text.strip():
+        if self._forced or (self._has_calls and not text.strip()):
             return
         out.text += text
 
@@ -207,9 +214,10 @@ class Llama3JsonParser:
     is one is decided at its first non-space character: `{` or the python tag holds the
     reply back to the end; anything else streams as text."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
         self._buffer = ""
         self._mode: str | None = None  # None: undecided; "text" | "json"
+        self._forced = forced
 
     def feed(self, text: str) -> Parsed:
         if self._mode == "text":
@@ -229,14 +237,17 @@ class Llama3JsonParser:
 
     def flush(self) -> Parsed:
         rest, self._buffer = self._buffer, ""
+        if self._forced:  # the complete calls; a last one cut off by the length limit is dropped
+            return Parsed(calls=_json_calls(rest.strip().removeprefix(PYTHON_TAG), up_to_a_bad_part=True) or [])
         if self._mode != "json":
             return Parsed(text=rest)
         calls = _json_calls(rest.strip().removeprefix(PYTHON_TAG))
         return Parsed(calls=calls) if calls else Parsed(text=rest)
 
 
-def _json_calls(text: str) -> list[ToolCall] | None:
-    """`{call}; {call}...` → the calls, or None if any part is not a call."""
+def _json_calls(text: str, up_to_a_bad_part: bool = False) -> list[ToolCall] | None:
+    """`{call}; {call}...` → the calls, or None if any part is not a call (with
+    `up_to_a_bad_part`: the calls before it)."""
     decoder = json.JSONDecoder()
     calls, position = [], 0
     while True:
@@ -247,8 +258,8 @@ def _json_calls(text: str) -> list[ToolCall] | None:
         try:
             obj, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
-            return None
+            return (calls or None) if up_to_a_bad_part else None
         call = _call_from_json(obj, "parameters")
         if call is None:
-            return None
+            return (calls or None) if up_to_a_bad_part else None
         calls.append(call)

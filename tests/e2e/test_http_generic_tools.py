@@ -79,3 +79,50 @@ def test_a_forced_call_is_written_in_the_generic_format_and_parsed(claude, clien
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[0].id, "content": "sunny"}]}]  # fmt: skip
     after = claude.messages.create(model="m", messages=history, tools=[WEATHER], max_tokens=2)
     assert after.usage.cache_read_input_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens", [30, 200])  # the first call cut; calls until the limit, or the model stops
+def test_a_forced_call_cut_by_the_length_limit_says_so_and_shows_no_syntax(claude, client, max_tokens):
+    forced = dict(model="m", messages=HI, max_tokens=max_tokens, temperature=0.0)
+    reply = client.chat.completions.create(**forced, tools=[WEATHER_TOOL], tool_choice="required")
+    choice, cut = reply.choices[0], reply.usage.completion_tokens == max_tokens
+    assert choice.finish_reason == ("length" if cut else "tool_calls") and not choice.message.content
+    assert cut or choice.message.tool_calls
+    chunks = list(
+        client.chat.completions.create(
+            **forced, tools=[WEATHER_TOOL], tool_choice="required", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [choice.finish_reason]
+
+    message = claude.messages.create(
+        model="m", messages=HI, max_tokens=max_tokens, tools=[WEATHER], tool_choice={"type": "any"},
+        extra_body={"temperature": 0.0},
+    )  # fmt: skip
+    assert message.stop_reason == ("max_tokens" if cut else "tool_use")
+    assert not any(block.type == "text" and block.text for block in message.content)
+    with claude.messages.stream(
+        model="m", messages=HI, max_tokens=max_tokens, tools=[WEATHER], tool_choice={"type": "any"},
+        extra_body={"temperature": 0.0},
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e.message.usage.input_tokens for e in events if e.type == "message_start"]
+    deltas = [e.usage.input_tokens for e in events if e.type == "message_delta"]
+    assert starts == deltas, "message_start and message_delta agree on input_tokens"
+    assert final.stop_reason == message.stop_reason
+    assert not any(block.type == "text" and block.text for block in final.content)
+
+    responses = dict(model="m", input="hi", max_output_tokens=max_tokens, temperature=0.0, tool_choice="required")
+    response = client.responses.create(**responses, tools=[{"type": "function", **WEATHER_TOOL["function"]}])
+    assert response.status == ("incomplete" if cut else "completed")
+    assert not any(item.type == "message" and item.content and item.content[0].text for item in response.output)
+    streamed = list(
+        client.responses.create(**responses, tools=[{"type": "function", **WEATHER_TOOL["function"]}], stream=True)
+    )
+    added = sorted((e.output_index, e.item.id) for e in streamed if e.type == "response.output_item.added")
+    last = streamed[-1]
+    assert last.type == ("response.incomplete" if cut else "response.completed")
+    assert [item_id for _, item_id in added] == [item.id for item in last.response.output]

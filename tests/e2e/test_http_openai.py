@@ -191,7 +191,12 @@ def test_agent_loop_with_a_forced_tool_call(client):
         json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)),
         WEATHER_TOOL["function"]["parameters"],
     )
-    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # Several calls allowed: the tiny model writes calls until max_tokens, and an output cut so says `length`.
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] in (
+        ["tool_calls"],
+        ["length"],
+    )
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices), "no call syntax as text"
     messages += [
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},

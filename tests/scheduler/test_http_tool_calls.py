@@ -99,6 +99,17 @@ def test_a_long_ramble_after_the_tag_is_text_long_before_the_end():
     assert held == 2  # the tag and the space: at "x" it cannot be a call
 
 
+def test_a_forced_output_cut_by_the_length_limit_shows_no_syntax():
+    cut = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    parsed = _run(HermesParser(forced=True), _splits(cut, [7, 30, 70]))
+    assert parsed.text == "" and _calls(parsed) == [("f", {"a": 1})]
+    assert _run(HermesParser(forced=True), ["<tool_call>\n{"]).text == ""
+    parsed = _run(Llama3JsonParser(forced=True), ['{"name": "f", "parameters": {}}; {"name": "g", "par'])
+    assert parsed.text == "" and _calls(parsed) == [("f", {})]
+    # Unforced, the same cut text stays text (nothing the model wrote is lost).
+    assert _run(HermesParser(), ["<tool_call>\n{"]).text == "<tool_call>\n{"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 400), max_size=12))
 def test_llama3_json_calls_are_found_however_the_text_is_split(cuts):

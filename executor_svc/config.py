@@ -25,6 +25,14 @@ class EngineConfig:
         default="default",
         metadata=flag("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a path to a .gguf"),
     )
+    # The id clients send and see (/v1/models, `model` in every answer, the metrics' label).
+    served_model_name: str = field(
+        default="",
+        metadata=flag(
+            "--served-model-name",
+            help="the served model's id (default: the model file's stem, e.g. SmolLM2-135M-Instruct.Q4_1)",
+        ),
+    )
     # Activations and KV (see model_runner.resolve_dtype).
     dtype: str = field(
         default="auto",

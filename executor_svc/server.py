@@ -143,7 +143,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 released = await self._run(self._attach_scheduler, request.scheduler_id)
         engine, config, tok = self.engine, self.engine.model_config, self.engine.tokenizer
         return pb.GetInfoResponse(
-            model_name=config.name,
+            model_name=engine.config.served_model_name or engine.model_runner.model_path.stem,
+            model_title=config.name,
             architecture=config.architecture,
             context_length=config.context_length,
             vocab_size=config.vocab_size,

@@ -184,4 +184,6 @@ def _model_card(front: Front) -> dict:
     card = {"id": front.model_name, "object": "model", "created": 0, "owned_by": "swarmserve"}
     if info is not None:
         card["context_length"] = info.context_length
+        if info.model_title:
+            card["name"] = info.model_title  # the GGUF's own name (general.name), spaces and all
     return card

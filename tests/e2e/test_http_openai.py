@@ -136,6 +136,9 @@ def test_logprobs_come_with_each_token(client):
 def test_models_health_and_metrics(stack, client):
     models = client.models.list().data
     assert [m.id for m in models] == [client.models.retrieve(models[0].id).id]
+    # The id is the file's stem (no spaces: clients take it on a command line); the GGUF's name beside it.
+    assert models[0].id == "tiny" and models[0].model_extra["name"] == "tiny-llama-F32"
+    assert client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1).model == "tiny"
     assert httpx.get(stack.http_url + "/health").json() == {"status": "ok"}
     metrics = httpx.get(stack.http_url + "/metrics").text
     assert "swarmserve_scheduler_requests_finished_total" in metrics

@@ -12,15 +12,17 @@ NUM_KV_BLOCKS = 64
 BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
 
 
-def http_stack(tmp_path_factory, *scheduler_args: str, chat_template: str = HERMES_TOOLS_TEMPLATE) -> Stack:
+def http_stack(
+    tmp_path_factory, *scheduler_args: str, chat_template: str = HERMES_TOOLS_TEMPLATE, context_length: int = 1024
+) -> Stack:
     """Executor + scheduler with --http-listen on a tiny random model whose chat template
     renders tools and tool calls Qwen-style (so the hermes tool-call parser is picked), or
-    `chat_template`."""
+    `chat_template`; a KV cache of the context's size (NUM_KV_BLOCKS blocks for 1024)."""
     model = write_tiny_model(
         tmp_path_factory.mktemp("m") / "tiny.gguf",
-        TinyModelSpec(context_length=1024, chat_template=chat_template, tie_word_embeddings=False),
+        TinyModelSpec(context_length=context_length, chat_template=chat_template, tie_word_embeddings=False),
     )
-    kv_gb = NUM_KV_BLOCKS * BYTES_PER_BLOCK / (1 << 30)
+    kv_gb = NUM_KV_BLOCKS * (context_length // 1024) * BYTES_PER_BLOCK / (1 << 30)
     stack = Stack(
         ["--model", str(model), "--kv-cache-gb", repr(kv_gb), "--no-calibration"],
         ["--spec", "off", *scheduler_args],

@@ -153,54 +153,65 @@ def test_errors_come_in_anthropics_shape(stack, client):
         client.messages.create(model="m", messages=MESSAGES, max_tokens=4, tool_choice={"type": "any"})
 
 
-def claude_code_body(num_tools: int, **overrides) -> dict:
-    """A body of the shape Claude Code sends (2.x): system blocks with cache_control, a system
-    message inside `messages` (its mid-conversation system beta), `thinking`, `context_management`,
-    `output_config.effort`, `metadata`, `max_tokens` 64000, tools with cache_control, a thinking
-    block sent back in history; the tools' text cut down to fit the test model's small context."""
+def claude_code_body(num_tools: int) -> dict:
+    """The first request of Claude Code 2.1.197 (`claude -p hi`, captured on loopback), its text cut
+    down to fit the test model's 1024 tokens: the real one carries 24 tools and is 20,345 tokens
+    on SmolLM2. Its shape is kept whole: three system blocks (two with cache_control), a user turn
+    of two text blocks, then a `system` message inside `messages` (its mid-conversation system
+    beta, after the user's turn), `thinking` adaptive, `context_management`, `output_config.effort`,
+    `metadata.user_id`, `max_tokens` 64000, streamed. A thinking block sent back in history (later
+    turns) rides along too."""
     tools = [
         {"name": f"Tool{i}", "description": f"Tool number {i}.", "input_schema": {
-            "type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"],
-            "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"}}
+            "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+            "properties": {"arg": {"description": "The argument.", "type": "string"}}, "required": ["arg"],
+            "additionalProperties": False}}
         for i in range(num_tools)
     ]  # fmt: skip
-    tools[-1]["cache_control"] = {"type": "ephemeral"}
-    body = {
-        "model": "claude-sonnet-4-5-20250929",
-        "max_tokens": 64000,
-        "stream": True,
-        "system": [
-            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
-            {"type": "text", "text": "Be terse."},
-        ],
+    return {
+        "model": "claude-opus-4-8",
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>Today's date is 2026-12-02.</system-reminder>"},
+                {"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "greet back", "signature": "c2ln"},
                 {"type": "redacted_thinking", "data": "b3BhcXVl"},
                 {"type": "text", "text": "Hello."}]},
-            {"role": "system", "content": "<system-reminder>The date is 2026-12-02.</system-reminder>"},
             {"role": "user", "content": "What next?"},
+            {"role": "system", "content": "Environment: a Linux box; the working directory is a git repository."},
+        ],
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197;"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}},
         ],
         "tools": tools,
-        "metadata": {"user_id": "user_abc_account__session_123"},
-        "thinking": {"type": "enabled", "budget_tokens": 31999},
+        "metadata": {"user_id": '{"device_id":"d2","account_uuid":"","session_id":"6cc4"}'},
+        "max_tokens": 64000,
+        "thinking": {"type": "adaptive"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
-        "output_config": {"effort": "medium"},
-        "temperature": 1,
+        "output_config": {"effort": "high"},
+        "stream": True,
     }  # fmt: skip
-    return {**body, **overrides}
 
 
 def test_claude_codes_request_shape_is_answered_with_a_stream(stack):
-    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
-               "anthropic-version": "2023-06-01", "x-api-key": "unused"}  # fmt: skip
+    headers = {
+        "anthropic-beta": "claude-code-20250219,context-1m-2025-08-07,interleaved-thinking-2025-05-14,"
+        "context-management-2025-06-27,prompt-caching-scope-2026-01-05,mid-conversation-system-2026-04-07,"
+        "effort-2025-11-24",
+        "anthropic-version": "2023-06-01",
+        "authorization": "Bearer unused",
+        "x-app": "cli",
+    }
     body = claude_code_body(1)
-    with httpx.stream("POST", stack.http_url + "/v1/messages", json=body, headers=headers, timeout=120) as reply:
+    url = stack.http_url + "/v1/messages?beta=true"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as reply:
         assert reply.status_code == 200, reply.read()
         kinds = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
-    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
-    counted = httpx.post(stack.http_url + "/v1/messages/count_tokens", json={**body, "stream": False}, headers=headers)
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"] and "error" not in kinds
+    counted = httpx.post(stack.http_url + "/v1/messages/count_tokens?beta=true", json=body, headers=headers)
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
 
 

@@ -46,9 +46,10 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
 
 
 def refusal_body(path: str, error: ApiError) -> dict:
-    """error_body, and the refusal's one log line (scheduler_svc/refusals.py); a 500 is a bug,
-    logged with its traceback where it is caught instead."""
-    if error.status != 500:
+    """error_body, and the refusal's one log line (scheduler_svc/refusals.py) for an API request
+    (under /v1/: Claude Code's probe of `/` is no request); a 500 is a bug, logged with its
+    traceback where it is caught instead."""
+    if error.status != 500 and path.startswith("/v1/"):
         log_refusal(path, error.status, error.param, error.message)
     return error_body(path, error)
 

@@ -30,6 +30,40 @@ Worked example, max_ngram=3, max_tokens=4:
     n=3: [c a b] occurred at 2..4 (and nowhere later but the suffix itself)
     propose positions 5..7: [c a b], which runs into the suffix and stops at the end
 
+A draft *tree* bets on several continuations at once, for a context the history
+followed in different ways (an agent rewriting one of several near-identical
+functions). Every trie node also counts the tokens that followed its context.
+A tree node's context is the history plus the path down to it; its candidate
+children are the followers of that context's longest match (n tokens,
+n >= min_ngram), each with an estimated acceptance probability
+
+    p(child) = count(child) / count(all followers) * (1 - 2**-n)
+
+(a one-token match is weak evidence, an eight-token one strong). A node's *path
+probability* is the product of p down from the root: the chance that every token
+to it is accepted. The tree grows greedily: of all candidates, add the one with
+the highest path probability (a tie goes to the candidate found first, and among
+siblings to the follower of the most recent occurrence), until `max_nodes`. Its
+expected accepted tokens are the sum of its nodes' path probabilities, which is
+what the scheduler's goodput weighs against a step's cost. When every context has
+one follower the tree is a chain, and it begins with the chain of the rule above
+(the tree may go on where that chain stops at the end of the history, because
+the path itself is matched too).
+
+Worked tree example, max_ngram=3, max_nodes=4:
+
+    position   0 1 2 3 4 5 6 7 8 9 10
+    token      x a b c y a b d z a b
+
+    n=2: [a b] occurred at 1..2 followed by c and at 5..6 followed by d
+         ([z a b] nowhere earlier): followers {c: 1, d: 1}, p = 1/2 * 3/4 each
+
+    node  token  parent  path p          matched context -> followers
+    0     d      root    0.375           [a b] -> d is the most recent
+    1     c      root    0.375
+    2     z      0       0.375 * 0.875   [a b d] -> {z: 1}
+    3     y      1       0.375 * 0.875   [a b c] -> {y: 1}
+
 The index is a trie of reversed contexts. Each position p (a token with tokens
 before it) is filed under its context read backwards, t[p-1], t[p-2], ...,
 t[p-max_ngram]: the node at depth n is the n-gram t[p-n:p], and it remembers the
@@ -45,14 +79,23 @@ position's own tokens, which a query compares in place, and it is expanded one
 level when a second position arrives. Text that repeats costs at most max_ngram
 nodes per token, fresh text one or two (code-like text: ~2 nodes and ~250 bytes a
 token, 8 MB for a 32k-token request).
+
+Follower counts live only on expanded nodes (a lazy leaf's one location is its
+one follower): appending a token adds one count on each of at most max_ngram
+nodes of its path, and at most max_ngram new (node, follower) entries, so memory
+and time per appended token stay O(max_ngram) whatever the history (code-like
+text, 32k tokens: ~65k counts on ~36k expanded nodes, ~2 counts a token). Proposing a
+tree of m nodes walks the trie once per node: O(m * max_ngram) lookups, plus
+sorting each added node's followers.
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 _ROOT_NODE_ID = 0
@@ -90,6 +133,103 @@ class SuffixMatch(NamedTuple):
         return max(0, min(max_tokens, len(self.token_ids) - self.start))
 
 
+class DraftTree(NamedTuple):
+    """Draft nodes in the order they were added, so a parent precedes its children.
+
+    Node i is token_ids[i]; its parent is parent_indexes[i], -1 for the root (the
+    request's last token, which is not a node). A chain has parents -1, 0, 1, ...
+    """
+
+    token_ids: list[int]
+    parent_indexes: list[int]
+    path_probabilities: list[float]  # estimated chance that every token root..i is accepted
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def expected_num_accepted_tokens(self) -> float:
+        """Sum over nodes of P(path to it accepted): the accepted path's expected length."""
+        return sum(self.path_probabilities)
+
+    def depths(self) -> list[int]:
+        """Depth of each node, 1 for the root's children."""
+        depths: list[int] = []
+        for parent in self.parent_indexes:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def path(self, node_index: int) -> list[int]:
+        """The tokens root..node_index."""
+        token_ids = []
+        while node_index >= 0:
+            token_ids.append(self.token_ids[node_index])
+            node_index = self.parent_indexes[node_index]
+        return token_ids[::-1]
+
+    def is_chain(self) -> bool:
+        return self.parent_indexes == list(range(-1, self.num_nodes - 1))
+
+
+class _WithPath:
+    """The history followed by a tree path, read as one sequence (only len and
+    indexing, which is all a trie walk needs), so nothing is copied."""
+
+    def __init__(self, token_ids: Sequence[int], path_token_ids: list[int]) -> None:
+        self._token_ids = token_ids
+        self._path_token_ids = path_token_ids
+        self._num_history_tokens = len(token_ids)
+
+    def __len__(self) -> int:
+        return self._num_history_tokens + len(self._path_token_ids)
+
+    def __getitem__(self, index: int) -> int:
+        if index < self._num_history_tokens:
+            return self._token_ids[index]
+        return self._path_token_ids[index - self._num_history_tokens]
+
+
+def match_confidence(num_matched_tokens: int) -> float:
+    """How much a match of n tokens is believed: 1/2 for one token, ~1 for eight."""
+    return 1.0 - 0.5**num_matched_tokens
+
+
+def grow_tree(followers_of: Callable[[list[int]], tuple[int, list[tuple[int, int]]]], max_nodes: int) -> DraftTree:
+    """Grow a draft tree greedily by path probability (see the module docstring).
+
+    followers_of(path) gives (n, [(token, count)]) for the history followed by
+    `path`, the preferred follower first; n = 0 means no match.
+    """
+    tree = DraftTree([], [], [])
+    candidates: list[tuple[float, int, int, int]] = []  # (-path p, order found, parent, token)
+    num_found = 0
+
+    def add_candidates(parent: int, parent_probability: float, path: list[int]) -> None:
+        nonlocal num_found
+        num_matched_tokens, counted = followers_of(path)
+        if num_matched_tokens == 0 or not counted:
+            return
+        total = sum(count for _, count in counted)
+        confidence = match_confidence(num_matched_tokens)
+        # Only the best (max_nodes - size) children can ever be added.
+        for token_id, count in counted[: max_nodes - tree.num_nodes]:
+            probability = parent_probability * count / total * confidence
+            heapq.heappush(candidates, (-probability, num_found, parent, token_id))
+            num_found += 1
+
+    if max_nodes > 0:
+        add_candidates(-1, 1.0, [])
+    while candidates and tree.num_nodes < max_nodes:
+        negative_probability, _, parent, token_id = heapq.heappop(candidates)
+        tree.token_ids.append(token_id)
+        tree.parent_indexes.append(parent)
+        tree.path_probabilities.append(-negative_probability)
+        node_index = tree.num_nodes - 1
+        add_candidates(node_index, -negative_probability, tree.path(node_index))
+    return tree
+
+
 class _ContextTrie:
     """The reversed-context trie over a set of documents (see the module docstring).
 
@@ -108,6 +248,9 @@ class _ContextTrie:
         self._num_locations = array("q", [0])  # per node; 0 = unused
         self._is_expanded = bytearray(b"\x01")  # per node; 0 = a lazy leaf (exactly one location under it)
         self._free_node_ids: list[int] = []
+        # Expanded nodes only: how many locations under a node each token followed.
+        self._follower_counts: dict[int, int] = {}  # node_id << 32 | token_id -> count > 0
+        self._follower_ids: dict[int, list[int]] = {}  # node_id -> its followers, first seen first
 
     @property
     def num_nodes(self) -> int:
@@ -129,6 +272,7 @@ class _ContextTrie:
                 self._expand(child_id, depth + 1)
             self._num_locations[child_id] += 1
             self._latest_locations[child_id] = location
+            self._count_follower(child_id, token_ids[offset], +1)
             node_id = child_id
 
     def remove(self, doc_id: int, offset: int) -> None:
@@ -144,13 +288,58 @@ class _ContextTrie:
             key = node_id << _ID_BITS | token_ids[offset - 1 - depth]
             child_id = self._child_ids[key]
             self._num_locations[child_id] -= 1
+            if self._is_expanded[child_id]:
+                self._count_follower(child_id, token_ids[offset], -1)
             if self._num_locations[child_id] == 0:
                 # Its children, if any, lie on this same path and are freed next.
                 del self._child_ids[key]
                 self._free_node_ids.append(child_id)
+                self._follower_ids.pop(child_id, None)
             if not self._is_expanded[child_id]:
                 return
             node_id = child_id
+
+    def followers(self, token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """(n, [(token, count)]): the longest suffix n-gram of `token_ids` filed in the
+        trie and how often each token followed it: by count (descending), a tie going
+        to the most recent occurrence's follower, then to the first seen; (0, []) when none."""
+        num_tokens = len(token_ids)
+        max_depth = min(self._max_ngram, num_tokens)
+        node_id, depth = _ROOT_NODE_ID, 0
+        while depth < max_depth:
+            child_id = self._child_ids.get(node_id << _ID_BITS | token_ids[num_tokens - 1 - depth])
+            if child_id is None:
+                break
+            node_id, depth = child_id, depth + 1
+            if not self._is_expanded[node_id]:
+                depth, location = self._match_lazy_leaf(node_id, depth, token_ids, max_depth)
+                return depth, [(self._follower_at(location), 1)]
+        if node_id == _ROOT_NODE_ID:
+            return 0, []
+        # Every location counted here is live (remove uncounts), but the latest may
+        # not be: then no follower is preferred as the most recent.
+        location = self._latest_locations[node_id]
+        latest_id = self._follower_at(location) if location >> _ID_BITS in self._documents else -1
+        counted = [
+            (token_id, self._follower_counts[node_id << _ID_BITS | token_id])
+            for token_id in self._follower_ids[node_id]
+        ]
+        counted.sort(key=lambda pair: (-pair[1], pair[0] != latest_id))
+        return depth, counted
+
+    def _follower_at(self, location: int) -> int:
+        return self._documents[location >> _ID_BITS][location & _ID_MASK]
+
+    def _count_follower(self, node_id: int, token_id: int, delta: int) -> None:
+        key = node_id << _ID_BITS | token_id
+        count = self._follower_counts.get(key, 0) + delta
+        if count > 0:
+            if key not in self._follower_counts:
+                self._follower_ids.setdefault(node_id, []).append(token_id)
+            self._follower_counts[key] = count
+        else:
+            del self._follower_counts[key]
+            self._follower_ids[node_id].remove(token_id)
 
     def longest_match(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """(n, location): the longest suffix n-gram of `token_ids` (n <= max_ngram) filed
@@ -194,6 +383,7 @@ class _ContextTrie:
             token_id = self._documents[location >> _ID_BITS][offset - 1 - depth]
             self._child_ids[node_id << _ID_BITS | token_id] = self._new_lazy_leaf(location)
         self._is_expanded[node_id] = 1
+        self._count_follower(node_id, self._follower_at(location), +1)
 
     def _new_lazy_leaf(self, location: int) -> int:
         if self._free_node_ids:
@@ -253,6 +443,15 @@ class RequestIndex:
         """Up to `max_tokens` draft tokens; [] when the suffix matches nothing earlier."""
         match = self.match()
         return match.draft(max_tokens) if match is not None else []
+
+    def followers(self, path_token_ids: list[int] = ()) -> tuple[int, list[tuple[int, int]]]:
+        """(n, [(token, count)]) after the history followed by `path_token_ids`; (0, []) below min_ngram."""
+        num_matched_tokens, counted = self._trie.followers(_WithPath(self._token_ids, list(path_token_ids)))
+        return (num_matched_tokens, counted) if num_matched_tokens >= self.min_ngram else (0, [])
+
+    def propose_tree(self, max_nodes: int) -> DraftTree:
+        """A draft tree of at most `max_nodes` nodes (empty when nothing matches)."""
+        return grow_tree(self.followers, max_nodes)
 
 
 class SwarmIndex:
@@ -326,6 +525,15 @@ class SwarmIndex:
         if exclude_request_id is not None and self._doc_ids_by_request_id.get(exclude_request_id) == doc_id:
             return None
         return SuffixMatch(num_matched_tokens, self._documents[doc_id], location & _ID_MASK)
+
+    def followers(self, token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """(n, [(token, count)]) after `token_ids` over everyone's output; (0, []) below min_ngram.
+
+        Unlike match, a requester's own output is not left out: its counts are
+        the swarm's too, and the caller picks one source, never a sum.
+        """
+        num_matched_tokens, counted = self._trie.followers(token_ids)
+        return (num_matched_tokens, counted) if num_matched_tokens >= self.min_ngram else (0, [])
 
     def _open_document(self, request_id: str) -> int:
         doc_id = self._next_doc_id
@@ -405,6 +613,23 @@ class Drafter:
         """At most min(max_tokens, max_draft_tokens) draft tokens; [] when nothing matches."""
         match = self._match(request_id)
         return match.draft(min(max_tokens, self.max_draft_tokens)) if match is not None else []
+
+    def propose_tree(self, request_id: str, max_nodes: int) -> DraftTree:
+        """A draft tree of at most min(max_nodes, max_draft_tokens) nodes.
+
+        Each node's followers come from the longer match of the request's own
+        index and the swarm index (a tie goes to the own index).
+        """
+        index = self._index(request_id)
+
+        def followers_of(path_token_ids: list[int]) -> tuple[int, list[tuple[int, int]]]:
+            own = index.followers(path_token_ids)
+            if self.swarm_index is None:
+                return own
+            swarm = self.swarm_index.followers(_WithPath(index.token_ids, path_token_ids))
+            return swarm if swarm[0] > own[0] else own
+
+        return grow_tree(followers_of, min(max_nodes, self.max_draft_tokens))
 
     def num_draftable(self, request_id: str) -> int:
         """len(propose(request_id, max_draft_tokens)), without building the draft."""

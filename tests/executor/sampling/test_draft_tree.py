@@ -1,0 +1,195 @@
+"""Draft trees: the follower counts against brute force, the tree's shape, the
+module docstring's worked example, and the chain as the special case."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor_svc.sampling.drafter import (
+    Drafter,
+    DraftTree,
+    RequestIndex,
+    SwarmIndex,
+    grow_tree,
+    match_confidence,
+)
+
+
+def letters(text: str) -> list[int]:
+    return [ord(c) for c in text.replace(" ", "")]
+
+
+def as_letters(token_ids: list[int]) -> str:
+    return " ".join(chr(t) for t in token_ids)
+
+
+def brute_force_followers(documents: list[list[int]], query: list[int], max_ngram: int) -> tuple[int, dict[int, int]]:
+    """(n, {token: count}) straight from the rule: the longest suffix n-gram of `query`
+    (n <= max_ngram) that occurs in a document with a token after it, and how often
+    each token followed it there."""
+    for n in range(min(max_ngram, len(query)), 0, -1):
+        suffix = query[len(query) - n :]
+        counts: dict[int, int] = {}
+        for document in documents:
+            for end in range(n, len(document)):  # occurrence document[end - n : end], follower document[end]
+                if document[end - n : end] == suffix:
+                    counts[document[end]] = counts.get(document[end], 0) + 1
+        if counts:
+            return n, counts
+    return 0, {}
+
+
+def check_is_a_tree(tree: DraftTree, max_nodes: int) -> None:
+    assert tree.num_nodes <= max_nodes
+    assert len(tree.parent_indexes) == len(tree.path_probabilities) == tree.num_nodes
+    siblings: set[tuple[int, int]] = set()
+    for i, parent in enumerate(tree.parent_indexes):
+        assert -1 <= parent < i  # parents precede children
+        assert (parent, tree.token_ids[i]) not in siblings  # no duplicate sibling tokens
+        siblings.add((parent, tree.token_ids[i]))
+        parent_probability = 1.0 if parent < 0 else tree.path_probabilities[parent]
+        assert 0 < tree.path_probabilities[i] <= parent_probability
+
+
+# ------------------------------------------------------------- hand-worked
+
+
+def test_module_docstring_tree_example():
+    tree = RequestIndex(letters("x a b c y a b d z a b"), max_ngram=3).propose_tree(4)
+    assert as_letters(tree.token_ids) == "d c z y"
+    assert tree.parent_indexes == [-1, -1, 0, 1]
+    assert tree.path_probabilities == [0.375, 0.375, 0.375 * 0.875, 0.375 * 0.875]
+    assert tree.depths() == [1, 1, 2, 2]
+    assert as_letters(tree.path(3)) == "c y"
+    assert tree.expected_num_accepted_tokens == 0.375 * 2 + 0.375 * 0.875 * 2
+
+
+def test_counts_decide_before_recency():
+    # [a] was followed by x three times, by y once (the most recent): x is the likelier
+    # child, and x's own child a (after [x], always a) is likelier than y.
+    tree = RequestIndex(letters("a x a x a x a y a"), max_ngram=1).propose_tree(3)
+    assert as_letters(tree.token_ids) == "x a y"
+    assert tree.parent_indexes == [-1, 0, -1]
+    assert tree.path_probabilities == [0.75 * 0.5, 0.75 * 0.5 * 0.5, 0.25 * 0.5]
+
+
+def test_nothing_matches_gives_an_empty_tree():
+    assert RequestIndex(letters("a b c d")).propose_tree(8) == DraftTree([], [], [])
+    assert RequestIndex(letters("a b a b")).propose_tree(0) == DraftTree([], [], [])
+    # min_ngram: a one-token match is not enough
+    assert RequestIndex(letters("a x a y a"), min_ngram=2).propose_tree(8).num_nodes == 0
+
+
+def test_near_identical_functions_branch_where_they_differ():
+    """The branchy copy workload in small: three copies of one line that differ in one
+    token; the tree holds all three continuations where the chain holds one."""
+    history = letters("f ( x ) = x + 1 ; f ( x ) = x + 2 ; f ( x ) = x + 3 ; f ( x ) = x +")
+    index = RequestIndex(history, max_ngram=4)
+    assert as_letters(index.propose(3)) == "3 ; f"
+    tree = index.propose_tree(6)
+    roots = sorted(chr(tree.token_ids[i]) for i, p in enumerate(tree.parent_indexes) if p == -1)
+    assert roots == ["1", "2", "3"]
+    assert tree.token_ids[0] == ord("3")  # equal counts: the most recent first
+
+
+def test_swarm_followers_count_everyones_output_and_forget_evicted_output():
+    swarm = SwarmIndex(max_ngram=2, max_num_tokens=8)
+    swarm.append("r1", letters("a b c"))
+    swarm.append("r2", letters("a b d"))
+    assert swarm.followers(letters("z a b")) == (2, [(ord("d"), 1), (ord("c"), 1)])
+    swarm.append("r3", letters("a b e"))  # 9 tokens > 8: r1's document goes
+    assert swarm.followers(letters("z a b")) == (2, [(ord("e"), 1), (ord("d"), 1)])
+
+
+def test_drafter_tree_uses_the_swarm_and_caps_at_max_draft_tokens():
+    drafter = Drafter(max_draft_tokens=3, use_swarm_index=True, max_ngram=4)
+    drafter.add_request("writer", [])
+    drafter.append("writer", letters("g o o d b y e"))
+    drafter.add_request("reader", letters("s a y g o"))
+    tree = drafter.propose_tree("reader", 10)
+    assert as_letters(tree.token_ids) == "o d b"
+    assert tree.is_chain()
+
+
+def test_grow_tree_keeps_the_best_nodes_of_a_wide_fan_out():
+    def followers_of(path):  # ten children of the root, then nothing
+        return (8, [(t, 10 - t) for t in range(10)]) if not path else (0, [])
+
+    tree = grow_tree(followers_of, 3)
+    assert tree.token_ids == [0, 1, 2]
+    assert tree.parent_indexes == [-1, -1, -1]
+
+
+# ------------------------------------------------------------------ properties
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 3), max_size=40),
+    path=st.lists(st.integers(0, 3), max_size=4),
+    max_ngram=st.integers(1, 5),
+)
+def test_follower_counts_equal_brute_force(history, path, max_ngram):
+    n, counted = RequestIndex(history, max_ngram=max_ngram).followers(path)
+    expected_n, expected_counts = brute_force_followers([history], history + path, max_ngram)
+    assert n == expected_n
+    assert dict(counted) == expected_counts
+    assert len(counted) == len(expected_counts)  # no token twice
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    appends=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), max_size=6)), max_size=20),
+    query=st.lists(st.integers(0, 2), max_size=6),
+    max_num_tokens=st.sampled_from([0, 7, 20, 10_000]),
+    max_ngram=st.integers(1, 4),
+)
+def test_swarm_follower_counts_equal_brute_force_over_live_output(appends, query, max_num_tokens, max_ngram):
+    swarm = SwarmIndex(max_ngram=max_ngram, max_num_tokens=max_num_tokens)
+    for slot, token_ids in appends:
+        swarm.append(f"r{slot}", token_ids)
+    live_documents = list(swarm._documents.values())  # what eviction left: the documents themselves
+    n, counted = swarm.followers(query)
+    expected_n, expected_counts = brute_force_followers(live_documents, query, max_ngram)
+    assert (n, dict(counted)) == (expected_n, expected_counts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 3), max_size=40),
+    max_nodes=st.integers(0, 12),
+    max_ngram=st.integers(1, 5),
+    min_ngram=st.integers(1, 2),
+)
+def test_every_tree_is_a_tree_of_followers(history, max_nodes, max_ngram, min_ngram):
+    index = RequestIndex(history, max_ngram=max_ngram, min_ngram=max(1, min(min_ngram, max_ngram)))
+    tree = index.propose_tree(max_nodes)
+    check_is_a_tree(tree, max_nodes)
+    for i in range(tree.num_nodes):
+        path = tree.path(i)
+        n, counts = brute_force_followers([history], history + path[:-1], max_ngram)
+        assert counts.get(path[-1], 0) > 0  # each node followed its context somewhere in the history
+        parent = tree.parent_indexes[i]
+        parent_probability = 1.0 if parent < 0 else tree.path_probabilities[parent]
+        expected = parent_probability * counts[path[-1]] / sum(counts.values()) * match_confidence(n)
+        assert tree.path_probabilities[i] == pytest.approx(expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 1000), min_size=2, max_size=30, unique=True),
+    data=st.data(),
+    max_nodes=st.integers(0, 40),
+)
+def test_one_continuation_everywhere_gives_todays_chain(base, data, max_nodes):
+    """A history where every context has one follower (distinct tokens, then a copy
+    of a prefix of them): the tree is a chain and starts with today's chain draft."""
+    num_copied = data.draw(st.integers(1, len(base)), label="num_copied")
+    index = RequestIndex(base + base[:num_copied])
+    tree = index.propose_tree(max_nodes)
+    assert tree.is_chain()
+    chain = index.propose(max_nodes)
+    assert tree.token_ids[: len(chain)] == chain
+    assert tree.num_nodes == max_nodes  # the copy cycles back into base: it never runs dry

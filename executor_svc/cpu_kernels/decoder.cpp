@@ -98,7 +98,8 @@ class DenseStack {
   at::Tensor forward(at::Tensor x, at::Tensor residual, const at::Tensor& kv, const at::Tensor& cos_table,
                      const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
-                     const at::Tensor& block_tables) const {
+                     const at::Tensor& block_tables, const c10::optional<at::Tensor>& window_starts,
+                     const c10::optional<at::Tensor>& window_positions) const {
     TORCH_CHECK(kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2,
                 "kv must be [", num_layers(), ", 2, num_blocks, block_size, num_kv_heads, head_dim]");
     for (int64_t i = 0; i < num_layers(); i++) {
@@ -109,7 +110,8 @@ class DenseStack {
       const at::Tensor q = qkv_rope_write(qkv, H_, Hkv_, layer.q_norm, layer.k_norm, eps_, cos_table, sin_table,
                                           positions, slot_mapping, k_cache, v_cache, false);
       const at::Tensor attn =
-          paged_attention(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale_);
+          paged_attention(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale_,
+                          window_starts, window_positions);
       std::tie(x, residual) =
           add_rms_norm(layer.o_proj(attn.view({attn.size(0), -1})), residual, layer.ffn_norm, eps_);
       std::tie(x, residual) = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, layer.next_norm, eps_);
@@ -137,5 +139,6 @@ void register_decoder(pybind11::module_& m) {
       .def_property_readonly("num_layers", &DenseStack::num_layers)
       .def("forward", &DenseStack::forward, py::arg("x"), py::arg("residual"), py::arg("kv"), py::arg("cos_table"),
            py::arg("sin_table"), py::arg("positions"), py::arg("slot_mapping"), py::arg("query_starts"),
-           py::arg("query_lens"), py::arg("context_lens"), py::arg("block_tables"));
+           py::arg("query_lens"), py::arg("context_lens"), py::arg("block_tables"),
+           py::arg("window_starts") = py::none(), py::arg("window_positions") = py::none());
 }

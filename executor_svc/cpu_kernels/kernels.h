@@ -17,7 +17,9 @@ at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type,
 // layer_ops.cpp: everything in a decoder layer except the matmuls.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
-                           const at::Tensor& block_tables, double scale);
+                           const at::Tensor& block_tables, double scale,
+                           const c10::optional<at::Tensor>& window_starts = c10::nullopt,
+                           const c10::optional<at::Tensor>& window_positions = c10::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                                 double eps);

@@ -301,7 +301,8 @@ struct Scratch {
 template <typename T, typename C, int NV>
 void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
                     int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
-                    int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+                    int64_t block_size, int64_t num_blocks, float scale, int64_t window_start,
+                    const int64_t* window_positions, Scratch& sc) {
   const int64_t G = H / Hkv;
   const int64_t nh = it.head_end - it.head_begin;
   const int64_t rows = (it.token_end - it.token_begin) * nh;
@@ -324,8 +325,12 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   const float* kp[KV_CHUNK];
   const float* vp[KV_CHUNK];
   alignas(64) float s[KV_CHUNK];
-  // Element offset of `key`'s row (this KV head) in the caches; the table is checked by the caller.
-  auto row_offset = [&](int64_t key) { return ((table[key / block_size] * block_size + key % block_size) * Hkv + it.kv_head) * D; };
+  // Element offset of logical `key`'s row (this KV head) in the caches; the table is checked by the caller.
+  // A tree row reads its ancestors as keys window_start.. (see paged_attention).
+  auto row_offset = [&](int64_t key) {
+    const int64_t position = key >= window_start ? window_positions[key - window_start] : key;
+    return ((table[position / block_size] * block_size + position % block_size) * Hkv + it.kv_head) * D;
+  };
   // The keys' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
   // rows while this one is computed (it does not change any value).
@@ -427,10 +432,11 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
 template <typename T, typename C>
 void run_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
               int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
-              int64_t block_size, int64_t num_blocks, float scale, Scratch& sc) {
+              int64_t block_size, int64_t num_blocks, float scale, int64_t window_start,
+              const int64_t* window_positions, Scratch& sc) {
 #define SWARMSERVE_ITEM(NV) \
   attention_item<T, C, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
-                        block_size, num_blocks, scale, sc)
+                        block_size, num_blocks, scale, window_start, window_positions, sc)
   switch (D) {
     case 32: SWARMSERVE_ITEM(2); break;
     case 64: SWARMSERVE_ITEM(4); break;
@@ -457,10 +463,16 @@ void check_float_type(const at::Tensor& t, const char* name) {
 // Causal attention of each query row over its own request's paged KV.
 //   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (q's dtype);
 //   query_starts, query_lens, context_lens [R] int; block_tables [R, max_blocks] int32.
+// Optional, for draft trees: window_starts [R] int64 and window_positions [R, W] int64. Where
+// window_starts[r] >= 0, request r (one tree row) reads logical key window_starts[r] + k from
+// position window_positions[r, k] (its ancestor at depth k), every earlier key in place: the
+// keys, in the order, a decode of its path reads, so the row gets that decode's bits.
 // Rows not covered by a request (padding at the end) come back as zeros.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_starts_in, const at::Tensor& query_lens_in,
-                           const at::Tensor& context_lens_in, const at::Tensor& block_tables_in, double scale) {
+                           const at::Tensor& context_lens_in, const at::Tensor& block_tables_in, double scale,
+                           const c10::optional<at::Tensor>& window_starts_in,
+                           const c10::optional<at::Tensor>& window_positions_in) {
   check_float_type(q_in, "q");
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
@@ -485,6 +497,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   const int64_t* cp = ctx.data_ptr<int64_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int64_t G = H / Hkv;
+  TORCH_CHECK(window_starts_in.has_value() == window_positions_in.has_value(),
+              "window_starts and window_positions come together");
+  at::Tensor window_starts, window_positions;
+  int64_t W = 0;
+  if (window_starts_in.has_value()) {
+    window_starts = int64_contiguous(*window_starts_in, "window_starts");
+    TORCH_CHECK(window_starts.size(0) == R, "window_starts must have one entry per request");
+    TORCH_CHECK(window_positions_in->dim() == 2 && window_positions_in->size(0) == R &&
+                    window_positions_in->scalar_type() == at::kLong,
+                "window_positions must be [num_requests, W] int64");
+    window_positions = window_positions_in->contiguous();
+    W = window_positions.size(1);
+  }
+  const int64_t* wsp = window_starts.defined() ? window_starts.data_ptr<int64_t>() : nullptr;
+  const int64_t* wpp = window_positions.defined() ? window_positions.data_ptr<int64_t>() : nullptr;
 
   at::Tensor out = at::empty_like(q);
   // Zero the rows no request owns (the padded tail, or any gap).
@@ -499,6 +526,18 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const int32_t block = tp[r * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block table entry ", block, " outside [0, ",
                   num_blocks, ")");
+    }
+    if (wsp != nullptr && wsp[r] >= 0) {
+      TORCH_CHECK(lp[r] == 1 && wsp[r] < cp[r] && cp[r] - wsp[r] <= W, "request ", r, ": a tree row reads keys ",
+                  wsp[r], "..", cp[r], " through ", W, " window positions, as one query row");
+      for (int64_t k = 0; k < cp[r] - wsp[r]; k++) {
+        const int64_t position = wpp[r * W + k];
+        TORCH_CHECK(position >= wsp[r] && position / block_size < max_blocks, "request ", r, ": window position ",
+                    position, " outside its block table");
+        const int32_t block = tp[r * max_blocks + position / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block table entry ", block, " outside [0, ",
+                    num_blocks, ")");
+      }
     }
     for (int64_t t = sp[r]; t < sp[r] + lp[r]; t++) covered[t] = 1;
     total_rows += lp[r];
@@ -555,8 +594,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
         Scratch sc;
         for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
           const WorkItem& it = items[i];
+          const bool is_tree_row = wsp != nullptr && wsp[it.request] >= 0;
           run_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                         cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale, sc);
+                         cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale,
+                         is_tree_row ? wsp[it.request] : INT64_MAX, is_tree_row ? wpp + it.request * W : nullptr, sc);
         }
       });
     });
@@ -888,7 +929,8 @@ void register_layer_ops(pybind11::module_& m) {
   m.def("paged_attention", &paged_attention,
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
-        py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"));
+        py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("window_starts") = py::none(),
+        py::arg("window_positions") = py::none());
   m.def("rms_norm", &rms_norm, "weight · x / rms(x), float32 math, x's dtype", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns (rms_norm(residual), residual)", py::arg("x"),

@@ -17,6 +17,12 @@ the problem shape, so the shapes are made canonical instead:
   over the context in fixed `KV_CHUNK`-key chunks aligned at key 0, summed in
   chunk order, so a longer padded context only appends exact zeros.
 
+A tree slice (ragged_batch) splits into one-row units: row i at depth d reads
+the request's first `start + d + 1` logical keys, logical key start + k being
+the slot of its ancestor at depth k. So a tree row meets exactly the GEMMs a
+decode of its path would (a one-row unit is what a decode step is), and its bits
+are that decode's.
+
 `tests/executor/model/test_attention.py` checks the invariance bit for bit. The grouping pads a
 little to use batched GEMMs; the Triton kernel needs none of it.
 """
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.ragged_batch import RaggedBatch, tree_paths
 
 KV_CHUNK = 256
 QUERY_ROW_MULTIPLE = 4
@@ -60,18 +66,43 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """Query rows that read one logical key sequence: a request, or one row of a tree."""
+
+    request: int
+    query_start: int  # first row in the flat q
+    query_len: int
+    context_len: int  # logical keys read by the last row
+    window_rows: list[int] | None = None  # tree rows only: the rows root..this one, read after the context
+
+
+def _units(batch: RaggedBatch) -> list[_Unit]:
+    units = []
+    for r, (start, m, n) in enumerate(zip(batch.query_starts, batch.query_lens, batch.context_lens)):
+        parents = batch.tree_parents[r] if batch.tree_parents else None
+        if parents is None:
+            units.append(_Unit(r, start, m, n))
+            continue
+        first_position = n - m
+        for row, path in enumerate(tree_paths(parents)):
+            units.append(_Unit(r, start + row, 1, first_position + len(path), path))
+    return units
+
+
 def build_attention_plan(batch: RaggedBatch, block_size: int) -> AttentionPlan:
     device = batch.token_ids.device
-    buckets: dict[tuple[int, int], list[int]] = {}
-    for r, (m, n) in enumerate(zip(batch.query_lens, batch.context_lens)):
-        key = (_next_pow2(_round_up(m, QUERY_ROW_MULTIPLE)), _next_pow2(-(-n // KV_CHUNK)))
-        buckets.setdefault(key, []).append(r)
+    units = _units(batch)
+    buckets: dict[tuple[int, int], list[_Unit]] = {}
+    for unit in units:
+        key = (_next_pow2(_round_up(unit.query_len, QUERY_ROW_MULTIPLE)), _next_pow2(-(-unit.context_len // KV_CHUNK)))
+        buckets.setdefault(key, []).append(unit)
 
     groups = []
     for members in buckets.values():
-        query_lens = torch.tensor([batch.query_lens[r] for r in members], device=device)
-        context_lens = torch.tensor([batch.context_lens[r] for r in members], device=device)
-        query_starts = torch.tensor([batch.query_starts[r] for r in members], device=device)
+        query_lens = torch.tensor([u.query_len for u in members], device=device)
+        context_lens = torch.tensor([u.context_len for u in members], device=device)
+        query_starts = torch.tensor([u.query_start for u in members], device=device)
         mp = _round_up(int(query_lens.max()), QUERY_ROW_MULTIPLE)
         np_ = _round_up(int(context_lens.max()), KV_CHUNK)
 
@@ -83,9 +114,18 @@ def build_attention_plan(batch: RaggedBatch, block_size: int) -> AttentionPlan:
         query_positions = context_lens[:, None] - query_lens[:, None] + row_in_request  # [R, Mp]
 
         j = torch.arange(np_, device=device)[None, :]  # [1, Np]
-        tables = batch.block_tables[members].long()  # [R, max_blocks]
-        block_index = torch.clamp(j // block_size, max=tables.shape[1] - 1).expand(len(members), -1)
-        kv_slots = torch.gather(tables, 1, block_index) * block_size + j % block_size
+        # The position in the request whose slot holds logical key j: j itself, but
+        # for a tree row's keys after the context, its ancestors' positions.
+        key_positions = j.expand(len(members), -1).clone()
+        for u, unit in enumerate(members):
+            if unit.window_rows is not None:
+                first_position = unit.context_len - len(unit.window_rows)
+                key_positions[u, first_position : unit.context_len] = first_position + torch.tensor(
+                    unit.window_rows, device=device
+                )
+        tables = batch.block_tables[[u.request for u in members]].long()  # [R, max_blocks]
+        block_index = torch.clamp(key_positions // block_size, max=tables.shape[1] - 1)
+        kv_slots = torch.gather(tables, 1, block_index) * block_size + key_positions % block_size
         kv_slots = torch.where(j < context_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
         masked = j[:, None, :] > query_positions[:, :, None]  # [R, Mp, Np]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.cpu_kernels import load
-from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.ragged_batch import RaggedBatch, tree_paths
 from executor_svc.model.torch_ops import TorchOps
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.weight_format import cpu_matmul_parts
@@ -38,6 +38,36 @@ class CpuAttentionMetadata:
     query_lens: torch.Tensor  # [R] int64
     context_lens: torch.Tensor  # [R] int64
     block_tables: torch.Tensor  # [R, max_blocks] int32
+    # Draft trees only (else None): [R] int64, -1 where a request reads its keys in place,
+    # and [R, W] int64, the positions a tree row reads its keys window_starts[r].. from.
+    window_starts: torch.Tensor | None = None
+    window_positions: torch.Tensor | None = None
+
+
+def _tree_attention_metadata(batch: RaggedBatch) -> CpuAttentionMetadata:
+    """Each tree row becomes a one-row request over the context and its ancestors."""
+    # (query start, query len, context len, request, window start, window positions)
+    units: list[tuple[int, int, int, int, int, list[int]]] = []
+    for r, (start, m, n) in enumerate(zip(batch.query_starts, batch.query_lens, batch.context_lens)):
+        parents = batch.tree_parents[r]
+        if parents is None:
+            units.append((start, m, n, r, -1, []))
+            continue
+        first_position = n - m
+        for row, path in enumerate(tree_paths(parents)):
+            positions = [first_position + ancestor for ancestor in path]
+            units.append((start + row, 1, first_position + len(path), r, first_position, positions))
+    starts, lens, contexts, requests, window_starts, window_positions = zip(*units)
+    width = max(len(p) for p in window_positions)
+    padded = [p + [0] * (width - len(p)) for p in window_positions]
+    return CpuAttentionMetadata(
+        torch.tensor(starts),
+        torch.tensor(lens),
+        torch.tensor(contexts),
+        batch.block_tables[list(requests)].contiguous(),
+        torch.tensor(window_starts),
+        torch.tensor(padded, dtype=torch.int64).reshape(len(padded), width),
+    )
 
 
 class CpuLayerStack:
@@ -91,6 +121,8 @@ class CpuLayerStack:
             m.query_lens,
             m.context_lens,
             m.block_tables,
+            m.window_starts,
+            m.window_positions,
         )
 
 
@@ -106,6 +138,8 @@ class CpuOps:
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> CpuAttentionMetadata:
         """Per-step attention metadata: one tensor built from the batch's lists, three views of it."""
+        if batch.tree_parents:
+            return _tree_attention_metadata(batch)
         starts, lens, contexts = torch.tensor([batch.query_starts, batch.query_lens, batch.context_lens]).view(3, -1)
         return CpuAttentionMetadata(starts, lens, contexts, batch.block_tables)
 
@@ -147,7 +181,16 @@ class CpuOps:
     ) -> torch.Tensor:
         m = metadata
         return self._k.paged_attention(
-            q, k_cache, v_cache, m.query_starts, m.query_lens, m.context_lens, m.block_tables, scale
+            q,
+            k_cache,
+            v_cache,
+            m.query_starts,
+            m.query_lens,
+            m.context_lens,
+            m.block_tables,
+            scale,
+            m.window_starts,
+            m.window_positions,
         )
 
     def qkv_rope_write(

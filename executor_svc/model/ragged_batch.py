@@ -11,6 +11,15 @@ in batch-invariant mode: fp32 GEMMs on this CPU give a row a different result
 depending on where it falls in a group of four rows, so the vector is rounded up to
 a multiple of `row_multiple` and every row meets the same kernel whatever the batch.
 Padding rows belong to no request, write no KV, and are never read.
+
+A *tree* slice verifies a draft tree (drafter.DraftTree): row 0 is the request's
+last token, row i + 1 its node i, and `tree_parents[row]` the row of its parent
+(-1 for row 0). Its rows' K/V go to consecutive slots as any slice's do, but a
+row's position (RoPE) is the start plus its depth, and it attends to the context
+before the step plus its own ancestors only, read in root-to-row order: the very
+keys, in the very order, that decoding its path one token at a time would read.
+That is what makes a verified row's bits equal plain decoding's. A chain is the
+tree with parents -1, 0, 1, ...; every other slice is `tree_parents=None`.
 """
 
 from __future__ import annotations
@@ -31,6 +40,35 @@ class RequestSlice:
     block_ids: list[int]  # the request's block table (covers start_position + len(token_ids))
     num_logits: int  # how many trailing positions need logits (0 mid-prefill, 1 to sample, k+1 to verify k drafts)
     state_slot: int = -1  # the request's recurrent-state slot (hybrid models); -1: none
+    tree_parents: tuple[int, ...] | None = None  # [len(token_ids)]: each row's parent row, -1 for row 0
+
+    def __post_init__(self) -> None:
+        if self.tree_parents is None:
+            return
+        if len(self.tree_parents) != len(self.token_ids) or self.num_logits != len(self.token_ids):
+            raise ValueError("a tree slice needs a parent and logits for every row")
+        if self.state_slot >= 0:
+            raise ValueError("hybrid models verify chains: a recurrent state follows one path")
+        parents = self.tree_parents
+        if parents[0] != -1 or any(not 0 <= parent < row for row, parent in enumerate(parents) if row > 0):
+            raise ValueError(f"tree rows need parent -1 at row 0 and an earlier row after it, got {self.tree_parents}")
+
+    def depths(self) -> list[int]:
+        """Each row's offset from start_position: its depth in the tree, or its row."""
+        if self.tree_parents is None:
+            return list(range(len(self.token_ids)))
+        depths: list[int] = []
+        for parent in self.tree_parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
+
+
+def tree_paths(tree_parents: tuple[int, ...]) -> list[list[int]]:
+    """paths[row]: the rows root..row of a tree slice, the order its keys are read in."""
+    paths: list[list[int]] = []
+    for row, parent in enumerate(tree_parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [row])
+    return paths
 
 
 @dataclass(frozen=True)
@@ -48,6 +86,7 @@ class RaggedBatch:
     num_logits: int  # real rows of logits_indices; the rest is padding
     logits_counts: tuple[int, ...] = ()  # [num_requests]: logits rows of each request (its verify window)
     state_slots: tuple[int, ...] = ()  # [num_requests]: recurrent-state slots (hybrid models), else empty
+    tree_parents: tuple[tuple[int, ...] | None, ...] = ()  # [num_requests] when any slice is a tree, else empty
 
     @property
     def num_requests(self) -> int:
@@ -78,8 +117,8 @@ class RaggedBatch:
                 raise ValueError(f"block table of {len(s.block_ids)} blocks cannot hold {end_position} tokens")
             token_ids.extend(s.token_ids)
             for position in range(s.start_position, end_position):
-                positions.append(position)
                 slots.append(s.block_ids[position // block_size] * block_size + position % block_size)
+            positions.extend(s.start_position + depth for depth in s.depths())
             logits_indices.extend(range(start + n - s.num_logits, start + n))
             query_starts.append(start)
             query_lens.append(n)
@@ -112,6 +151,7 @@ class RaggedBatch:
             num_logits=num_logits,
             logits_counts=tuple(s.num_logits for s in slices),
             state_slots=tuple(s.state_slot for s in slices) if any(s.state_slot >= 0 for s in slices) else (),
+            tree_parents=tuple(s.tree_parents for s in slices) if any(s.tree_parents for s in slices) else (),
         )
 
 

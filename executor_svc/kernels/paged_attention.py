@@ -18,6 +18,13 @@ factor is exactly 1 and the added probabilities are exactly 0), so sharing a
 tile with later tokens of a prefill chunk changes nothing. One configuration
 (tile sizes, warps) is used for every tile of a model, decode or prefill.
 
+A draft tree's rows (ragged_batch) run as one-row tiles that read their
+ancestors as the keys after the context: logical key `window_start + k` comes
+from position `window_positions[k]` (its ancestor at depth k), every earlier key
+from its own position. A one-row tile is what a decode step runs, over the very
+keys in the very order a decode of the row's path reads, so the row gets that
+decode's bits.
+
 The tile list is built on the host once per step (`build_attention_metadata`)
 and shared by every layer.
 """
@@ -31,9 +38,10 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor
-from executor_svc.model.ragged_batch import RaggedBatch
+from executor_svc.model.ragged_batch import RaggedBatch, tree_paths
 
 LOG2_E = 1.4426950408889634
+_NO_WINDOW = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,10 @@ class AttentionMetadata:
     query_tile_tokens: int
     num_tokens: int
     num_padded_tokens: int
+    # Draft trees only (else None): [num_tiles] int32, a tile's first windowed key
+    # (2**31 - 1: none), and [num_tiles, W] int32, the positions its window keys are read from.
+    tile_window_starts: torch.Tensor | None = None
+    tile_window_positions: torch.Tensor | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -65,25 +77,47 @@ def build_attention_metadata(batch: RaggedBatch, block_size: int, query_tile_tok
     if query_tile_tokens <= 0 or query_tile_tokens & (query_tile_tokens - 1):
         raise ValueError(f"query_tile_tokens must be a power of two, got {query_tile_tokens}")
     requests, row_starts, num_rows, first_positions = [], [], [], []
+    window_starts: list[int] = []
+    window_positions: list[list[int]] = []
     for r, (query_start, query_len, context_len) in enumerate(
         zip(batch.query_starts, batch.query_lens, batch.context_lens)
     ):
         start_position = context_len - query_len
+        parents = batch.tree_parents[r] if batch.tree_parents else None
+        if parents is not None:
+            for row, path in enumerate(tree_paths(parents)):
+                requests.append(r)
+                row_starts.append(query_start + row)
+                num_rows.append(1)
+                first_positions.append(start_position + len(path) - 1)
+                window_starts.append(start_position)
+                window_positions.append([start_position + ancestor for ancestor in path])
+            continue
         for offset in range(0, query_len, query_tile_tokens):
             requests.append(r)
             row_starts.append(query_start + offset)
             num_rows.append(min(query_tile_tokens, query_len - offset))
             first_positions.append(start_position + offset)
+            window_starts.append(_NO_WINDOW)
+            window_positions.append([])
     device = batch.block_tables.device
     # [4, num_tiles]
     tiles = torch.tensor([requests, row_starts, num_rows, first_positions], dtype=torch.int32).reshape(4, -1)
     tiles = tiles.to(device)
+    tile_window_starts = tile_window_positions = None
+    if batch.tree_parents:
+        width = max(len(p) for p in window_positions)
+        padded = [p + [0] * (width - len(p)) for p in window_positions]
+        tile_window_starts = torch.tensor(window_starts, dtype=torch.int32).to(device)
+        tile_window_positions = torch.tensor(padded, dtype=torch.int32).reshape(len(padded), width).to(device)
     return AttentionMetadata(
         tile_requests=tiles[0],
         tile_row_starts=tiles[1],
         tile_num_rows=tiles[2],
         tile_first_positions=tiles[3],
         block_tables=batch.block_tables,
+        tile_window_starts=tile_window_starts,
+        tile_window_positions=tile_window_positions,
         block_size=block_size,
         query_tile_tokens=query_tile_tokens,
         num_tokens=batch.num_tokens,
@@ -102,6 +136,9 @@ def _paged_attention_kernel(
     tile_row_starts_ptr,
     tile_num_rows_ptr,
     tile_first_positions_ptr,
+    tile_window_starts_ptr,  # [num_tiles] int32 (HAS_WINDOWS only)
+    tile_window_positions_ptr,  # [num_tiles, window_width] int32 (HAS_WINDOWS only)
+    window_width,
     scale_log2,  # softmax scale · log2(e): scores go through exp2
     stride_q_token,
     stride_q_head,
@@ -123,6 +160,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     IS_FP32: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # the inputs' dtype; float32 for bfloat16 under the interpreter
+    HAS_WINDOWS: tl.constexpr,  # the step verifies a draft tree
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,12 +187,22 @@ def _paged_attention_kernel(
     denominator = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables_ptr + request * stride_table
+    if HAS_WINDOWS:
+        window_start = tl.load(tile_window_starts_ptr + tile)
     for key_start in range(0, num_keys, BLOCK_N):
         n = key_start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
-        block_ids = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slots_k = block_ids * stride_k_block + (n % BLOCK_SIZE) * stride_k_slot + kv_head * stride_k_head
-        slots_v = block_ids * stride_v_block + (n % BLOCK_SIZE) * stride_v_slot + kv_head * stride_v_head
+        key_positions = n  # where logical key n is stored: itself, or a tree row's ancestor
+        if HAS_WINDOWS:
+            in_window = n_mask & (n >= window_start)
+            window_offsets = tile * window_width + (n - window_start)
+            key_positions = tl.where(
+                in_window, tl.load(tile_window_positions_ptr + window_offsets, mask=in_window, other=0), n
+            )
+        block_ids = tl.load(table + key_positions // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = key_positions % BLOCK_SIZE
+        slots_k = block_ids * stride_k_block + in_block * stride_k_slot + kv_head * stride_k_head
+        slots_v = block_ids * stride_v_block + in_block * stride_v_slot + kv_head * stride_v_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + slots_k[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + slots_v[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -256,6 +304,10 @@ def paged_attention(
     dot_dtype = _TL_DTYPES[q.dtype]
     if q.dtype == torch.bfloat16 and _is_interpreted(_paged_attention_kernel):
         dot_dtype = tl.float32
+    has_windows = metadata.tile_window_starts is not None
+    # Without a tree the window arguments are never read: any int32 tensor will do.
+    window_starts = metadata.tile_window_starts if has_windows else metadata.tile_requests
+    window_positions = metadata.tile_window_positions if has_windows else metadata.tile_requests
     _paged_attention_kernel[(metadata.num_tiles, num_kv_heads)](
         q,
         k_cache,
@@ -266,6 +318,9 @@ def paged_attention(
         metadata.tile_row_starts,
         metadata.tile_num_rows,
         metadata.tile_first_positions,
+        window_starts,
+        window_positions,
+        window_positions.shape[-1] if has_windows else 0,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -287,6 +342,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         IS_FP32=is_fp32,
         DOT_DTYPE=dot_dtype,
+        HAS_WINDOWS=has_windows,
         num_warps=num_warps,
         # float32 tiles are twice the size and its dots run on FMA units: pipelining the
         # K and V loads costs registers it does not have. Half precision keeps the default.

@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
 MATMULS = ("auto", "exact", "int16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model_runner.resolve_kv_cache_dtype
+DRAFT_SHAPES = ("chain", "tree")  # sampling/drafter.py: propose, propose_tree
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,16 @@ class EngineConfig:
             "--max-draft-tokens", help="most draft tokens one request verifies per step (default %(default)s)"
         ),
     )
+    # A request's draft budget buys a chain or a tree of that many nodes (drafter.py).
+    draft_shape: str = field(
+        default="chain",
+        metadata=flag(
+            "--draft-shape",
+            choices=DRAFT_SHAPES,
+            help="chain: the continuation of the latest suffix match; tree: several continuations by their "
+            "counts, verified in one pass (grammar requests and hybrid models keep chains; default %(default)s)",
+        ),
+    )
     # Hybrid models (Qwen3.5): ignored for models without recurrent layers.
     num_state_slots: int = field(
         default=16,
@@ -175,6 +186,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.draft_shape not in DRAFT_SHAPES:
+            raise ValueError(f"draft_shape must be one of {DRAFT_SHAPES}, got {self.draft_shape!r}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.num_state_slots <= 0:

@@ -37,7 +37,7 @@ from executor_svc.model.ragged_batch import RequestSlice
 from executor_svc.sampling.drafter import Drafter
 from executor_svc.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampling.sampler import SampledToken, SampleSpec, token_logprobs
-from executor_svc.sampling.verifier import verify
+from executor_svc.sampling.verifier import verify, verify_tree
 from service_common.errors import InvalidRequestError
 from service_common.request_checks import check_new_request
 
@@ -48,13 +48,28 @@ MAX_RUNS_PER_PLAN = 64  # StepRequest.max_runs: a plan's runs in one call
 
 
 @dataclass(frozen=True)
+class _Draft:
+    """What a request verifies on top of its last token: a chain, or a tree (drafter.DraftTree)."""
+
+    token_ids: list[int]
+    parent_indexes: tuple[int, ...] | None = None  # a tree's, -1 for the root's children; None: a chain
+
+
+NO_DRAFT = _Draft([])
+
+
+@dataclass(frozen=True)
 class _StepPart:
     """One scheduled request's part of a step, as the engine carries it from the plan to postprocess."""
 
     state: RequestState
     num_tokens: int  # known tokens computed this step
-    draft_ids: list[int]  # speculative tokens verified on top of them
+    draft: _Draft  # speculative tokens verified on top of them
     piece: RequestSlice  # what the forward pass computes for it
+
+    @property
+    def draft_ids(self) -> list[int]:
+        return self.draft.token_ids
 
 
 class Engine:
@@ -197,9 +212,9 @@ class Engine:
         for request_id, blocks in computed.items():
             state = self._requests[request_id]
             state.num_computed_tokens = state.num_cached_tokens = self.kv.take_computed_blocks(request_id, blocks)
-        return [self._allocate(s, drafts.get(s.request_id, [])) for s in plan.scheduled]
+        return [self._allocate(s, drafts.get(s.request_id, NO_DRAFT)) for s in plan.scheduled]
 
-    def _fit_in_kv(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, list[int]]]:
+    def _fit_in_kv(self, plan: StepRequest) -> tuple[dict[str, ComputedBlocks], dict[str, _Draft]]:
         """The plan's prefix hits and drafts, once its KV and state slots are known to fit (pure:
         raises OutOfKVBlocksError with nothing changed if they do not). Drafts are optional: they
         are dropped before the plan is refused."""
@@ -234,7 +249,7 @@ class Engine:
         return computed
 
     def _num_blocks_needed(
-        self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, list[int]]
+        self, plan: StepRequest, computed: dict[str, ComputedBlocks], drafts: dict[str, _Draft]
     ) -> int:
         """Free KV blocks the plan consumes, from the tokens each scheduled request's KV holds after it."""
         leaving = {*plan.released, *plan.preempted}
@@ -247,12 +262,15 @@ class Engine:
                 num_known = new_lengths[s.request_id] if state is None else len(state.token_ids)
                 num_tokens[s.request_id] = num_cached + min(s.num_tokens, num_known - num_cached)
             else:
-                num_tokens[s.request_id] = state.num_computed_tokens + s.num_tokens + len(drafts.get(s.request_id, ()))
+                num_draft_tokens = len(drafts.get(s.request_id, NO_DRAFT).token_ids)
+                num_tokens[s.request_id] = state.num_computed_tokens + s.num_tokens + num_draft_tokens
         return self.kv.num_blocks_needed(num_tokens, computed, leaving)
 
-    def _allocate(self, s: ScheduledRequest, draft_ids: list[int]) -> _StepPart:
-        """KV (and a state slot) for one scheduled request's tokens and drafts: its part of the step."""
+    def _allocate(self, s: ScheduledRequest, draft: _Draft) -> _StepPart:
+        """KV (and a state slot) for one scheduled request's tokens and drafts: its part of the step.
+        A tree's nodes take the slots after the last token in node order (ragged_batch.py)."""
         state = self._requests[s.request_id]
+        draft_ids = draft.token_ids
         # A prefix hit may have covered part of what the plan asked to compute.
         num_tokens = min(s.num_tokens, state.num_pending_tokens)
         start = state.num_computed_tokens
@@ -263,14 +281,18 @@ class Engine:
         ):  # a prefill chunk may hold the prompt's last block boundary: where a hybrid's next turn resumes
             self.kv.plan_state_snapshot(s.request_id, state.token_ids, start, end)
         num_logits = 1 + len(draft_ids) if end == len(state.token_ids) else 0
+        tree_parents = None
+        if draft.parent_indexes is not None:  # drafts only ever follow exactly one token, the root
+            tree_parents = (-1, *(parent + 1 for parent in draft.parent_indexes))
         piece = RequestSlice(
             state.token_ids[start:end] + draft_ids,
             start,
             self.kv.block_ids(s.request_id),
             num_logits,
             self.kv.state_slot(s.request_id),
+            tree_parents,
         )
-        return _StepPart(state, num_tokens, draft_ids, piece)
+        return _StepPart(state, num_tokens, draft, piece)
 
     # --------------------------------------------------------- step: postprocess
 
@@ -293,9 +315,20 @@ class Engine:
     ) -> RequestResult:
         """One request's result; `row` is its first logits row."""
         state = part.state
-        emitted, num_accepted, logprobs = self._sample(part, logits, argmax_ids, raw_rows, row)
+        emitted, kept_nodes, logprobs = self._sample(part, logits, argmax_ids, raw_rows, row)
+        num_accepted = len(kept_nodes)
         # KV holds the computed tokens plus the drafts that were kept; rejected drafts roll back.
         num_kept = min(num_accepted, len(emitted))  # fewer than accepted when an accepted draft finished the request
+        first_draft_position = state.num_computed_tokens + part.num_tokens
+        # A tree's kept path moves to the slots decoding would have used (a kept node never sits
+        # before its destination, and no later source is overwritten: nodes on a path increase).
+        moves = [(node, depth) for depth, node in enumerate(kept_nodes[:num_kept]) if node != depth]
+        if moves:
+            self.kv.move_tokens(
+                state.request_id,
+                [first_draft_position + node for node, _ in moves],
+                [first_draft_position + depth for _, depth in moves],
+            )
         state.num_computed_tokens += part.num_tokens + num_kept
         if self.kv.state_pool is not None and num_kept < len(part.draft_ids):
             # The recurrent state went through every draft: put back the one after the last kept token
@@ -325,24 +358,32 @@ class Engine:
 
     def _sample(
         self, part: _StepPart, logits: torch.Tensor, argmax_ids: list[int], raw_rows: dict[int, torch.Tensor], row: int
-    ) -> tuple[list[int], int, list[SampledToken]]:
+    ) -> tuple[list[int], list[int], list[SampledToken]]:
         """The tokens a request emits from its logits rows (verified drafts, then the bonus token,
-        cut at the one that finishes it), how many drafts were kept, and their logprobs if asked for.
-        Nothing mid-prefill."""
+        cut at the one that finishes it), the draft nodes kept (a chain's: 0, 1, ...), and their
+        logprobs if asked for. Nothing mid-prefill."""
         state = part.state
         if not part.piece.num_logits:
-            return [], 0, []
+            return [], [], []
         rows = slice(row, row + part.piece.num_logits)
         spec = SampleSpec(state.sampling, state.seed, state.num_output_tokens)
-        emitted, num_accepted = verify(logits[rows], argmax_ids[rows], part.draft_ids, spec)
+        if part.draft.parent_indexes is None:
+            emitted, num_accepted = verify(logits[rows], argmax_ids[rows], part.draft_ids, spec)
+            kept_nodes = list(range(num_accepted))
+        else:
+            emitted, kept_nodes = verify_tree(
+                logits[rows], argmax_ids[rows], part.draft_ids, part.draft.parent_indexes, spec
+            )
         emitted = self._append_until_finish(state, emitted)
         logprobs = []
         if state.sampling.num_logprobs:
+            # Emitted token j came from the row of the node before it (row 0: the last token).
+            emitting_rows = [row] + [row + 1 + node for node in kept_nodes]
             logprobs = [
-                token_logprobs(raw_rows.get(row + j, logits[row + j]), token_id, state.sampling.num_logprobs)
-                for j, token_id in enumerate(emitted)
+                token_logprobs(raw_rows.get(r, logits[r]), token_id, state.sampling.num_logprobs)
+                for r, token_id in zip(emitting_rows, emitted)
             ]
-        return emitted, num_accepted, logprobs
+        return emitted, kept_nodes, logprobs
 
     def rebase(self, plan: StepRequest) -> StepRequest:
         """A plan built ahead (overlapped scheduling), made exact against what the previous step left.
@@ -393,9 +434,18 @@ class Engine:
             apply_masks(logits, row_spans, bitmask)
         return raw_rows
 
-    def _propose_drafts(self, plan: StepRequest) -> dict[str, list[int]]:
+    def _drafts_trees(self, state: RequestState) -> bool:
+        """Whether this request's budget buys a tree. Grammar requests draft chains: a matcher
+        follows one path, and a tree would need one per branch to mask each node's row. Hybrid
+        models draft chains: the recurrent state after a row is the state after every row
+        before it in the step, so rows of different branches cannot share one pass (each
+        branch would need its own replay from the window-start state)."""
+        return self.config.draft_shape == "tree" and state.grammar is None and self.kv.state_pool is None
+
+    def _propose_drafts(self, plan: StepRequest) -> dict[str, _Draft]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
-        max_new_tokens or the context, and cut at the first token a request's grammar forbids."""
+        max_new_tokens or the context (a tree's nodes in all, so its depth too), and a chain cut
+        at the first token a request's grammar forbids."""
         drafts = {}
         gone = {*plan.released, *plan.preempted}
         for s in plan.scheduled:
@@ -408,12 +458,18 @@ class Engine:
                 state.new.max_new_tokens - state.num_output_tokens - 1,
                 self.model_config.context_length - len(state.token_ids) - 1,
             )
-            if room > 0:
-                proposed = self.drafter.propose(s.request_id, room)
-                if proposed and state.grammar is not None:
-                    proposed = proposed[: state.grammar.num_valid(proposed)]
-                if proposed:
-                    drafts[s.request_id] = proposed
+            if room <= 0:
+                continue
+            if self._drafts_trees(state):
+                tree = self.drafter.propose_tree(s.request_id, room)
+                if tree.num_nodes:
+                    drafts[s.request_id] = _Draft(tree.token_ids, tuple(tree.parent_indexes))
+                continue
+            proposed = self.drafter.propose(s.request_id, room)
+            if proposed and state.grammar is not None:
+                proposed = proposed[: state.grammar.num_valid(proposed)]
+            if proposed:
+                drafts[s.request_id] = _Draft(proposed)
         return drafts
 
     def _append_until_finish(self, state: RequestState, emitted: list[int]) -> list[int]:

@@ -47,6 +47,12 @@ class KVCache:
         # every layer of every step.
         self._layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(kv_layers)}
 
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Every layer's K and V of flat slots `src_slots` into `dst_slots` (int64 [n] each,
+        on the cache's device): a verified tree path moved to where decoding would have put it."""
+        flat = self.tensor.view(*self.tensor.shape[:2], -1, *self.tensor.shape[4:])  # [L, 2, slots, Hkv, D]
+        flat[:, :, dst_slots] = flat[:, :, src_slots]
+
     @classmethod
     def from_memory_budget(
         cls,

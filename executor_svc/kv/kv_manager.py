@@ -324,6 +324,17 @@ class KVManager:
                 self._snapshot_last_boundary(held, num_computed_tokens)
         held.num_computed_tokens = num_computed_tokens
 
+    def move_tokens(self, request_id: str, src_positions: list[int], dst_positions: list[int]) -> None:
+        """Copy the K/V of the request's tokens at `src_positions` to `dst_positions` (within its
+        blocks): a verified draft tree's kept path, to where decoding would have put it."""
+        block_ids = self._held[request_id].block_ids
+
+        def slots(positions: list[int]) -> torch.Tensor:
+            flat = [block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+            return torch.tensor(flat, dtype=torch.int64, device=self.cache.tensor.device)
+
+        self.cache.copy_slots(slots(src_positions), slots(dst_positions))
+
     def restore_state(self, request_id: str, position: int) -> None:
         """Put back the recurrent state after verify position `position` (0 = the decode token,
         j its j-th draft): the step computed every draft, the verifier kept fewer."""

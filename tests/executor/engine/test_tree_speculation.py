@@ -1,0 +1,120 @@
+"""Draft trees never change output: `--draft-shape tree` against speculation off.
+
+Greedy on the embedded model (alone and batched, requests joining and leaving,
+chunked prefill), including a branchy prompt whose trees really branch and whose
+accepted paths are not always the first branch (so the kept path's K/V is moved);
+seeded sampling on the tiny model gives the very tokens it gives without drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.engine.request_state import NewRequest
+from service_common.sampling_params import SamplingParams
+from tests.executor.engine.test_speculation_equivalence import (
+    NUM_NEW_TOKENS,
+    TINY_MODEL_TEMPERATURE,
+    requests_for,
+)
+from tests.executor.engine.test_speculation_equivalence import (
+    prompts as prompts,  # noqa: F401 (a fixture)
+)
+from tests.support.engine_driver import drive
+from tests.support.tiny_gguf import TinyModelSpec
+
+# Several near-identical functions: the context after "return x" was followed in different ways.
+BRANCHY = "".join(f"def scale_{i}(x):\n    return x * {i} + {i % 3}\n\n" for i in range(1, 9)) + "def scale_9(x):\n"
+
+
+@pytest.fixture(scope="module")
+def tree_engine():
+    from executor_svc.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="default", kv_cache_bytes=512 << 20, draft_shape="tree"))
+
+
+class TreeLog:
+    """Records the trees the engine's drafter proposes and the kept paths it moves (it still
+    does both itself)."""
+
+    def __init__(self, engine):
+        self.num_trees = self.num_branching = self.num_moves = 0
+        self._propose_tree = engine.drafter.propose_tree
+        self._move_tokens = engine.kv.move_tokens
+
+        def move_tokens(request_id, src_positions, dst_positions):
+            self.num_moves += 1
+            self._move_tokens(request_id, src_positions, dst_positions)
+
+        def propose_tree(request_id, max_nodes):
+            tree = self._propose_tree(request_id, max_nodes)
+            self.num_trees += tree.num_nodes > 0
+            self.num_branching += tree.num_nodes > 0 and not tree.is_chain()
+            return tree
+
+        engine.drafter.propose_tree = propose_tree
+        engine.kv.move_tokens = move_tokens
+        self.engine = engine
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.drafter.propose_tree  # back to the classes' methods
+        del self.engine.kv.move_tokens
+
+
+@pytest.fixture(scope="module")
+def branchy_prompt(tree_engine):
+    return tree_engine.tokenizer.tokenizer.encode(BRANCHY, add_special_tokens=False).ids
+
+
+@pytest.mark.slow
+def test_greedy_trees_change_no_token(engine_default, tree_engine, prompts, branchy_prompt):  # noqa: F811
+    reqs = requests_for(prompts[:4], copies=1) + [
+        NewRequest("branchy", branchy_prompt, SamplingParams(), NUM_NEW_TOKENS, ignore_eos=True)
+    ]
+    baseline = drive(engine_default, reqs).tokens
+    arrivals = {r.request_id: 2 * i for i, r in enumerate(reqs)}
+    with TreeLog(tree_engine) as log:
+        run = drive(tree_engine, reqs, chunk_size=16, arrival_steps=arrivals, draft_budget=8)
+    for r in reqs:
+        assert run.tokens[r.request_id] == baseline[r.request_id], r.request_id
+    assert log.num_branching > 0, "no tree branched: the test did not test trees"
+    assert log.num_moves > 0, "no later branch won: the kept path never moved"
+    assert run.num_accepted > 0.2 * len(reqs) * NUM_NEW_TOKENS / 2
+    assert tree_engine.kv.num_free_blocks == tree_engine.kv.num_usable_blocks
+
+
+@pytest.mark.slow
+def test_a_branchy_request_alone_with_large_trees(engine_default, tree_engine, branchy_prompt):
+    request = NewRequest("branchy", branchy_prompt, SamplingParams(), NUM_NEW_TOKENS, ignore_eos=True)
+    expected = drive(engine_default, [request]).tokens["branchy"]
+    with TreeLog(tree_engine) as log:
+        run = drive(tree_engine, [request], draft_budget=16)
+    assert run.tokens["branchy"] == expected
+    assert log.num_branching > 0
+    assert run.num_steps < NUM_NEW_TOKENS
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_trees_on_and_off(make_tiny_engine):
+    engine = make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20, draft_shape="tree")
+    # Two continuations of [40 41 42]: the trees branch there.
+    prompt = [40, 41, 42, 43, 44, 40, 41, 42, 45, 46, 40, 41, 42, 43, 44, 40, 41, 42]
+    params = dict(temperature=TINY_MODEL_TEMPERATURE)
+
+    def tokens(budget):
+        reqs = [
+            NewRequest(f"s{seed}", prompt, SamplingParams(seed=seed, **params), 8, ignore_eos=True)
+            for seed in range(40)
+        ]
+        run = drive(engine, reqs, draft_budget=budget)
+        return {r.request_id: run.tokens[r.request_id] for r in reqs}, run
+
+    off, _ = tokens(0)
+    with TreeLog(engine) as log:
+        on, run_on = tokens(6)
+    assert len({tuple(t) for t in off.values()}) > 20, "the seeds should sample different tokens"
+    assert log.num_branching > 0 and run_on.num_accepted > 10, "trees were not exercised"
+    assert on == off

@@ -1,12 +1,20 @@
-"""`swarmserve bench spec`: draft policies × live batch size × workload, in one run.
+"""`swarmserve bench spec`: draft policies × draft shapes × live batch size × workload, in one run.
 
-One executor serves every configuration; each (policy, B) gets a fresh scheduler
-(`--spec POLICY`, batch capped at B), and each workload runs B greedy requests at once with the
-batch capped at B, so the live batch is B throughout (EOS ignored, equal lengths).
+One executor per draft shape (`--draft-shape chain|tree`) serves every configuration of
+it; each (policy, B) gets a fresh scheduler (`--spec POLICY`, batch capped at B), and each
+workload runs B greedy requests at once with the batch capped at B, so the live batch is B
+throughout (EOS ignored, equal lengths).
 
 - copy: agent turns that repeat or lightly edit code from their context, where a
   suffix-match drafter finds long runs;
+- branchy: the same context followed by different continuations (several near-identical
+  functions, and the agent writes more of them), where a chain bets on one branch and a
+  tree on several;
 - free: free-form text, where drafts are mostly rejected.
+
+With several shapes, the tree rows are labelled `POLICY+tree`, and the report gives tree
+over chain for tokens/s and for accepted tokens per decode step (accepted / (tokens -
+accepted): every decode step emits its accepted drafts plus one token), from the same run.
 
 Reports accepted (useful) tokens/s, acceptance rate (accepted / drafted) and waste
 (drafted tokens rejected, per useful token) per policy, the speed-up of goodput over
@@ -64,6 +72,19 @@ GROUP BY users.id, users.email
 ORDER BY num_orders DESC;
 """,
 ]
+# Near-identical functions: after each shared prefix the file continues in several ways.
+BRANCHY_FILES = [
+    "".join(f"def scale_{i}(x):\n    return x * {i} + {i % 3}\n\n" for i in range(1, 9)),
+    "".join(
+        f"def check_{name}(value):\n    if value is None:\n        raise ValueError('{name} is missing')\n"
+        f"    return {kind}(value)\n\n"
+        for name, kind in [("port", "int"), ("host", "str"), ("ratio", "float"), ("name", "str"), ("retries", "int")]
+    ),
+    "".join(
+        f"    def get_{field}(self):\n        return self._data.get('{field}', {default})\n\n"
+        for field, default in [("id", 0), ("name", "''"), ("tags", "[]"), ("owner", "None"), ("size", 0)]
+    ),
+]
 FREE_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain to a new engineer why code review matters, in your own words.",
@@ -73,6 +94,10 @@ FREE_PROMPTS = [
 
 
 def workload_messages(kind: str, index: int) -> list[dict]:
+    if kind == "branchy":
+        file = BRANCHY_FILES[index % len(BRANCHY_FILES)]
+        ask = "Write this file out again, then add three more functions in the same style"
+        return [{"role": "user", "content": f"{ask}:\n\n{file}"}]
     if kind == "copy":
         snippet = SNIPPETS[index % len(SNIPPETS)]
         ask = "Repeat this code exactly" if index % 2 == 0 else "Rewrite this code with the same logic, keeping names"
@@ -106,37 +131,73 @@ async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: i
         "accepted": accepted,
         "acceptance": accepted / drafted if drafted else 0.0,
         "waste_per_token": (drafted - accepted) / tokens,
+        "accepted_per_step": accepted / (tokens - accepted),
     }
 
 
 async def _main(args: argparse.Namespace) -> list[dict]:
     results = []
     with open(args.log, "ab") as log_file:
-        # One executor for every configuration; each (policy, B) gets a fresh scheduler, which
-        # takes the executor over from the one before (an executor serves one scheduler).
-        async with start_services(
-            log_file, model=args.model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb
-        ) as services:
-            for policy in args.policies.split(","):
-                for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-                    async with start_scheduler(
-                        services.executor_address,
-                        log_file,
-                        "--spec",
-                        policy,
-                        "--take-over",
-                        max_running_requests=batch_size,
-                    ) as address:
-                        for kind in args.workloads.split(","):
-                            row = await run_config(address, kind, batch_size, args.num_new_tokens)
-                            row["policy"] = policy
-                            results.append(row)
-                            print(
-                                f"{policy:>8} B={batch_size:<2} {kind:>4}: {row['tokens_per_s']:6.1f} tok/s, "
-                                f"acceptance {row['acceptance']:.0%}, waste {row['waste_per_token']:.2f}/token",
-                                flush=True,
-                            )
+        for shape in args.shapes.split(","):
+            # One executor per shape for every configuration; each (policy, B) gets a fresh scheduler,
+            # which takes the executor over from the one before (an executor serves one scheduler).
+            async with start_services(
+                log_file,
+                model=args.model,
+                dtype=args.dtype,
+                kv_cache_gb=args.kv_cache_gb,
+                executor_args=("--draft-shape", shape),
+            ) as services:
+                for policy in args.policies.split(","):
+                    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+                        async with start_scheduler(
+                            services.executor_address,
+                            log_file,
+                            "--spec",
+                            policy,
+                            "--take-over",
+                            max_running_requests=batch_size,
+                        ) as address:
+                            for kind in args.workloads.split(","):
+                                row = await run_config(address, kind, batch_size, args.num_new_tokens)
+                                row["policy"] = policy if shape == "chain" else f"{policy}+{shape}"
+                                row["shape"] = shape
+                                results.append(row)
+                                print(
+                                    f"{row['policy']:>13} B={batch_size:<2} {kind:>7}: "
+                                    f"{row['tokens_per_s']:6.1f} tok/s, acceptance {row['acceptance']:.0%}, "
+                                    f"{row['accepted_per_step']:.2f} accepted/step, "
+                                    f"waste {row['waste_per_token']:.2f}/token",
+                                    flush=True,
+                                )
     return results
+
+
+def tree_vs_chain(results: list[dict]) -> list[dict]:
+    """Per workload, B and policy with both shapes: tree over chain, tokens/s and accepted per step."""
+    chains = {(r["workload"], r["batch_size"], r["policy"]): r for r in results if r.get("shape", "chain") == "chain"}
+    ratios = []
+    for r in results:
+        if r.get("shape", "chain") == "chain":
+            continue
+        policy = r["policy"].split("+")[0]
+        chain = chains.get((r["workload"], r["batch_size"], policy))
+        if chain is None or policy == "off":
+            continue
+        ratios.append(
+            {
+                "workload": r["workload"],
+                "batch_size": r["batch_size"],
+                "policy": policy,
+                "tokens_per_s": (chain["tokens_per_s"], r["tokens_per_s"]),
+                "accepted_per_step": (chain["accepted_per_step"], r["accepted_per_step"]),
+                "tokens_per_s_ratio": r["tokens_per_s"] / chain["tokens_per_s"],
+                "accepted_per_step_ratio": (
+                    r["accepted_per_step"] / chain["accepted_per_step"] if chain["accepted_per_step"] else float("inf")
+                ),
+            }
+        )
+    return ratios
 
 
 def summarize(results: list[dict]) -> dict:
@@ -157,6 +218,16 @@ def summarize(results: list[dict]) -> dict:
 
 
 def print_report(results: list[dict], summary: dict) -> None:
+    ratios = tree_vs_chain(results)
+    if ratios:
+        print("\ntree vs chain (same run): tokens/s and accepted tokens per decode step")
+        for q in ratios:
+            print(
+                f"  {q['workload']:>7} B={q['batch_size']:<2} {q['policy']:>8}: "
+                f"{q['tokens_per_s'][1]:6.1f} vs {q['tokens_per_s'][0]:6.1f} tok/s ({q['tokens_per_s_ratio']:.2f}x), "
+                f"{q['accepted_per_step'][1]:.2f} vs {q['accepted_per_step'][0]:.2f} accepted/step "
+                f"({q['accepted_per_step_ratio']:.2f}x)"
+            )
     policies = list(dict.fromkeys(r["policy"] for r in results))
     for kind, by_b in summary.items():
         print(f"\n{kind}: accepted tokens/s")
@@ -213,7 +284,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
-    parser.add_argument("--workloads", default="copy,free")
+    parser.add_argument("--shapes", default="chain", help="draft shapes, one executor each: chain,tree")
+    parser.add_argument("--workloads", default="copy,free", help="copy, branchy, free")
     parser.add_argument("--num-new-tokens", type=int, default=48)
     parser.add_argument("--out", default="bench_results/spec", help="prefix of the .json and .png written")
     parser.add_argument("--log", default="bench_spec.log", help="where the services' logs go")
@@ -225,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     print_report(results, summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"results": results, "summary": summary}, indent=2))
+    payload = {"results": results, "summary": summary, "tree_vs_chain": tree_vs_chain(results)}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

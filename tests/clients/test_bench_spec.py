@@ -1,0 +1,51 @@
+"""`swarmserve bench spec`'s pure parts: the workloads and tree-vs-chain ratios."""
+
+from __future__ import annotations
+
+import argparse
+
+from clients.bench.speculation import add_arguments, tree_vs_chain, workload_messages
+
+
+def row(workload, batch_size, policy, shape, tokens_per_s, accepted_per_step):
+    return dict(
+        workload=workload,
+        batch_size=batch_size,
+        policy=policy if shape == "chain" else f"{policy}+{shape}",
+        shape=shape,
+        tokens_per_s=tokens_per_s,
+        accepted_per_step=accepted_per_step,
+    )
+
+
+def test_tree_rows_are_compared_with_the_chain_row_of_their_policy_workload_and_batch():
+    results = [
+        row("branchy", 1, "fixed:8", "chain", 10.0, 1.0),
+        row("branchy", 1, "fixed:8", "tree", 15.0, 2.0),
+        row("branchy", 4, "fixed:8", "chain", 20.0, 0.5),
+        row("branchy", 4, "fixed:8", "tree", 18.0, 0.5),
+        row("branchy", 1, "off", "chain", 8.0, 0.0),
+        row("branchy", 1, "off", "tree", 8.0, 0.0),  # no drafts: nothing to compare
+        row("copy", 1, "goodput", "tree", 30.0, 3.0),  # no chain row
+    ]
+    ratios = tree_vs_chain(results)
+    assert [(q["workload"], q["batch_size"], q["policy"]) for q in ratios] == [
+        ("branchy", 1, "fixed:8"),
+        ("branchy", 4, "fixed:8"),
+    ]
+    assert ratios[0]["tokens_per_s_ratio"] == 1.5 and ratios[0]["accepted_per_step_ratio"] == 2.0
+    assert ratios[1]["tokens_per_s_ratio"] == 0.9 and ratios[1]["accepted_per_step_ratio"] == 1.0
+
+
+def test_the_branchy_workload_repeats_one_context_with_different_continuations():
+    for index in range(3):
+        (message,) = workload_messages("branchy", index)
+        assert "in the same style" in message["content"]
+    assert workload_messages("branchy", 0) != workload_messages("branchy", 1)
+
+
+def test_shapes_default_to_chains_alone():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).shapes == "chain"
+    assert parser.parse_args(["--shapes", "tree,chain"]).shapes == "tree,chain"

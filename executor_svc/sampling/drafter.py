@@ -42,10 +42,13 @@ n >= min_ngram), each with an estimated acceptance probability
 (a one-token match is weak evidence, an eight-token one strong). A node's *path
 probability* is the product of p down from the root: the chance that every token
 to it is accepted. The tree grows greedily: of all candidates, add the one with
-the highest path probability (a tie goes to the candidate found first, and among
-siblings to the follower of the most recent occurrence), until `max_nodes`. Its
-expected accepted tokens are the sum of its nodes' path probabilities, which is
-what the scheduler's goodput weighs against a step's cost. When every context has
+the highest path probability (a tie goes to the candidate found first; siblings
+are found by count, a tie going to the most recent occurrence's follower), until
+`max_nodes`. Its expected accepted tokens are the sum of its nodes' path
+probabilities (`DraftTree.expected_num_accepted_tokens`), what a node budget buys.
+The scheduler does not see it yet: it prices a budget with its per-request
+acceptance α (scheduler_svc/acceptance.py), which a tree's kept path feeds as a
+chain's does (accepted tokens, then one miss). When every context has
 one follower the tree is a chain, and it begins with the chain of the rule above
 (the tree may go on where that chain stops at the end of the history, because
 the path itself is matched too).

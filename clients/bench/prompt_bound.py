@@ -223,6 +223,9 @@ class Peers:
 
     llama: Callable[[int, int], AbstractAsyncContextManager[Endpoint]] | None = None
     vllm: Endpoint | None = None
+    # Entered while vLLM is measured: a vLLM started for the run is stopped between its turns (its
+    # worker busy-waits on a core when idle, vllm_server.StartedServer); None for one already running.
+    vllm_running: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
 async def measure_engines(peers: Peers, swarmserve: Endpoint, measure, *, num_slots: int, slot_context: int):
@@ -237,7 +240,10 @@ async def measure_engines(peers: Peers, swarmserve: Endpoint, measure, *, num_sl
     summaries, errors = {}, {}
     for engine, endpoint in engines:
         try:
-            if isinstance(endpoint, Endpoint):
+            if engine == "vllm" and peers.vllm_running:
+                async with peers.vllm_running():
+                    summaries[engine] = await measure(endpoint)
+            elif isinstance(endpoint, Endpoint):
                 summaries[engine] = await measure(endpoint)
             else:
                 async with endpoint() as fresh:

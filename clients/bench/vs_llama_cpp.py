@@ -39,7 +39,7 @@ import json
 import os
 import shlex
 import time
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -449,16 +449,17 @@ def swarm_token_counts(info, system_prompt: str, scripts) -> dict:
 
 @asynccontextmanager
 async def vllm_endpoint(args: argparse.Namespace, log_file):
-    """vLLM as an Endpoint: the running server of --vllm-server, or --vllm-command's for the run."""
+    """vLLM as (an Endpoint, what to enter while it is measured): the running server of --vllm-server
+    (nothing to enter: None), or --vllm-command's for the run, kept stopped between its turns."""
     if args.vllm_server:
         await wait_healthy(args.vllm_server.rstrip("/"), timeout_s=30)
-        yield Endpoint("vllm", args.vllm_server.rstrip("/"), args.vllm_model)
+        yield Endpoint("vllm", args.vllm_server.rstrip("/"), args.vllm_model), None
         return
     print("starting vLLM (its start-up takes minutes) ...", flush=True)
     t0 = time.monotonic()
-    async with start_vllm_server(args.vllm_command, log_file, startup_timeout_s=args.vllm_startup_timeout) as url:
-        print(f"vLLM healthy after {time.monotonic() - t0:.0f} s", flush=True)
-        yield Endpoint("vllm", url, args.vllm_model)
+    async with start_vllm_server(args.vllm_command, log_file, startup_timeout_s=args.vllm_startup_timeout) as server:
+        print(f"vLLM healthy after {time.monotonic() - t0:.0f} s; stopped except while it is measured", flush=True)
+        yield Endpoint("vllm", server.url, args.vllm_model), server.running
 
 
 def add_row(result: dict, row: dict, json_path: str | None) -> None:
@@ -508,9 +509,12 @@ async def run_bench(args: argparse.Namespace) -> dict:
     with open(args.log, "ab") as log_file:
         async with AsyncExitStack() as stack:
             # vLLM first: its start-up compiles on both cores, which would skew our executor's calibration.
-            vllm = await stack.enter_async_context(vllm_endpoint(args, log_file)) if wants_vllm else None
+            vllm, vllm_running = (
+                await stack.enter_async_context(vllm_endpoint(args, log_file)) if wants_vllm else (None, None)
+            )
             if vllm:
-                result["vllm_version"] = await served_version(vllm.base_url)
+                async with vllm_running() if vllm_running else nullcontext():
+                    result["vllm_version"] = await served_version(vllm.base_url)
             services = await stack.enter_async_context(
                 start_services(
                     log_file,
@@ -530,7 +534,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
                 "max_decode_runs"
             )
             await run_short_rows(args, model, log_file, services, info, result)
-            peers = Peers(llama=llama_factory(args, model, log_file), vllm=vllm)
+            peers = Peers(llama=llama_factory(args, model, log_file), vllm=vllm, vllm_running=vllm_running)
             swarmserve = Endpoint(SWARMSERVE, f"http://{services.http_address}", "swarmserve")
             if "prefill" in args.workloads:
                 await run_prefill_rows(args, peers, swarmserve, info, result)

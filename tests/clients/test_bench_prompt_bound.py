@@ -17,7 +17,7 @@ import pytest
 from clients.bench import prompt_bound, prompt_bound_report, workloads
 from clients.bench.openai_stream import StreamedRequest
 from clients.bench.prompt_bound import Endpoint, advantage, percentile, prefill_summary, swarm_summary
-from clients.bench.vllm_server import vllm_command
+from clients.bench.vllm_server import StartedServer, vllm_command
 from clients.bench.vs_llama_cpp import REPO_ROOT, format_report
 from clients.cli import parse_args
 from clients.serve import free_port
@@ -257,6 +257,39 @@ def test_bad_workload_and_peer_flags_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exited:
         parse_args(["bench", "vs", *argv])
     assert exited.value.code == 2
+
+
+def process_states(pids: list[int]) -> list[str]:
+    """Each process's state letter from /proc (T: stopped)."""
+    return [open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] for pid in pids]
+
+
+def test_a_peer_started_for_the_run_is_stopped_except_while_it_is_measured():
+    """vLLM's worker busy-waits on a core while idle, so a peer started for the run is kept stopped
+    (its whole process group, children too) between its turns and resumed for them."""
+
+    async def main():
+        process = await asyncio.create_subprocess_exec(
+            "sh", "-c", "sleep 30 & wait", start_new_session=True, stdout=subprocess.DEVNULL
+        )
+        try:
+            await asyncio.sleep(0.3)
+            child = int(open(f"/proc/{process.pid}/task/{process.pid}/children").read().split()[0])
+            server = StartedServer("http://127.0.0.1:1", process)
+            server.pause()
+            await asyncio.sleep(0.1)
+            assert process_states([process.pid, child]) == ["T", "T"]
+            async with server.running():
+                await asyncio.sleep(0.1)
+                assert "T" not in process_states([process.pid, child])
+            await asyncio.sleep(0.1)
+            assert process_states([process.pid, child]) == ["T", "T"]
+            server.resume()
+        finally:
+            os.killpg(process.pid, 9)
+            await process.wait()
+
+    asyncio.run(main())
 
 
 # -- end to end -----------------------------------------------------------------------------

@@ -306,19 +306,13 @@ class _ContextTrie:
         """(n, [(token, count)]): the longest suffix n-gram of `token_ids` filed in the
         trie and how often each token followed it: by count (descending), a tie going
         to the most recent occurrence's follower, then to the first seen; (0, []) when none."""
-        num_tokens = len(token_ids)
-        max_depth = min(self._max_ngram, num_tokens)
-        node_id, depth = _ROOT_NODE_ID, 0
-        while depth < max_depth:
-            child_id = self._child_ids.get(node_id << _ID_BITS | token_ids[num_tokens - 1 - depth])
-            if child_id is None:
-                break
-            node_id, depth = child_id, depth + 1
-            if not self._is_expanded[node_id]:
-                depth, location = self._match_lazy_leaf(node_id, depth, token_ids, max_depth)
-                return depth, [(self._follower_at(location), 1)]
-        if node_id == _ROOT_NODE_ID:
+        path_node_ids, lazy_match = self._walk_suffix(token_ids)
+        if lazy_match is not None:
+            depth, location = lazy_match
+            return depth, [(self._follower_at(location), 1)]
+        if not path_node_ids:
             return 0, []
+        node_id, depth = path_node_ids[-1], len(path_node_ids)
         # Every location counted here is live (remove uncounts), but the latest may
         # not be: then no follower is preferred as the most recent.
         location = self._latest_locations[node_id]
@@ -347,23 +341,32 @@ class _ContextTrie:
     def longest_match(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """(n, location): the longest suffix n-gram of `token_ids` (n <= max_ngram) filed
         in the trie and the latest location that followed it; (0, -1) when none."""
+        path_node_ids, lazy_match = self._walk_suffix(token_ids)
+        if lazy_match is not None:
+            return lazy_match
+        for depth in range(len(path_node_ids), 0, -1):
+            location = self._latest_locations[path_node_ids[depth - 1]]
+            if location >> _ID_BITS in self._documents:
+                return depth, location
+        return 0, -1
+
+    def _walk_suffix(self, token_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
+        """Down the trie along `token_ids`' suffix, newest token first (max_ngram deep at most):
+        the expanded nodes passed (element n - 1 at depth n) and, when the walk ends in a lazy
+        leaf, that leaf's match (n, location)."""
         num_tokens = len(token_ids)
         max_depth = min(self._max_ngram, num_tokens)
         node_id, depth = _ROOT_NODE_ID, 0
-        path_node_ids = []  # path_node_ids[n - 1] is the expanded node at depth n
+        path_node_ids: list[int] = []
         while depth < max_depth:
             child_id = self._child_ids.get(node_id << _ID_BITS | token_ids[num_tokens - 1 - depth])
             if child_id is None:
                 break
             node_id, depth = child_id, depth + 1
             if not self._is_expanded[node_id]:
-                return self._match_lazy_leaf(node_id, depth, token_ids, max_depth)
+                return path_node_ids, self._match_lazy_leaf(node_id, depth, token_ids, max_depth)
             path_node_ids.append(node_id)
-        for depth in range(len(path_node_ids), 0, -1):
-            location = self._latest_locations[path_node_ids[depth - 1]]
-            if location >> _ID_BITS in self._documents:
-                return depth, location
-        return 0, -1
+        return path_node_ids, None
 
     def _match_lazy_leaf(self, node_id: int, depth: int, token_ids: Sequence[int], max_depth: int) -> tuple[int, int]:
         """Below a lazy leaf the one location's own tokens are the trie: compare them in place.

@@ -46,12 +46,14 @@ the highest path probability (a tie goes to the candidate found first; siblings
 are found by count, a tie going to the most recent occurrence's follower), until
 `max_nodes`. Its expected accepted tokens are the sum of its nodes' path
 probabilities (`DraftTree.expected_num_accepted_tokens`), what a node budget buys.
-The scheduler does not see it yet: it prices a budget with its per-request
-acceptance α (scheduler_svc/acceptance.py), which a tree's kept path feeds as a
-chain's does (accepted tokens, then one miss). When every context has
-one follower the tree is a chain, and it begins with the chain of the rule above
-(the tree may go on where that chain stops at the end of the history, because
-the path itself is matched too).
+The executor reports, with each step's result, the expected accepted tokens of the
+first n nodes of the tree it would grow next (`Drafter.next_tree`), for every n: the
+scheduler's goodput policy prices a node budget by it (scheduler_svc/draft_policy.py),
+scaled by how well this request's trees have met the drafter's expectation.
+
+When every context has one follower the tree is a chain, and it begins with the
+chain of the rule above (the tree may go on where that chain stops at the end of
+the history, because the path itself is matched too).
 
 Worked tree example, max_ngram=3, max_nodes=4:
 
@@ -155,6 +157,30 @@ class DraftTree(NamedTuple):
     def expected_num_accepted_tokens(self) -> float:
         """Sum over nodes of P(path to it accepted): the accepted path's expected length."""
         return sum(self.path_probabilities)
+
+    def expected_num_accepted_tokens_by_nodes(self) -> list[float]:
+        """Element n-1: the expected accepted tokens of this tree's first n nodes, n = 1 .. num_nodes.
+
+        For a tree grow_tree made at a budget of N nodes, that is what a budget of n <= N buys:
+        growth takes the likeliest candidate first, so path probabilities never rise in node
+        order, the first n nodes are a tree (a parent precedes its children), and no n-node
+        tree has a larger sum; and grow_tree with max_nodes=n adds exactly these n nodes.
+        """
+        curve, total = [], 0.0
+        for probability in self.path_probabilities:
+            total += probability
+            curve.append(total)
+        return curve
+
+    @property
+    def depth(self) -> int:
+        """The deepest node's depth: the most tokens the tree can have accepted (0 when empty)."""
+        return max(self.depths(), default=0)
+
+    @property
+    def num_leaves(self) -> int:
+        """Nodes without children: the tree's branches (1 for a chain, 0 when empty)."""
+        return self.num_nodes - len({parent for parent in self.parent_indexes if parent >= 0})
 
     def depths(self) -> list[int]:
         """Depth of each node, 1 for the root's children."""
@@ -626,6 +652,15 @@ class Drafter:
         Each node's followers come from the longer match of the request's own
         index and the swarm index (a tie goes to the own index).
         """
+        return self._grow_tree(request_id, min(max_nodes, self.max_draft_tokens))
+
+    def next_tree(self, request_id: str) -> DraftTree:
+        """The tree propose_tree would give next step at the full budget (max_draft_tokens),
+        unless other requests' output changes the swarm index first: its first n nodes are
+        what a budget of n would buy (DraftTree.expected_num_accepted_tokens_by_nodes)."""
+        return self._grow_tree(request_id, self.max_draft_tokens)
+
+    def _grow_tree(self, request_id: str, max_nodes: int) -> DraftTree:
         index = self._index(request_id)
 
         def followers_of(path_token_ids: list[int]) -> tuple[int, list[tuple[int, int]]]:
@@ -635,7 +670,7 @@ class Drafter:
             swarm = self.swarm_index.followers(_WithPath(index.token_ids, path_token_ids))
             return swarm if swarm[0] > own[0] else own
 
-        return grow_tree(followers_of, min(max_nodes, self.max_draft_tokens))
+        return grow_tree(followers_of, max_nodes)
 
     def num_draftable(self, request_id: str) -> int:
         """len(propose(request_id, max_draft_tokens)), without building the draft."""

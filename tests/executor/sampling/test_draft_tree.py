@@ -66,6 +66,24 @@ def test_module_docstring_tree_example():
     assert tree.expected_num_accepted_tokens == 0.375 * 2 + 0.375 * 0.875 * 2
 
 
+def test_module_docstring_tree_shape_and_what_each_node_budget_buys():
+    tree = RequestIndex(letters("x a b c y a b d z a b"), max_ngram=3).propose_tree(4)
+    assert tree.depth == 2 and tree.num_leaves == 2
+    assert tree.expected_num_accepted_tokens_by_nodes() == pytest.approx(
+        [0.375, 0.75, 0.75 + 0.375 * 0.875, 0.75 + 0.375 * 0.875 * 2]
+    )
+    chain = DraftTree([5, 6, 7], [-1, 0, 1], [0.5, 0.25, 0.125])
+    assert (chain.depth, chain.num_leaves) == (3, 1)
+    assert DraftTree([], [], []).depth == DraftTree([], [], []).num_leaves == 0
+    assert DraftTree([], [], []).expected_num_accepted_tokens_by_nodes() == []
+
+
+def test_drafter_next_tree_is_the_full_budget_tree():
+    drafter = Drafter(max_draft_tokens=5, max_ngram=3)
+    drafter.add_request("r", letters("x a b c y a b d z a b"))
+    assert drafter.next_tree("r") == drafter.propose_tree("r", 5)
+
+
 def test_counts_decide_before_recency():
     # [a] was followed by x three times, by y once (the most recent): x is the likelier
     # child, and x's own child a (after [x], always a) is likelier than y.
@@ -193,3 +211,28 @@ def test_one_continuation_everywhere_gives_todays_chain(base, data, max_nodes):
     chain = index.propose(max_nodes)
     assert tree.token_ids[: len(chain)] == chain
     assert tree.num_nodes == max_nodes  # the copy cycles back into base: it never runs dry
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 3), max_size=40),
+    max_nodes=st.integers(1, 12),
+    max_ngram=st.integers(1, 5),
+)
+def test_a_smaller_budget_grows_the_first_nodes_of_the_full_tree(history, max_nodes, max_ngram):
+    """What the executor reports as the expected accepted tokens of n nodes (the n-th value of
+    tree's curve) is what a budget of n buys: the tree grown with n is the full tree's first
+    n nodes; and each node adds no more than the one before (the policy's gains only fall)."""
+    index = RequestIndex(history, max_ngram=max_ngram)
+    full = index.propose_tree(max_nodes)
+    curve = full.expected_num_accepted_tokens_by_nodes()
+    assert len(curve) == full.num_nodes
+    for n in range(1, full.num_nodes + 1):
+        smaller = index.propose_tree(n)
+        assert smaller.token_ids == full.token_ids[:n]
+        assert smaller.parent_indexes == full.parent_indexes[:n]
+        assert smaller.expected_num_accepted_tokens == pytest.approx(curve[n - 1])
+    gains = [b - a for a, b in zip([0.0, *curve], curve)]
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(gains, gains[1:]))  # each node buys less
+    assert full.depth == max(full.depths(), default=0)
+    assert full.num_leaves == sum(1 for i in range(full.num_nodes) if i not in full.parent_indexes)

@@ -34,7 +34,7 @@ from executor_svc.engine.step_messages import (
 from executor_svc.errors import OutOfKVBlocksError, UnknownRequestError
 from executor_svc.kv.kv_manager import NO_COMPUTED_BLOCKS, ComputedBlocks
 from executor_svc.model.ragged_batch import RequestSlice
-from executor_svc.sampling.drafter import Drafter
+from executor_svc.sampling.drafter import Drafter, DraftTree
 from executor_svc.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_masks, fill_masks
 from executor_svc.sampling.sampler import SampledToken, SampleSpec, token_logprobs
 from executor_svc.sampling.verifier import verify, verify_tree
@@ -53,6 +53,19 @@ class _Draft:
 
     token_ids: list[int]
     parent_indexes: tuple[int, ...] | None = None  # a tree's, -1 for the root's children; None: a chain
+    depth: int = 0  # the deepest node's depth (a chain's length), reported in RequestResult.draft_depth
+    num_leaves: int = 0  # 1 for a chain
+    expected_num_accepted_tokens: float = 0.0  # the drafter's estimate, for a tree (a chain has none)
+
+    @classmethod
+    def chain(cls, token_ids: list[int]) -> _Draft:
+        return cls(token_ids, None, len(token_ids), 1)
+
+    @classmethod
+    def tree(cls, tree: DraftTree) -> _Draft:
+        return cls(
+            tree.token_ids, tuple(tree.parent_indexes), tree.depth, tree.num_leaves, tree.expected_num_accepted_tokens
+        )
 
 
 NO_DRAFT = _Draft([])
@@ -337,6 +350,7 @@ class Engine:
         self.kv.commit(state.request_id, state.token_ids, state.num_computed_tokens)
         if emitted:
             self.drafter.append(state.request_id, emitted)
+        num_draftable, expected_by_nodes = self._draft_outlook(state)
         output = RequestResult(
             request_id=state.request_id,
             new_token_ids=emitted,
@@ -345,9 +359,13 @@ class Engine:
             logprobs=logprobs,
             num_drafted_tokens=len(part.draft_ids),
             num_accepted_tokens=num_accepted,
-            num_draftable_tokens=0 if state.finish_reason else self.drafter.num_draftable(state.request_id),
+            num_draftable_tokens=num_draftable,
             num_cached_tokens=state.num_cached_tokens,
             num_exclusive_blocks=self.kv.num_exclusive_blocks(state.request_id),
+            draft_depth=part.draft.depth,
+            num_draft_leaves=part.draft.num_leaves,
+            expected_num_accepted_tokens=part.draft.expected_num_accepted_tokens,
+            expected_accepted_tokens_by_nodes=expected_by_nodes,
         )
         if state.finish_reason is not None:
             self.release(state.request_id)
@@ -442,6 +460,24 @@ class Engine:
         branch would need its own replay from the window-start state)."""
         return self.config.draft_shape == "tree" and state.grammar is None and self.kv.state_pool is None
 
+    def _draft_outlook(self, state: RequestState) -> tuple[int, list[float]]:
+        """What the request's index could draft next step, and for a request that drafts trees,
+        what each node budget would buy (RequestResult.expected_accepted_tokens_by_nodes).
+
+        A tree request's draftable count is its next tree's node count, not the longest
+        chain's: the scheduler caps a budget at it, and a tree may use nodes a chain cannot.
+        Its curve is left out when that tree does not branch: a chain is priced like one, by
+        the scheduler's own acceptance estimate. One tree grown per step per tree request
+        (O(max_draft_tokens * max_ngram) trie lookups): next step's propose_tree grows its
+        prefix again rather than keep it, since other requests' output may change it first.
+        """
+        if state.finish_reason is not None:
+            return 0, []
+        if not self._drafts_trees(state):
+            return self.drafter.num_draftable(state.request_id), []
+        tree = self.drafter.next_tree(state.request_id)
+        return tree.num_nodes, [] if tree.is_chain() else tree.expected_num_accepted_tokens_by_nodes()
+
     def _propose_drafts(self, plan: StepRequest) -> dict[str, _Draft]:
         """Draft tokens for decoding requests with a budget, capped so they cannot overrun
         max_new_tokens or the context (a tree's nodes in all, so its depth too), and a chain cut
@@ -463,13 +499,13 @@ class Engine:
             if self._drafts_trees(state):
                 tree = self.drafter.propose_tree(s.request_id, room)
                 if tree.num_nodes:
-                    drafts[s.request_id] = _Draft(tree.token_ids, tuple(tree.parent_indexes))
+                    drafts[s.request_id] = _Draft.tree(tree)
                 continue
             proposed = self.drafter.propose(s.request_id, room)
             if proposed and state.grammar is not None:
                 proposed = proposed[: state.grammar.num_valid(proposed)]
             if proposed:
-                drafts[s.request_id] = _Draft(proposed)
+                drafts[s.request_id] = _Draft.chain(proposed)
         return drafts
 
     def _append_until_finish(self, state: RequestState, emitted: list[int]) -> list[int]:

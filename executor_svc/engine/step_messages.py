@@ -59,6 +59,12 @@ class RequestResult:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     num_exclusive_blocks: int = 0  # blocks no other request shares: what a preemption would free
     num_runs: int = 1  # runs of the plan it took part in (each may verify drafts up to its budget)
+    # The verified drafts' shape, summed over the runs (num_drafted_tokens is their node count).
+    draft_depth: int = 0  # deepest node's depth: a chain's length
+    num_draft_leaves: int = 0  # 1 for a chain
+    expected_num_accepted_tokens: float = 0.0  # the drafter's estimate for the verified trees (0 for chains)
+    # [n - 1]: expected accepted tokens of the best n-node tree next step; empty unless it is a branching tree.
+    expected_accepted_tokens_by_nodes: list[float] = field(default_factory=list)
 
     def then(self, later: RequestResult) -> RequestResult:
         """This result followed by `later`, the same request's in the next run of the plan."""
@@ -70,6 +76,9 @@ class RequestResult:
             num_accepted_tokens=self.num_accepted_tokens + later.num_accepted_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_runs=self.num_runs + later.num_runs,
+            draft_depth=self.draft_depth + later.draft_depth,
+            num_draft_leaves=self.num_draft_leaves + later.num_draft_leaves,
+            expected_num_accepted_tokens=self.expected_num_accepted_tokens + later.expected_num_accepted_tokens,
         )
 
     def to_pb(self) -> pb.RequestResult:
@@ -86,6 +95,10 @@ class RequestResult:
             num_cached_tokens=self.num_cached_tokens,
             num_exclusive_kv_blocks=self.num_exclusive_blocks,
             num_runs=self.num_runs,
+            draft_depth=self.draft_depth,
+            num_draft_leaves=self.num_draft_leaves,
+            expected_num_accepted_tokens=self.expected_num_accepted_tokens,
+            expected_accepted_tokens_by_nodes=self.expected_accepted_tokens_by_nodes,
             logprobs=[
                 pb.TokenLogprob(
                     token_id=t.token_id,

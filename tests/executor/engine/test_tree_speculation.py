@@ -118,3 +118,89 @@ def test_seeded_sampling_gives_the_same_tokens_with_trees_on_and_off(make_tiny_e
     assert len({tuple(t) for t in off.values()}) > 20, "the seeds should sample different tokens"
     assert log.num_branching > 0 and run_on.num_accepted > 10, "trees were not exercised"
     assert on == off
+
+
+def drive_recording_results(engine, requests, budget):
+    """drive(), keeping every step's RequestResults."""
+    results = []
+    step = engine.step
+
+    def recording_step(plan):
+        response = step(plan)
+        results.extend(response.outputs)
+        return response
+
+    engine.step = recording_step
+    try:
+        drive(engine, requests, draft_budget=budget)
+    finally:
+        del engine.step
+    return results
+
+
+@pytest.mark.parametrize("draft_shape", ["tree", "chain"])
+def test_results_report_the_drafts_shape_and_what_the_next_tree_buys(make_tiny_engine, draft_shape):
+    """Each result says the verified drafts' shape (a chain: depth = nodes, one leaf) and, for
+    a tree request whose next tree branches, the curve the scheduler prices budgets by."""
+    engine = make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20, draft_shape=draft_shape)
+    prompt = [40, 41, 42, 43, 44, 40, 41, 42, 45, 46, 40, 41, 42, 43, 44, 40, 41, 42]
+    reqs = [NewRequest(f"r{i}", prompt, SamplingParams(), 12, ignore_eos=True) for i in range(2)]
+    results = drive_recording_results(engine, reqs, 6)
+    drafted = [r for r in results if r.num_drafted_tokens]
+    assert drafted, "nothing was drafted: the test tested nothing"
+    for r in results:
+        assert r.num_accepted_tokens <= r.draft_depth <= r.num_drafted_tokens
+        if not r.num_drafted_tokens:
+            assert r.draft_depth == r.num_draft_leaves == 0
+            assert r.expected_num_accepted_tokens == 0
+        curve = r.expected_accepted_tokens_by_nodes
+        if curve:
+            assert len(curve) == r.num_draftable_tokens
+            gains = [b - a for a, b in zip([0.0, *curve], curve)]
+            assert all(0 < later <= earlier + 1e-12 for earlier, later in zip(gains, gains[1:]))
+    if draft_shape == "chain":
+        assert all(r.draft_depth == r.num_drafted_tokens and r.num_draft_leaves == 1 for r in drafted)
+        assert not any(r.expected_accepted_tokens_by_nodes or r.expected_num_accepted_tokens for r in results)
+    else:
+        assert any(r.num_draft_leaves > 1 for r in drafted), "no tree branched"
+        assert all(1 <= r.num_draft_leaves <= r.num_drafted_tokens for r in drafted)
+        assert all(0 < r.expected_num_accepted_tokens <= r.draft_depth for r in drafted)
+        assert any(r.expected_accepted_tokens_by_nodes for r in results)
+
+
+def test_a_result_over_several_runs_sums_the_shapes_and_keeps_the_last_curve():
+    from executor_svc.engine.step_messages import RequestResult
+
+    first = RequestResult(
+        "r",
+        [1, 2],
+        None,
+        10,
+        [],
+        3,
+        1,
+        draft_depth=2,
+        num_draft_leaves=2,
+        expected_num_accepted_tokens=1.5,
+        expected_accepted_tokens_by_nodes=[0.9, 1.5],
+    )
+    later = RequestResult(
+        "r",
+        [3],
+        None,
+        11,
+        [],
+        4,
+        0,
+        draft_depth=4,
+        num_draft_leaves=1,
+        expected_num_accepted_tokens=0.5,
+        expected_accepted_tokens_by_nodes=[0.8],
+    )
+    both = first.then(later)
+    assert (both.num_drafted_tokens, both.draft_depth, both.num_draft_leaves) == (7, 6, 3)
+    assert both.expected_num_accepted_tokens == 2.0
+    assert both.expected_accepted_tokens_by_nodes == [0.8]  # about the next step: the last run's
+    msg = both.to_pb()
+    assert (msg.draft_depth, msg.num_draft_leaves) == (6, 3)
+    assert list(msg.expected_accepted_tokens_by_nodes) == pytest.approx([0.8])

@@ -15,6 +15,16 @@ at the swarm-wide rate, itself a slower EWMA over every request's
 observations that starts at `prior_acceptance`. A new request therefore starts
 at what the swarm currently achieves, and its own history takes over within a
 few steps.
+
+A draft tree is observed by its kept path: a step that verified trees of total
+depth D and accepted a tokens saw a successes and, if a < D, one failure (a kept
+path that ends at a shallower leaf did not miss: counting it errs low). Trees also have their own price: the
+executor's drafter says how many tokens each tree of n nodes should get accepted,
+and the policy trusts that curve only as far as it has held for this request. The
+*tree correction* c_i is accepted tokens over what the drafter expected of the
+trees verified, with the same decay and prior strength, its prior the swarm-wide
+ratio, which starts at 1 (the drafter is believed until verification says
+otherwise). A drafter that expects twice what gets accepted has its curve halved.
 """
 
 from __future__ import annotations
@@ -57,13 +67,30 @@ class _Counts:
         self.num_failures = decay * self.num_failures + num_failures
 
 
+@dataclass
+class _Ratio:
+    """Decayed accepted tokens and the tokens the drafter expected accepted."""
+
+    num_accepted: float = 0.0
+    num_expected: float = 0.0
+
+    def add(self, num_accepted: int, num_expected: float, decay: float) -> None:
+        self.num_accepted = decay * self.num_accepted + num_accepted
+        self.num_expected = decay * self.num_expected + num_expected
+
+    def rate(self, prior: float, prior_strength: float) -> float:
+        return (self.num_accepted + prior_strength * prior) / (self.num_expected + prior_strength)
+
+
 class AcceptanceTracker:
-    """α_i per request id, with the swarm-wide rate as the prior."""
+    """α_i and the tree correction c_i per request id, each with the swarm-wide value as the prior."""
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
         self.config = config or AcceptanceConfig()
         self._requests: dict[str, _Counts] = {}
         self._swarm = _Counts()
+        self._tree_requests: dict[str, _Ratio] = {}
+        self._swarm_trees = _Ratio()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """Fold in one step's verification of a request's drafts; a step without drafts tells nothing."""
@@ -92,9 +119,33 @@ class AcceptanceTracker:
             return prior
         return _rate(counts, prior, c.prior_strength, c.max_acceptance)
 
+    def observe_trees(self, request_id: str, num_expected: float, num_accepted: int) -> None:
+        """Fold in one step's verified trees: the drafter expected `num_expected` of their tokens
+        accepted (RequestResult.expected_num_accepted_tokens), verification accepted `num_accepted`."""
+        if not (math.isfinite(num_expected) and num_expected >= 0) or num_accepted < 0:
+            raise ValueError(
+                f"request {request_id!r}: need finite num_expected >= 0 and num_accepted >= 0, "
+                f"got {num_expected} and {num_accepted}"
+            )
+        if num_expected == 0:
+            return  # nothing was expected of it: a chain, or no draft
+        self._tree_requests.setdefault(request_id, _Ratio()).add(num_accepted, num_expected, self.config.decay)
+        self._swarm_trees.add(num_accepted, num_expected, self.config.swarm_decay)
+
+    @property
+    def swarm_tree_correction(self) -> float:
+        return self._swarm_trees.rate(1.0, self.config.prior_strength)
+
+    def tree_correction(self, request_id: str) -> float:
+        """c_i: accepted tokens per token the drafter expected of this request's trees (>= 0)."""
+        prior = self.swarm_tree_correction
+        counts = self._tree_requests.get(request_id)
+        return prior if counts is None else counts.rate(prior, self.config.prior_strength)
+
     def forget(self, request_id: str) -> None:
         """The request is finished: drop its history (the swarm rate keeps what it taught)."""
         self._requests.pop(request_id, None)
+        self._tree_requests.pop(request_id, None)
 
     @property
     def num_requests(self) -> int:

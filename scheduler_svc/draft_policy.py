@@ -18,11 +18,24 @@ wrong at every batch size but one. Four policies, selectable with
 
 Every policy returns only budgets; the executor's index may draft fewer. No
 policy drafts for a request whose index has nothing to propose (d_i = 0).
+
+Trees (`--draft-shape tree` on the executor): a budget of n buys a tree of n nodes,
+whose expected accepted tokens E_i(n) the executor's drafter knows and reports for
+every n (RequestResult.expected_accepted_tokens_by_nodes). The n-th node's gain is
+then E_i(n) - E_i(n-1), scaled by the request's tree correction c_i (acceptance.py:
+its accepted tokens over what the drafter expected of its verified trees, so an
+over- or under-confident drafter is corrected by what verification found) and capped
+at 1 (no node is accepted more than surely). A request without a curve (a chain, or
+a tree that does not branch) is priced as before by α_i: where trees do not branch,
+this is today's policy exactly. The drafter grows its trees likeliest node first, so
+a curve's gains only fall, as α^j does, and the greedy allocation stays sound; the
+policy keeps them falling (a running minimum) whatever a curve says.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +60,9 @@ class DraftCandidate:
     acceptance: float  # α_i: probability a draft token is accepted given the previous one was
     num_context_tokens: int  # KV tokens the request reads this step
     num_decodes_since_draft: int = 0  # its decode steps in a row that verified no draft (goodput's probe)
+    # E_i(n) at [n - 1]: the expected accepted tokens of its best n-node draft tree; () = price as a chain by α_i.
+    expected_accepted_tokens_by_nodes: tuple[float, ...] = ()
+    tree_correction: float = 1.0  # c_i: scales the curve's gains (AcceptanceTracker.tree_correction)
 
     def __post_init__(self) -> None:
         if self.num_draftable_tokens < 0:
@@ -55,6 +71,37 @@ class DraftCandidate:
             raise ValueError(f"{self.request_id!r}: acceptance must be in [0, 1], got {self.acceptance}")
         if self.num_context_tokens < 0:
             raise ValueError(f"{self.request_id!r}: num_context_tokens must be >= 0, got {self.num_context_tokens}")
+        if not all(math.isfinite(e) and e >= 0.0 for e in self.expected_accepted_tokens_by_nodes):
+            raise ValueError(
+                f"{self.request_id!r}: expected_accepted_tokens_by_nodes must be finite and >= 0, "
+                f"got {self.expected_accepted_tokens_by_nodes}"
+            )
+        if not (math.isfinite(self.tree_correction) and self.tree_correction >= 0.0):
+            raise ValueError(
+                f"{self.request_id!r}: tree_correction must be finite and >= 0, got {self.tree_correction}"
+            )
+
+    def draft_gains(self) -> list[float]:
+        """The expected accepted tokens each further draft token adds: element j is the gain of
+        the (j+1)-th, for as many as it can draft (see the module docstring).
+
+        A chain: α, α², ... (by repeated multiplication, as the goodput policy always has). A
+        curve: c · (E(n) - E(n-1)), capped at 1 and never above the gain before it; it stops
+        where the curve does (the drafter has no more nodes to propose).
+        """
+        curve = self.expected_accepted_tokens_by_nodes
+        if not curve:
+            gains, gain = [], 1.0
+            for _ in range(self.num_draftable_tokens):
+                gain *= self.acceptance
+                gains.append(gain)
+            return gains
+        gains, previous, ceiling = [], 0.0, 1.0
+        for expected in curve[: self.num_draftable_tokens]:
+            ceiling = min(ceiling, max(0.0, self.tree_correction * (expected - previous)))
+            gains.append(ceiling)
+            previous = expected
+        return gains
 
 
 @dataclass(frozen=True)
@@ -84,7 +131,7 @@ class DraftAllocation:
 
     draft_budgets: dict[str, int]  # request id -> k_i
     num_free_tokens: int  # S at this step's KV
-    num_expected_tokens: float  # tokens the step is expected to emit: B + prefill outputs + Σ_i Σ_j≤k_i α_i^j
+    num_expected_tokens: float  # tokens the step is expected to emit: B + prefill outputs + Σ_i Σ_j≤k_i gain_ij
     predicted_step_s: float  # the cost model's time for the step with these drafts
 
     @property
@@ -136,7 +183,7 @@ class DraftPolicy(ABC):
             k = budgets[c.request_id]
             num_tokens += k
             num_kv_tokens += draft_kv_tokens(c.num_context_tokens, k, step.query_tile_tokens)
-            expected += _expected_accepted(c.acceptance, k)
+            expected += _expected_accepted(c, k)
         return DraftAllocation(
             draft_budgets=budgets,
             num_free_tokens=cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE),
@@ -147,9 +194,12 @@ class DraftPolicy(ABC):
         )
 
 
-def _expected_accepted(acceptance: float, num_draft_tokens: int) -> float:
-    """Σ_{j=1..k} α^j: the expected accepted length of a linear draft of k tokens."""
-    return sum(acceptance**j for j in range(1, num_draft_tokens + 1))
+def _expected_accepted(c: DraftCandidate, num_draft_tokens: int) -> float:
+    """The expected accepted length of k draft tokens: Σ_{j=1..k} α^j for a linear draft, the
+    sum of the first k gains of a tree's curve (nodes past the curve's end are never drafted)."""
+    if not c.expected_accepted_tokens_by_nodes:
+        return sum(c.acceptance**j for j in range(1, num_draft_tokens + 1))
+    return sum(c.draft_gains()[:num_draft_tokens])
 
 
 def _cap_total(caps: dict[str, int], max_total: int | None, order: Sequence[str]) -> dict[str, int]:
@@ -237,8 +287,9 @@ class GoodputPolicy(DraftPolicy):
 
     With k_i drafts, request i's next draft token is accepted with probability
     α_i^(k_i+1) (a linear draft is accepted up to its first miss), so gains
-    only fall as a request's draft grows. The step's expected output is
-    E = B + prefill outputs + Σ_i Σ_{j≤k_i} α_i^j and its time
+    only fall as a request's draft grows; a tree's next node gains what the
+    request's curve says (`DraftCandidate.draft_gains`), falling too. The step's
+    expected output is E = B + prefill outputs + Σ_i Σ_{j≤k_i} gain_ij and its time
     t = cost_model.predict(T, K, L, R), where each draft adds 1 to T and to
     the logits rows L, and `draft_kv_tokens` to K. The best candidate (gain g) is taken iff
     (E + g) / t(T + 1, K + ΔK) > E / t(T, K), i.e. it raises expected tokens
@@ -274,8 +325,9 @@ class GoodputPolicy(DraftPolicy):
         room = max(0, cost_model.max_observed_tokens - step.num_other_tokens)
         if step.max_num_draft_tokens is not None:
             room = min(room, step.max_num_draft_tokens)
-        # Max-heap on gain: (-gain, request_id, candidate).
-        heap = [(-c.acceptance, c.request_id, c) for c in candidates if c.num_draftable_tokens > 0 and c.acceptance > 0]
+        gains = {c.request_id: c.draft_gains() for c in candidates}
+        # Max-heap on the next draft token's gain: (-gain, request_id, candidate).
+        heap = [(-g[0], c.request_id, c) for c in candidates if (g := gains[c.request_id]) and g[0] > 0]
         heapq.heapify(heap)
         num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
         expected = float(len(candidates) + step.num_prefill_output_tokens)
@@ -300,8 +352,8 @@ class GoodputPolicy(DraftPolicy):
             num_drafts += 1
             expected += gain
             room -= 1
-            if k + 1 < c.num_draftable_tokens:
-                heapq.heappush(heap, (-gain * c.acceptance, request_id, c))
+            if k + 1 < len(gains[request_id]):
+                heapq.heappush(heap, (-gains[request_id][k + 1], request_id, c))
         for c in candidates:  # probes, from what room is left
             if room > 0 and self._is_probe_due(c) and budgets[c.request_id] == 0:
                 budgets[c.request_id] = 1

@@ -150,6 +150,11 @@ class RequestResult:
     num_exclusive_blocks: int = 0
     logprobs: list[epb.TokenLogprob] = field(default_factory=list)  # streamed to the client as they are
     num_runs: int = 1  # runs of the plan it took part in: its draft budget held in each
+    # The verified drafts' shape, summed over the runs (num_drafted_tokens counts their nodes).
+    draft_depth: int = 0
+    num_draft_leaves: int = 0
+    expected_num_accepted_tokens: float = 0.0  # what the drafter expected of the verified trees (0: chains)
+    expected_accepted_tokens_by_nodes: tuple[float, ...] = ()  # E(n) of next step's tree, if it branches
 
     @classmethod
     def from_pb(cls, msg: epb.RequestResult) -> RequestResult:
@@ -165,6 +170,10 @@ class RequestResult:
             num_exclusive_blocks=msg.num_exclusive_kv_blocks,
             logprobs=list(msg.logprobs),
             num_runs=max(1, msg.num_runs),
+            draft_depth=msg.draft_depth,
+            num_draft_leaves=msg.num_draft_leaves,
+            expected_num_accepted_tokens=msg.expected_num_accepted_tokens,
+            expected_accepted_tokens_by_nodes=tuple(msg.expected_accepted_tokens_by_nodes),
         )
 
 
@@ -540,6 +549,10 @@ class Planner:
                 acceptance=self.acceptance.estimate(r.executor_request_id),
                 num_context_tokens=r.num_expected_computed_tokens + 1,
                 num_decodes_since_draft=r.num_decodes_since_draft,
+                expected_accepted_tokens_by_nodes=r.expected_accepted_tokens_by_nodes,
+                tree_correction=self.acceptance.tree_correction(r.executor_request_id)
+                if r.expected_accepted_tokens_by_nodes
+                else 1.0,
             )
             for r in decoding
         ]
@@ -624,10 +637,15 @@ class Planner:
             request.num_accepted_tokens += result.num_accepted_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, result.num_cached_tokens)
             request.num_draftable_tokens = result.num_draftable_tokens
+            request.expected_accepted_tokens_by_nodes = result.expected_accepted_tokens_by_nodes
             request.num_exclusive_blocks = result.num_exclusive_blocks
             if result.num_drafted_tokens:
-                self.acceptance.observe(
-                    request.executor_request_id, result.num_drafted_tokens, result.num_accepted_tokens
+                # A tree is tested along its kept path: a miss only if it stopped short of its depth.
+                # (An executor that does not report depth drafted chains: depth = nodes.)
+                depth = result.draft_depth or result.num_drafted_tokens
+                self.acceptance.observe(request.executor_request_id, depth, result.num_accepted_tokens)
+                self.acceptance.observe_trees(
+                    request.executor_request_id, result.expected_num_accepted_tokens, result.num_accepted_tokens
                 )
             if result.new_token_ids:
                 request.output_token_ids.extend(result.new_token_ids)
@@ -680,6 +698,7 @@ class Planner:
             request.num_computed_tokens = 0
             request.is_known_to_executor = False
             request.num_exclusive_blocks = request.num_draftable_tokens = 0
+            request.expected_accepted_tokens_by_nodes = ()
         self.running.clear()
         self.waiting.clear()
         self.requests.clear()

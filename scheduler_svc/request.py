@@ -51,6 +51,8 @@ class Request:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draftable_tokens: int = 0  # what the executor's index could draft next step (from the last result)
+    # From the last result: E(n) of the branching draft tree it would get with n nodes; () = priced as a chain.
+    expected_accepted_tokens_by_nodes: tuple[float, ...] = ()
     num_decodes_since_draft: int = 0  # decode steps in a row planned without a draft (goodput probes after a few)
     num_exclusive_blocks: int = 0  # KV blocks only it holds (from the last result): what preempting it frees
     first_scheduled_time: float | None = None

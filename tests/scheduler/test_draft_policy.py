@@ -4,6 +4,7 @@ acceptance, and never draft where the index has nothing."""
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import numpy as np
@@ -438,3 +439,203 @@ def test_goodput_probes_a_request_that_has_gone_without_drafts_for_a_while():
     assert allocate(GoodputPolicy(), [cand(50, acceptance=0.9)], WIDE_SLACK).draft_budgets["a"] > 1
     with pytest.raises(ValueError, match="probe_every"):
         GoodputPolicy(probe_every=-1)
+
+
+# ------------------------------------------------------------------- draft trees: the executor's curve
+
+
+def todays_goodput_budgets(policy, cands, step, cost_model):
+    """GoodputPolicy.budgets as it was before trees (α_i^(k+1) per next draft), kept verbatim as
+    the reference a request without a curve must still get."""
+    from scheduler_svc.draft_policy import _step_time
+
+    budgets = {c.request_id: 0 for c in cands}
+    room = max(0, cost_model.max_observed_tokens - step.num_other_tokens)
+    if step.max_num_draft_tokens is not None:
+        room = min(room, step.max_num_draft_tokens)
+    heap = [(-c.acceptance, c.request_id, c) for c in cands if c.num_draftable_tokens > 0 and c.acceptance > 0]
+    heapq.heapify(heap)
+    num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+    expected = float(len(cands) + step.num_prefill_output_tokens)
+    num_drafts = 0
+    step_s = _step_time(cost_model, step, len(cands), num_tokens, num_kv_tokens, num_drafts)
+    while heap and room > 0:
+        negative_gain, request_id, c = heapq.heappop(heap)
+        gain = -negative_gain
+        if gain < policy.min_gain:
+            break
+        k = budgets[request_id]
+        kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
+            c.num_context_tokens, k, step.query_tile_tokens
+        )
+        next_step_s = _step_time(cost_model, step, len(cands), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1)
+        if not (expected + gain) * step_s > expected * next_step_s:
+            continue
+        budgets[request_id] = k + 1
+        num_tokens, num_kv_tokens, step_s = num_tokens + 1, num_kv_tokens + kv_step, next_step_s
+        num_drafts += 1
+        expected += gain
+        room -= 1
+        if k + 1 < c.num_draftable_tokens:
+            heapq.heappush(heap, (-gain * c.acceptance, request_id, c))
+    for c in cands:
+        if room > 0 and policy._is_probe_due(c) and budgets[c.request_id] == 0:
+            budgets[c.request_id] = 1
+            room -= 1
+    return budgets
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(0, 20), st.floats(0.0, 0.99), st.integers(1, 5000), st.integers(0, 12)),
+        min_size=1,
+        max_size=12,
+    ),
+    cost_model=st.sampled_from([WIDE_SLACK, SMALL_SLACK, LINEAR]),
+    num_prefill_tokens=st.integers(0, 40),
+    max_num_draft_tokens=st.one_of(st.none(), st.integers(0, 40)),
+    query_tile_tokens=st.sampled_from([1, 16]),
+)
+def test_goodput_without_a_curve_is_todays_policy_exactly(
+    shapes, cost_model, num_prefill_tokens, max_num_draft_tokens, query_tile_tokens
+):
+    cands = [
+        DraftCandidate(f"r{i}", d, alpha, context, num_decodes_since_draft=since)
+        for i, (d, alpha, context, since) in enumerate(shapes)
+    ]
+    step = decode_step(
+        cands, num_prefill_tokens, max_num_draft_tokens=max_num_draft_tokens, query_tile_tokens=query_tile_tokens
+    )
+    policy = GoodputPolicy()
+    allocation = policy.allocate(cands, step, cost_model)
+    assert allocation.draft_budgets == todays_goodput_budgets(policy, cands, step, cost_model)
+    expected = float(len(cands))
+    for c in cands:  # summed as allocate always has
+        expected += sum(c.acceptance**j for j in range(1, allocation.draft_budgets[c.request_id] + 1))
+    assert allocation.num_expected_tokens == expected
+
+
+def chain_curve(alpha, num_nodes):
+    """E(n) of a chain whose j-th token is accepted with probability α^j."""
+    return tuple(sum(alpha**j for j in range(1, n + 1)) for n in range(1, num_nodes + 1))
+
+
+def branching_curve(alpha, num_nodes):
+    """E(n) of a tree that branches at every node: one child accepted with probability α given
+    its parent, another with α/2 (α <= 2/3, so they sum to at most 1), grown likeliest node
+    first, as the drafter grows its trees."""
+    candidates, curve, total = [-alpha, -alpha / 2], [], 0.0
+    for _ in range(num_nodes):
+        probability = -heapq.heappop(candidates)
+        total += probability
+        curve.append(total)
+        heapq.heappush(candidates, -probability * alpha)
+        heapq.heappush(candidates, -probability * alpha / 2)
+    return tuple(curve)
+
+
+def tree_candidate(request_id, curve, acceptance=0.6, correction=1.0, draftable=None, **kwargs):
+    draftable = len(curve) if draftable is None else draftable
+    return DraftCandidate(
+        request_id,
+        draftable,
+        acceptance,
+        CONTEXT,
+        expected_accepted_tokens_by_nodes=curve,
+        tree_correction=correction,
+        **kwargs,
+    )
+
+
+def test_a_branching_curve_buys_more_nodes_than_a_chain_at_the_same_acceptance():
+    """Where drafts are not free (inside the slack both buy all that fits), a tree's second
+    branch is worth more than the chain's next token."""
+    cost_model = LINEAR
+    chain = DraftCandidate("chain", 16, 0.6, CONTEXT)
+    tree = tree_candidate("tree", branching_curve(0.6, 16))
+    alone = {
+        c.request_id: allocate(GoodputPolicy(), [c], cost_model).draft_budgets[c.request_id] for c in (chain, tree)
+    }
+    assert alone["tree"] > alone["chain"] > 0
+    together = allocate(GoodputPolicy(), [chain, tree], cost_model).draft_budgets
+    assert together["tree"] > together["chain"]
+
+
+def test_a_chain_curve_buys_what_the_chain_model_buys():
+    """α = 1/2: the curve's gains are α^j exactly, so pricing by the curve is pricing by α."""
+    for cost_model in (WIDE_SLACK, SMALL_SLACK, LINEAR):
+        chain = allocate(GoodputPolicy(), [DraftCandidate("a", 12, 0.5, CONTEXT)], cost_model)
+        curve = allocate(GoodputPolicy(), [tree_candidate("a", chain_curve(0.5, 12), acceptance=0.9)], cost_model)
+        assert curve.draft_budgets == chain.draft_budgets
+        assert curve.num_expected_tokens == chain.num_expected_tokens
+
+
+@pytest.mark.parametrize("cost_model", [WIDE_SLACK, SMALL_SLACK, LINEAR], ids=["wide-slack", "small-slack", "linear"])
+def test_a_flat_curve_buys_nothing_whatever_the_acceptance(cost_model):
+    """The curve, where there is one, is the price: α (which says 0.95 here) is not consulted."""
+    flat = tree_candidate("a", (0.0,) * 8, acceptance=0.95)
+    assert allocate(GoodputPolicy(min_gain=0.0), [flat], cost_model).num_draft_tokens == 0
+    # Flat after its first node: the first node is worth a draft, the rest add nothing.
+    first_only = tree_candidate("a", (0.9,) * 8, acceptance=0.95)
+    assert allocate(GoodputPolicy(), [first_only], cost_model).draft_budgets["a"] == 1
+
+
+def test_the_tree_correction_scales_the_curve():
+    curve = branching_curve(0.6, 16)
+    budgets = [
+        allocate(GoodputPolicy(), [tree_candidate("a", curve, correction=c)], LINEAR).draft_budgets["a"]
+        for c in (0.0, 0.5, 1.0, 1.5)
+    ]
+    assert budgets[0] == 0
+    assert budgets == sorted(budgets) and budgets[1] < budgets[3]
+
+
+def test_curve_gains_are_capped_at_one_never_rise_and_end_with_the_curve():
+    assert tree_candidate("a", (0.5, 1.5, 1.6), correction=3.0).draft_gains() == pytest.approx([1.0, 1.0, 0.3])
+    assert tree_candidate("a", (0.1, 0.9, 1.0)).draft_gains() == pytest.approx([0.1, 0.1, 0.1])
+    assert tree_candidate("a", (0.5, 0.75, 0.8), draftable=2).draft_gains() == pytest.approx([0.5, 0.25])
+    assert tree_candidate("a", (0.5, 0.75), draftable=5).draft_gains() == pytest.approx([0.5, 0.25])
+    assert DraftCandidate("a", 3, 0.5, CONTEXT).draft_gains() == [0.5, 0.25, 0.125]
+    with pytest.raises(ValueError, match="expected_accepted_tokens_by_nodes"):
+        tree_candidate("a", (0.5, float("nan")))
+    with pytest.raises(ValueError, match="tree_correction"):
+        tree_candidate("a", (0.5,), correction=-1.0)
+
+
+def test_trees_buy_nothing_once_the_batch_fills_the_slack():
+    """Past the slack a draft costs what a committed token does: no node, however likely, pays."""
+    curve = branching_curve(0.66, 16)
+    per_request = [
+        allocate(GoodputPolicy(), [tree_candidate(f"r{i:02d}", curve) for i in range(b)], SMALL_SLACK).num_draft_tokens
+        / b
+        for b in BATCH_SIZES
+    ]
+    assert per_request[0] >= 5
+    assert per_request == sorted(per_request, reverse=True)
+    assert per_request[-1] == 0
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=lambda p: p.name)
+def test_expected_tokens_count_a_curve_where_there_is_one(policy):
+    curve = (0.9, 1.7, 2.0, 2.1)
+    allocation = allocate(policy, [tree_candidate("a", curve)], WIDE_SLACK)
+    k = allocation.draft_budgets["a"]
+    assert allocation.num_expected_tokens == pytest.approx(1 + (curve[k - 1] if k else 0.0))
+
+
+def test_tree_correction_learns_accepted_over_expected():
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_strength=1.0))
+    assert tracker.tree_correction("new") == 1.0  # the drafter is believed at first
+    tracker.observe_trees("r", 0.0, 3)  # a chain (nothing expected): tells nothing
+    assert tracker.tree_correction("r") == 1.0
+    rng = np.random.default_rng(4)
+    for _ in range(300):  # the drafter expects 3 tokens a step; verification accepts about 1.5
+        tracker.observe_trees("r", 3.0, int(rng.integers(0, 4)))
+    assert tracker.tree_correction("r") == pytest.approx(0.5, abs=0.15)
+    assert tracker.swarm_tree_correction == pytest.approx(0.5, abs=0.15)
+    assert tracker.tree_correction("another") == tracker.swarm_tree_correction
+    tracker.forget("r")
+    assert tracker.tree_correction("r") == tracker.swarm_tree_correction
+    with pytest.raises(ValueError, match="num_expected"):
+        tracker.observe_trees("r", float("inf"), 1)

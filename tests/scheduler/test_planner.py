@@ -9,6 +9,7 @@ import pytest
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost
+from scheduler_svc.draft_policy import FixedPolicy
 from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request
 from service_common.sampling_params import SamplingParams
@@ -333,3 +334,51 @@ def test_a_client_id_reused_mid_step_never_receives_the_old_submissions_results(
     ex.step(plan)  # its answer confirms the release
     assert not p.is_releasing("X")
     assert new.output_token_ids == [7] and new.num_computed_tokens == 2
+
+
+class SpyPolicy(FixedPolicy):
+    """Fixed budgets, keeping the candidates the planner built."""
+
+    def allocate(self, candidates, step, cost_model):
+        self.seen = list(candidates)
+        return super().allocate(candidates, step, cost_model)
+
+
+def test_a_tree_result_feeds_the_next_candidate_its_curve_and_the_acceptance_its_depth():
+    p = make_planner()
+    p.draft_policy = SpyPolicy(4)
+    p.max_draft_tokens = 8
+    ex = FakeExecutor(p)
+    p.add(req("a", 4))
+    ex.run_step()  # the prompt: now decoding
+    curve = (0.9, 1.6, 2.0)
+    p.update_from_output(
+        Plan(step_id=99),
+        [
+            RequestResult(
+                "a",
+                [7],
+                None,
+                5,
+                num_drafted_tokens=6,
+                num_accepted_tokens=2,
+                num_draftable_tokens=3,
+                draft_depth=2,
+                num_draft_leaves=3,
+                expected_num_accepted_tokens=1.0,
+                expected_accepted_tokens_by_nodes=curve,
+            )
+        ],
+        ex.free,
+        now=0.0,
+    )
+    ex.known["a"] += 1
+    # Its kept path reached the tree's depth: successes, no miss (not 2 of 6 with a miss).
+    assert p.acceptance.estimate("a") > p.acceptance.config.prior_acceptance
+    # 2 accepted of 1.0 expected, with one pseudo-observation of the swarm's ratio (itself (2 + 1) / (1 + 1)).
+    assert p.acceptance.tree_correction("a") == pytest.approx((2 + 1.5) / (1.0 + 1))
+    p.schedule(now=0.0)
+    (candidate,) = p.draft_policy.seen
+    assert candidate.expected_accepted_tokens_by_nodes == curve
+    assert candidate.tree_correction == p.acceptance.tree_correction("a")
+    assert candidate.num_draftable_tokens == 3

@@ -369,6 +369,8 @@ class StepLoop:
             executor_sample_s=t.sample_s,
             requests=records,
             num_runs=runs,
+            draft_depth=sum(r.draft_depth for r in records),
+            num_draft_leaves=sum(r.num_draft_leaves for r in records),
         )
 
     # -------------------------------------------------------------- failures

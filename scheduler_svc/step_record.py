@@ -90,6 +90,10 @@ class StepRequestRecord:
     num_accepted_tokens: int = 0
     num_new_tokens: int = 0  # accepted drafts + the bonus token; 0 mid-prefill
     finish_reason: str = ""  # empty while the request goes on
+    # The verified drafts' shape (num_drafted_tokens counts their nodes), summed over the runs:
+    # a chain of k has depth k and one leaf; a tree branches where leaves exceed its drafting runs.
+    draft_depth: int = 0  # the deepest node's depth: the most the drafts could have accepted
+    num_draft_leaves: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -120,6 +124,8 @@ class StepRecord:
     executor_sample_s: float = 0.0  # sampling and draft verification
     requests: tuple[StepRequestRecord, ...] = ()  # each request's part: one timeline track per request
     num_runs: int = 1  # runs of the plan in the call (decodes only run more than once): the times cover them all
+    draft_depth: int = 0  # Σ of the requests' draft_depth: the most drafts the step could have accepted
+    num_draft_leaves: int = 0  # Σ of the requests' num_draft_leaves
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -144,6 +150,8 @@ def step_request_records(
                 num_accepted_tokens=result.num_accepted_tokens if result else 0,
                 num_new_tokens=len(result.new_token_ids) if result else 0,
                 finish_reason=(result.finish_reason or "") if result else "",
+                draft_depth=result.draft_depth if result else 0,
+                num_draft_leaves=result.num_draft_leaves if result else 0,
             )
         )
     return tuple(records)

@@ -14,6 +14,10 @@ Spans:
   request spans it served (a step serves many requests, a request spans many steps,
   so neither is the other's parent). It is current while the RPC is made, so the
   executor's spans (propagated in the metadata) become its children, in one trace.
+  Each request that verified drafts in the step adds a `draft` event: its drafts'
+  nodes, depth, leaves (a chain: depth = nodes, one leaf) and accepted length. On the
+  step rather than the request span: a request's steps are many, and a span keeps
+  only so many events (128 by default), while a step's drafting requests are a batch.
 """
 
 from __future__ import annotations
@@ -48,12 +52,25 @@ def step_attributes(record) -> dict:
         "swarmserve.draft_tokens.allocated": record.num_draft_tokens,
         "swarmserve.draft_tokens.drafted": record.num_drafted_tokens,
         "swarmserve.draft_tokens.accepted": record.num_accepted_tokens,
+        "swarmserve.draft_tree.depth": record.draft_depth,
+        "swarmserve.draft_tree.leaves": record.num_draft_leaves,
         "swarmserve.free_token_budget": record.num_free_tokens,
         "swarmserve.step_time.predicted_s": record.predicted_step_s,
         "swarmserve.step_time.actual_s": record.wall_s,
         "swarmserve.step_time.executor_s": record.executor_total_s,
         "swarmserve.kv_blocks.free": record.num_free_kv_blocks,
     }  # the requests served are the span's links (an id list attribute would cost more than the rest)
+
+
+def draft_event_attributes(request_record) -> dict:
+    """A request's drafts in one step (a StepRequestRecord): the `draft` event on the step span."""
+    return {
+        "swarmserve.request_id": request_record.request_id,
+        "swarmserve.draft_tree.nodes": request_record.num_drafted_tokens,
+        "swarmserve.draft_tree.depth": request_record.draft_depth,
+        "swarmserve.draft_tree.leaves": request_record.num_draft_leaves,
+        "swarmserve.draft_tree.accepted": request_record.num_accepted_tokens,
+    }
 
 
 def request_attributes(request, finish_reason: str) -> dict:
@@ -224,6 +241,9 @@ class Telemetry:
         else:
             if span.is_recording():
                 span.set_attributes(step_attributes(record))
+                for request_record in record.requests:
+                    if request_record.num_drafted_tokens:
+                        span.add_event("draft", draft_event_attributes(request_record))
             with trace.use_span(span):  # so the step's log line carries its ids
                 _log_step(record)
             span.end(end_time=scope.end_ns or None)

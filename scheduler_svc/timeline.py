@@ -43,6 +43,8 @@ def timeline_to_pb(
                 executor_forward_s=r.executor_forward_s,
                 executor_sample_s=r.executor_sample_s,
                 num_runs=r.num_runs,
+                draft_depth=r.draft_depth,
+                num_draft_leaves=r.num_draft_leaves,
                 requests=[
                     pb.TimelineRequestSlice(
                         request_id=q.request_id,
@@ -53,6 +55,8 @@ def timeline_to_pb(
                         num_accepted_tokens=q.num_accepted_tokens,
                         num_new_tokens=q.num_new_tokens,
                         finish_reason=q.finish_reason,
+                        draft_depth=q.draft_depth,
+                        num_draft_leaves=q.num_draft_leaves,
                     )
                     for q in r.requests
                 ],

@@ -18,7 +18,7 @@ from executor_svc.observability.step_interceptor import executor_interceptors
 from executor_svc.server import serve as serve_executor
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import serve as serve_scheduler
-from scheduler_svc.telemetry import Telemetry
+from scheduler_svc.telemetry import Telemetry, draft_event_attributes
 from service_common.observability.tracing import TracingConfig, build_tracer_provider
 from tests.support.stack import free_port
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
@@ -27,6 +27,8 @@ PROMPTS = {
     "obs-a": ("the cat sat on the mat, the cat sat", 6),
     "obs-b": ("in the beginning", 9),
     "obs-c": ("a b a b a b", 4),
+    # Copies that differ in one token: the context "x +" was followed three ways, so trees branch.
+    "obs-d": ("f(x) = x + 1; f(x) = x + 2; f(x) = x + 3; f(x) = x +", 6),
 }
 
 
@@ -34,11 +36,12 @@ def _attrs(span) -> dict:
     return dict(span.attributes or {})
 
 
-@pytest.fixture(scope="module")
-def traced_run(tmp_path_factory):
-    """Both servers in-process, each with its own provider feeding one in-memory exporter."""
+@pytest.fixture(scope="module", params=["chain", "tree"])
+def traced_run(tmp_path_factory, request):
+    """Both servers in-process, each with its own provider feeding one in-memory exporter; the
+    executor drafting chains, then trees (--draft-shape)."""
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", TinyModelSpec(context_length=256))
-    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20))
+    engine = Engine(EngineConfig(model=str(model), kv_cache_bytes=8 << 20, draft_shape=request.param))
     exporter = InMemorySpanExporter()
     providers = [
         build_tracer_provider(TracingConfig(service_name=name), SimpleSpanProcessor(exporter))
@@ -48,7 +51,7 @@ def traced_run(tmp_path_factory):
     async def main():
         executor_address = f"127.0.0.1:{free_port()}"
         executor = await serve_executor(engine, executor_address, tracer=providers[0].get_tracer("test"))
-        config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, spec="fixed:2")
+        config = SchedulerConfig(listen=f"127.0.0.1:{free_port()}", executor=executor_address, spec="fixed:4")
         scheduler, loop, tasks = await serve_scheduler(config, tracer=providers[1].get_tracer("test"))
         try:
             async with AsyncSwarmClient(config.listen) as client:
@@ -125,7 +128,34 @@ def test_step_spans_match_history_and_link_their_requests(traced_run):
             assert link.context.trace_id == request_spans[link.context.span_id].context.trace_id
         linked |= {r.context.span_id for r in served}
     assert linked == set(request_spans)
-    assert sum(r.num_draft_tokens for r in history) > 0  # fixed:2 speculated: the draft attributes were exercised
+    assert sum(r.num_draft_tokens for r in history) > 0  # fixed:4 speculated: the draft attributes were exercised
+
+
+def test_step_spans_carry_each_requests_draft_shape(traced_run, request):
+    """Per step, the drafts' depth and leaves (summed) on the step span, and per request that
+    drafted a `draft` event: nodes, depth, leaves and accepted length, as the timeline has them."""
+    _, history, spans = traced_run
+    steps = {_attrs(s)["swarmserve.step_id"]: s for s in spans if s.name == "step"}
+    drafting = []
+    for record in history:
+        span = steps[record.step_id]
+        a = _attrs(span)
+        assert a["swarmserve.draft_tree.depth"] == record.draft_depth == sum(q.draft_depth for q in record.requests)
+        assert a["swarmserve.draft_tree.leaves"] == record.num_draft_leaves
+        drafted = [q for q in record.requests if q.num_drafted_tokens]
+        events = [dict(e.attributes) for e in span.events if e.name == "draft"]
+        assert events == [draft_event_attributes(q) for q in drafted]
+        for q, event in zip(drafted, events):
+            assert event["swarmserve.request_id"] == q.request_id
+            assert event["swarmserve.draft_tree.nodes"] == q.num_drafted_tokens
+            assert q.num_accepted_tokens <= q.draft_depth <= q.num_drafted_tokens
+            assert 1 <= q.num_draft_leaves <= q.num_drafted_tokens
+        drafting += drafted
+    assert drafting, "nothing was drafted: the test tested nothing"
+    if request.node.callspec.params["traced_run"] == "chain":
+        assert all(q.draft_depth == q.num_drafted_tokens for q in drafting)  # a chain's depth is its length
+    else:
+        assert any(q.draft_depth < q.num_drafted_tokens for q in drafting), "no tree branched"
 
 
 def test_executor_spans_are_children_of_the_step_rpc(traced_run):

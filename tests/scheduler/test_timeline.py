@@ -34,6 +34,8 @@ STEP_FIELDS = {
     "executor_sample_s": "executor_sample_s",
     "requests": "requests",
     "num_runs": "num_runs",
+    "draft_depth": "draft_depth",
+    "num_draft_leaves": "num_draft_leaves",
 }
 # Not sent as such: each is carried by fields that are.
 DERIVED_STEP_FIELDS = {

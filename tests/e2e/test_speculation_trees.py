@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from clients import AsyncSwarmClient
+from clients.timeline import fetch_timeline
 from tests.e2e.test_speculation import NUM_NEW_TOKENS, PROMPTS
 from tests.executor.engine.test_tree_speculation import BRANCHY
 from tests.support.stack import Stack
@@ -23,7 +24,9 @@ def tree_executor(tmp_path_factory):
     stack.stop()
 
 
-def run_policy(stack: Stack, policy: str, **sampling):
+def run_policy(stack: Stack, policy: str, timelines: list | None = None, **sampling):
+    """The completions of TREE_PROMPTS under `policy`; the scheduler's timeline is appended to
+    `timelines` when given."""
     stack.scheduler_args = ["--spec", policy, "--max-running-requests", "4"]
     stack.start_scheduler()
     try:
@@ -37,7 +40,10 @@ def run_policy(stack: Stack, policy: str, **sampling):
                     )
                 )
 
-        return asyncio.run(main())
+        completions = asyncio.run(main())
+        if timelines is not None:
+            timelines.append(fetch_timeline(stack.scheduler_address))
+        return completions
     finally:
         stack.kill_scheduler()
 
@@ -50,3 +56,20 @@ def test_trees_stream_the_tokens_of_spec_off(tree_executor, sampling):
     drafted = sum(c.usage.drafted_tokens for c in completions)
     accepted = sum(c.usage.accepted_tokens for c in completions)
     assert 0 < accepted <= drafted
+
+
+def test_the_timeline_shows_each_requests_trees(tree_executor):
+    """Each request's slice of each step: its tree's nodes (num_drafted_tokens), depth, leaves
+    and accepted length, from the real executor; the step's sums over its requests."""
+    timelines: list = []
+    run_policy(tree_executor, "fixed:8", timelines, temperature=0.0)
+    (timeline,) = timelines
+    slices = [q for step in timeline.steps for q in step.requests if q.num_drafted_tokens]
+    assert slices, "nothing was drafted"
+    for q in slices:
+        assert q.num_accepted_tokens <= q.draft_depth <= q.num_drafted_tokens
+        assert 1 <= q.num_draft_leaves <= q.num_drafted_tokens
+    assert any(q.draft_depth < q.num_drafted_tokens and q.num_draft_leaves > 1 for q in slices), "no tree branched"
+    for step in timeline.steps:
+        assert step.draft_depth == sum(q.draft_depth for q in step.requests)
+        assert step.num_draft_leaves == sum(q.num_draft_leaves for q in step.requests)

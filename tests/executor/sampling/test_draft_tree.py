@@ -84,6 +84,30 @@ def test_drafter_next_tree_is_the_full_budget_tree():
     assert drafter.next_tree("r") == drafter.propose_tree("r", 5)
 
 
+def swarm_drafter(outputs: dict[str, str], reader_prompt: str) -> Drafter:
+    drafter = Drafter(max_draft_tokens=6, use_swarm_index=True, max_ngram=4)
+    for request_id, text in outputs.items():
+        drafter.add_request(request_id, [])
+        drafter.append(request_id, letters(text))
+    drafter.add_request("reader", letters(reader_prompt))
+    return drafter
+
+
+def test_propose_tree_takes_next_trees_first_nodes_only_while_the_indexes_are_unchanged():
+    """The executor grows next_tree for the result's curve; the next step's propose_tree takes
+    its first nodes instead of growing it again, unless an index grew in between."""
+    drafter = swarm_drafter({"w1": "g o o d b y e", "w2": "g o a l s"}, "s a y g o")
+    grown = drafter.next_tree("reader")
+    reused = drafter.propose_tree("reader", 3)
+    assert reused == grown.first(3)
+    assert reused == swarm_drafter({"w1": "g o o d b y e", "w2": "g o a l s"}, "s a y g o").propose_tree("reader", 3)
+
+    stale = drafter.next_tree("reader")
+    drafter.append("w2", letters("g o o f y g o o f y"))  # another request's output: the swarm index grows
+    fresh = swarm_drafter({"w1": "g o o d b y e", "w2": "g o a l s g o o f y g o o f y"}, "s a y g o")
+    assert drafter.propose_tree("reader", 6) == fresh.propose_tree("reader", 6) != stale
+
+
 def test_counts_decide_before_recency():
     # [a] was followed by x three times, by y once (the most recent): x is the likelier
     # child, and x's own child a (after [x], always a) is likelier than y.

@@ -15,7 +15,12 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
-   machine's int16 peak the whole prefill reaches.
+   machine's int16 peak the whole prefill reaches;
+4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
+   rows against its attention (the chunk's queries over the keys before and in it), at each
+   context length of `--contexts`, with the attention of one decode row there for scale. An
+   agent's later turns prefill at thousands of tokens of context, where attention, not the
+   matmuls, is most of a chunk.
 
 Each point is the best of `--reps` runs: the machines are shared, and the minimum is the run
 least disturbed. Compare variants in one run, as ratios.
@@ -159,7 +164,54 @@ def bench_prefill(
     return rows
 
 
-def run(model_name: str, token_counts: list[int], row_counts: list[int], chunk: int, kv_cache_dtype: str, reps: int):
+def attention_seconds(kernels, config: ModelConfig, kv_dtype, num_queries: int, context: int, reps: int) -> float:
+    """One request's `num_queries` last tokens of `context` over the paged KV, one layer (random q, K, V)."""
+    block_size, generator = 16, torch.Generator().manual_seed(context)
+    num_blocks = -(-context // block_size)
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    q = torch.randn(num_queries, config.num_heads, config.head_dim, generator=generator)
+    one = torch.zeros(1, dtype=torch.long)
+    lens, contexts = torch.tensor([num_queries]), torch.tensor([context])
+    table = torch.arange(num_blocks, dtype=torch.int32).view(1, -1)
+    scale = config.head_dim**-0.5
+    return best_of(reps, lambda: kernels.paged_attention(q, k_cache, v_cache, one, lens, contexts, table, scale))
+
+
+def bench_chunk_costs(kernels, weights, config: ModelConfig, kv_dtype, chunk: int, contexts: list[int], reps: int):
+    """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
+    ending at each context length, and one decode row's attention there."""
+    x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
+    matmuls = sum(
+        best_of(reps, lambda w=w: kernels.qlinear_int16(x[w.shape[1]], w.data, w.tensor_type, w.shape[1], w.shape[0]))
+        for w in layer_shapes(weights).values()
+    )
+    rows = []
+    for context in contexts:
+        attention = attention_seconds(kernels, config, kv_dtype, min(chunk, context), context, reps)
+        decode_row = attention_seconds(kernels, config, kv_dtype, 1, context, reps)
+        rows.append(
+            {
+                "context": context,
+                "matmul_s": matmuls,
+                "attention_s": attention,
+                "attention_per_matmul": attention / matmuls,
+                "decode_row_attention_s": decode_row,
+            }
+        )
+    return rows
+
+
+def run(
+    model_name: str,
+    token_counts: list[int],
+    row_counts: list[int],
+    chunk: int,
+    kv_cache_dtype: str,
+    reps: int,
+    contexts: list[int],
+):
     from executor_svc.cpu_kernels import load
 
     kernels = load()
@@ -179,6 +231,7 @@ def run(model_name: str, token_counts: list[int], row_counts: list[int], chunk: 
         "chunk": chunk,
         "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
         "prefill": bench_prefill(model, kv_dtype, token_counts, chunk, reps, peak),
+        "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, chunk, contexts, reps),
     }
 
 
@@ -204,6 +257,13 @@ def print_report(r: dict) -> None:
             f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
             f"{p['attention_gflops']:13.1f} {p['share_of_int16_peak']:14.0%}"
         )
+    print(f"\nper layer, a chunk of {r['chunk']} prompt tokens ending at each context (ms), KV {r['kv_cache_dtype']}:")
+    print(f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}")
+    for c in r["chunk_costs"]:
+        print(
+            f"{c['context']:>8} | {c['matmul_s'] * 1e3:8.2f} {c['attention_s'] * 1e3:10.2f} "
+            f"{c['attention_per_matmul']:13.2f} | {c['decode_row_attention_s'] * 1e3:18.3f}"
+        )
 
 
 def main() -> None:
@@ -213,6 +273,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64,256,1024", help="M for the matmul kernels")
     parser.add_argument("--chunk", type=int, default=256, help="prefill tokens per forward pass")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument("--contexts", default="256,1024,2048,4096,8192", help="context lengths for the chunk costs")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -223,6 +284,7 @@ def main() -> None:
         args.chunk,
         args.kv_cache_dtype,
         args.reps,
+        [int(x) for x in args.contexts.split(",")],
     )
     print_report(results)
     if args.json:

@@ -16,7 +16,7 @@ def test_a_short_run_prints_and_writes_every_table(tmp_path):
     out = tmp_path / "prefill.json"
     run = subprocess.run(
         [sys.executable, "-m", "executor_svc.tools.bench_prefill", "--tokens", "48", "--rows", "1,9"]
-        + ["--chunk", "32", "--reps", "1", "--json", str(out)],
+        + ["--chunk", "32", "--contexts", "16,96", "--reps", "1", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -36,3 +36,8 @@ def test_a_short_run_prints_and_writes_every_table(tmp_path):
         )
     (prefill,) = r["prefill"]
     assert prefill["tokens"] == 48 and prefill["tokens_per_s"] == pytest.approx(48 / prefill["seconds"])
+    assert "a chunk of 32 prompt tokens ending at each context" in run.stdout
+    assert [c["context"] for c in r["chunk_costs"]] == [16, 96]
+    for c in r["chunk_costs"]:
+        assert c["matmul_s"] > 0 and c["decode_row_attention_s"] > 0
+        assert c["attention_per_matmul"] == pytest.approx(c["attention_s"] / c["matmul_s"])

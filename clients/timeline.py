@@ -63,9 +63,12 @@ def _thread_metadata(pid: int, tid: int, name: str) -> list[dict]:
 def _request_slice_name(q: pb.TimelineRequestSlice) -> str:
     if not q.is_decode:
         return f"prefill {q.num_scheduled_tokens}"
-    if q.num_drafted_tokens:
-        return f"decode +{q.num_new_tokens} ({q.num_accepted_tokens}/{q.num_drafted_tokens} drafts)"
-    return "decode"
+    if not q.num_drafted_tokens:
+        return "decode"
+    name = f"decode +{q.num_new_tokens} ({q.num_accepted_tokens}/{q.num_drafted_tokens} drafts"
+    if q.draft_depth < q.num_drafted_tokens:  # a tree: its nodes reach less deep than a chain of as many
+        name += f" in a tree {q.draft_depth} deep, {q.num_draft_leaves} leaves"
+    return name + ")"
 
 
 def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
@@ -87,6 +90,8 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
             "draft_tokens_allocated": step.num_draft_tokens,
             "draft_tokens_drafted": step.num_drafted_tokens,
             "draft_tokens_accepted": step.num_accepted_tokens,
+            "draft_depth": step.draft_depth,
+            "draft_leaves": step.num_draft_leaves,
             "free_token_budget": step.num_free_tokens,
             "predicted_ms": round(step.predicted_duration_s * 1e3, 3),
             "actual_ms": round(step.duration_s * 1e3, 3),
@@ -122,6 +127,8 @@ def chrome_trace(timeline: pb.GetTimelineResponse) -> dict:
                 "draft_budget": q.num_draft_tokens,
                 "drafted": q.num_drafted_tokens,
                 "accepted": q.num_accepted_tokens,
+                "draft_depth": q.draft_depth,
+                "draft_leaves": q.num_draft_leaves,
                 "new_tokens": q.num_new_tokens,
             }
             events.append(

@@ -534,9 +534,14 @@ void x4_row(const uint8_t* wp, const X4Layout& l, int64_t row_bytes, int64_t nb,
 // 16-bit activations keep ~4.5 significant digits per block (llama.cpp's int8 keeps ~2
 // and measured 97.9% top-1 agreement with the exact path here; this measures 100%), at
 // the same count of multiply instructions per block. Integer sums are exact, and a
-// row's float operations (block order, 8 lanes, a fixed lane reduction, the min term
-// added last) never depend on M, the tile or the thread: batch-invariant like the exact
-// path, but not bit-equal to it (`--matmul exact` keeps that one).
+// (row, weight row)'s float operations never depend on M, the tile or the thread: one
+// float32 accumulator, and per block, in block order, acc = fma(float(S) · d_w, dx, acc)
+// then (Q4_0 / Q4_1) acc = fma(m_w, dx · Σ xq, acc), where S is the block's whole integer
+// sum. Batch-invariant like the exact path, but not bit-equal to it (`--matmul exact`
+// keeps that one). The block's two terms meet in the accumulator every block, so their
+// cancellation (Q4's m_w is about −8 · d_w) costs no precision at the end, and a block
+// costs each output 4 float operations: the prompt kernel's epilogue, against 16-32
+// integer dot products.
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_INT16_DOT = true;
@@ -628,36 +633,33 @@ SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
 constexpr int64_t INT_ROWS_PER_TASK = 64;
 
 // One interleaved group (four weight rows) × activation rows [r0, r1). A row's arithmetic,
-// whatever the rows beside it: per block, two exact integer sums — A over elements 0..7
-// and 16..23, B over 8..15 and 24..31 (the lanes 0..3 and 4..7 of dot_s16, summed by two
-// hadds) — each accumulated in float32 as acc += (float(sum) · d_w) · dx, and the min
-// term as acc_m += m_w · s_x (one fused multiply-add); then y = (acc_A + acc_B) + acc_m.
-// One 8-lane vector carries the (A, B) pairs of the four rows (lanes j and j + 4), one
-// 4-lane vector their min terms, so the float work is shared four ways; a block's codes
-// are widened once for all the rows. The accumulators live in `acc` (registers for a
-// few rows; with more, L1 memory — the same values either way).
+// whatever the rows beside it (see "integer dot products"): per block, the exact integer
+// sum S over its 32 elements (dot_s16's 8 lanes, reduced by two hadds and one add of the
+// halves), then acc = fma(float(S) · d_w, dx, acc) and the min term acc = fma(m_w, s_x,
+// acc). One 4-lane vector carries the four weight rows, so the float work is shared four
+// ways; a block's codes are widened once for all the rows. The accumulators live in `acc`
+// (registers for a few rows; with more, L1 memory — the same values either way).
 // NR > 0: exactly NR rows (r1 = r0 + NR), known at compile time; 0: any number.
 template <int TYPE, int NR>
 SS_INLINE void dot_int_rows(const uint8_t* group, int64_t num_valid, const QuantizedRows& xq, int64_t r0, int64_t r1,
-                            float* out, int64_t out_stride, __m256* acc, __m128* acc_m) {
+                            float* out, int64_t out_stride, __m128* acc) {
   constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
   constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
   constexpr bool has_min = TYPE != Q8_0;
   const int64_t nb = xq.nb, rows = NR > 0 ? NR : r1 - r0;
-  for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
+  for (int64_t r = 0; r < rows; r++) acc[r] = _mm_setzero_ps();
   __m256i codes[4][2];
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = group + group_block_bytes * b;
-    __m256 d;  // d_w of rows 0..3, twice
+    __m128 d;  // d_w of rows 0..3
     __m128 m;  // the min term's m_w of rows 0..3 (Q4_1: m; Q4_0: −8 · d)
     if constexpr (TYPE == Q4_1) {
       const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));  // [d0 d1 d2 d3 m0 m1 m2 m3]
-      d = _mm256_permute2f128_ps(dm, dm, 0x00);
+      d = _mm256_castps256_ps128(dm);
       m = _mm256_extractf128_ps(dm, 1);
     } else {
-      const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
-      d = _mm256_set_m128(d4, d4);
-      m = _mm_mul_ps(d4, _mm_set1_ps(-8.f));
+      d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
+      m = _mm_mul_ps(d, _mm_set1_ps(-8.f));
     }
     for (int j = 0; j < 4; j++) block_codes<TYPE>(blk + header_bytes + j * code_bytes, codes[j][0], codes[j][1]);
     for (int64_t r = 0; r < rows; r++) {
@@ -668,15 +670,15 @@ SS_INLINE void dot_int_rows(const uint8_t* group, int64_t num_valid, const Quant
                                             dot_s16(codes[1][0], codes[1][1], x_lo, x_hi));
       const __m256i p23 = _mm256_hadd_epi32(dot_s16(codes[2][0], codes[2][1], x_lo, x_hi),
                                             dot_s16(codes[3][0], codes[3][1], x_lo, x_hi));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(p01, p23));  // [A0 A1 A2 A3 B0 B1 B2 B3]
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, d), _mm256_broadcast_ss(&xq.d[xb]), acc[r]);
-      if constexpr (has_min) acc_m[r] = _mm_fmadd_ps(m, _mm_broadcast_ss(&xq.s[xb]), acc_m[r]);
+      const __m256i halves = _mm256_hadd_epi32(p01, p23);  // rows 0..3 over lanes 0..3 and 4..7
+      const __m128 sums = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
+      acc[r] = _mm_fmadd_ps(_mm_mul_ps(sums, d), _mm_broadcast_ss(&xq.d[xb]), acc[r]);
+      if constexpr (has_min) acc[r] = _mm_fmadd_ps(m, _mm_broadcast_ss(&xq.s[xb]), acc[r]);
     }
   }
   for (int64_t r = 0; r < rows; r++) {
-    const __m128 y = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), acc_m[r]);
     alignas(16) float lanes[4];
-    _mm_store_ps(lanes, y);
+    _mm_store_ps(lanes, acc[r]);
     for (int j = 0; j < num_valid; j++) out[r * out_stride + j] = lanes[j];
   }
 }
@@ -692,22 +694,19 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
     const uint8_t* group = wp + g * group_bytes;
     const int64_t n = 4 * g, num_valid = std::min<int64_t>(4, N - n);
     if (xq.M == 1) {
-      __m256 acc[1];
-      __m128 acc_m[1];
-      dot_int_rows<TYPE, 1>(group, num_valid, xq, 0, 1, y + n, N, acc, acc_m);
+      __m128 acc[1];
+      dot_int_rows<TYPE, 1>(group, num_valid, xq, 0, 1, y + n, N, acc);
       continue;
     }
     if (xq.M == INT_TILE_NR) {
-      __m256 acc[INT_TILE_NR];
-      __m128 acc_m[INT_TILE_NR];
-      dot_int_rows<TYPE, INT_TILE_NR>(group, num_valid, xq, 0, INT_TILE_NR, y + n, N, acc, acc_m);
+      __m128 acc[INT_TILE_NR];
+      dot_int_rows<TYPE, INT_TILE_NR>(group, num_valid, xq, 0, INT_TILE_NR, y + n, N, acc);
       continue;
     }
-    alignas(32) __m256 acc[INT_PANEL];
-    alignas(16) __m128 acc_m[INT_PANEL];
+    alignas(16) __m128 acc[INT_PANEL];
     for (int64_t r0 = 0; r0 < xq.M; r0 += INT_PANEL) {
       const int64_t r1 = std::min(xq.M, r0 + INT_PANEL);
-      dot_int_rows<TYPE, 0>(group, num_valid, xq, r0, r1, y + r0 * N + n, N, acc, acc_m);
+      dot_int_rows<TYPE, 0>(group, num_valid, xq, r0, r1, y + r0 * N + n, N, acc);
     }
   }
 }
@@ -718,23 +717,22 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
 // dot_int_rows, organised as a matrix product instead of a dot product per (row, weight row):
 // the weight codes of 16 weight rows are widened once into int16 pairs, lane = weight row
 // (`unpack_panel16`), and each activation row's int16 pair is broadcast against them, so one
-// pmaddwd serves 8 weight rows and the weights stay in L1 for every activation row of the
-// call. Per (row, weight row, block) it computes the very same exact integer sums A (elements
-// 0..7, 16..23) and B (8..15, 24..31), and then the very same float32 operations in the same
-// order: acc_A += (float(A) · d_w) · dx, acc_B likewise, acc_m += m_w · s_x, y = (acc_A + acc_B)
-// + acc_m. So its results are bit-identical to the row kernel's (tested), and which of the
-// two runs a matmul is only a question of speed: a prompt token's bits never depend on the
-// chunk, the batch or the path.
+// pmaddwd serves 8 weight rows (a 512-bit vpdpwssd 16) and the weights stay in L1 for every
+// activation row of the call. Per (row, weight row, block) it computes the very same exact
+// integer sum S and then the very same float32 operations in the same order: acc =
+// fma(float(S) · d_w, dx, acc), acc = fma(m_w, s_x, acc). So its results are bit-identical
+// to the row kernel's (tested), and which of the two runs a matmul is only a question of
+// speed: a prompt token's bits never depend on the chunk, the batch or the path.
 //
 // The per-row kernel re-reads every weight block for each group of up to 32 activation rows
-// and reduces across lanes (hadd) per block; here the reduction is a lane-wise add and the
-// widened codes are reused across all rows. Register tile: 3 activation rows × 16 weight rows
-// (12 integer accumulators, 2 weight vectors, one broadcast); the float accumulators live in
-// memory (a row's 192 bytes), touched once per block.
+// and reduces across lanes (hadd) per block; here there is no reduction (a lane is a weight
+// row) and the widened codes are reused across all rows. 256-bit register tile: 6 activation
+// rows × 16 weight rows (12 integer accumulators, 2 weight vectors, one broadcast); the float
+// accumulators live in memory (a row's 64 bytes), touched once per block.
 
 constexpr int PANEL_ROWS = 16;  // weight rows per unpacked panel (two 8-lane vectors)
 constexpr int PANEL_PAIRS = 16;  // int16 pairs per 32-value block
-constexpr int PANEL_MR = 3;      // activation rows per register tile
+constexpr int PANEL_MR = 6;      // activation rows per register tile
 // From this many activation rows the panels are faster (measured: Zen 3, Q4_1 576×1536; below it
 // the per-row kernel reads each weight block once for all rows anyway).
 constexpr int64_t PANEL_MIN_ROWS = 8;
@@ -837,7 +835,7 @@ void unpack_panel16(const uint8_t* wp, int64_t group_bytes, int64_t groups, int6
 }
 
 // Activation rows [r0, r0 + MR) × a panel's 16 weight rows over blocks [b0, b1): the float
-// accumulators acc[MR][3][PANEL_ROWS] (A, B and the min term) carry on from the blocks before b0.
+// accumulators acc[MR][PANEL_ROWS] carry on from the blocks before b0.
 template <int MR, bool HAS_MIN>
 SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1, float* acc) {
   constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
@@ -845,39 +843,33 @@ SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, 
   const int16_t* xq_q = xq.q.data();
   const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
   for (int64_t b = b0; b < b1; b++) {
-    __m256i A[MR][2], B[MR][2];
-    for (int r = 0; r < MR; r++) A[r][0] = A[r][1] = B[r][0] = B[r][1] = _mm256_setzero_si256();
+    __m256i S[MR][2];
+    for (int r = 0; r < MR; r++) S[r][0] = S[r][1] = _mm256_setzero_si256();
     const int16_t* pb = panel.pairs + b * block_pairs;
     const int16_t* xb = xq_q + r0 * K + 32 * b;
 #pragma GCC unroll 16
-    for (int i = 0; i < PANEL_PAIRS; i++) {
-      const int p = (i & 3) | ((i & 4) << 1) | ((i & 8) >> 1);  // pairs 0-3, 8-11 (into A), then 4-7, 12-15 (B)
+    for (int p = 0; p < PANEL_PAIRS; p++) {
       __m256i w0 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS));
       __m256i w1 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS + PANEL_ROWS));
       asm("" : "+x"(w0), "+x"(w1));  // one load for the MR rows (GCC would fold one into each multiply)
 #pragma GCC unroll 8
       for (int r = 0; r < MR; r++) {
         const __m256i xv = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xb + r * K + 2 * p)));
-        __m256i(&sum)[2] = i < 8 ? A[r] : B[r];
-        sum[0] = add_dot_pairs(sum[0], w0, xv);
-        sum[1] = add_dot_pairs(sum[1], w1, xv);
-        asm("" : "+x"(sum[0]), "+x"(sum[1]));  // keep the running sums (GCC would reassociate them into 16 live products)
+        S[r][0] = add_dot_pairs(S[r][0], w0, xv);
+        S[r][1] = add_dot_pairs(S[r][1], w1, xv);
+        asm("" : "+x"(S[r][0]), "+x"(S[r][1]));  // keep the running sums (GCC would reassociate them into 16 live products)
       }
     }
     for (int h = 0; h < 2; h++) {
       const __m256 d = _mm256_loadu_ps(panel.d + b * PANEL_ROWS + 8 * h);
+      const __m256 m = _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h);
       for (int r = 0; r < MR; r++) {
         const int64_t xb_index = (r0 + r) * nb + b;
-        const __m256 dx = _mm256_broadcast_ss(xq_d + xb_index);
-        float* acc_a = acc + (3 * r) * PANEL_ROWS + 8 * h;
-        float* acc_b = acc_a + PANEL_ROWS;
-        _mm256_storeu_ps(acc_a, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(A[r][h]), d), dx, _mm256_loadu_ps(acc_a)));
-        _mm256_storeu_ps(acc_b, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(B[r][h]), d), dx, _mm256_loadu_ps(acc_b)));
-        if constexpr (HAS_MIN) {
-          float* acc_m = acc_b + PANEL_ROWS;
-          const __m256 m = _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h);
-          _mm256_storeu_ps(acc_m, _mm256_fmadd_ps(m, _mm256_broadcast_ss(xq_s + xb_index), _mm256_loadu_ps(acc_m)));
-        }
+        float* a = acc + r * PANEL_ROWS + 8 * h;
+        __m256 sum = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S[r][h]), d), _mm256_broadcast_ss(xq_d + xb_index),
+                                     _mm256_loadu_ps(a));
+        if constexpr (HAS_MIN) sum = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xq_s + xb_index), sum);
+        _mm256_storeu_ps(a, sum);
       }
     }
   }
@@ -886,12 +878,15 @@ SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // panel_tile on 512-bit vectors: a panel's 16 weight rows fill one vector's 16 int32 lanes, so a
 // block takes half the instructions of the 256-bit tile (one weight load, one dot product per row
-// and pair, one float epilogue per row), and 32 registers hold the float accumulators of MR rows
+// and pair, one float epilogue per row), and registers hold the float accumulators of MR rows
 // across the whole slice instead of reloading them from memory every block. Lane j computes what
 // lane j mod 8 of vector j / 8 computes in panel_tile, operation for operation: the same bits.
-// Measured on Zen 4 (one thread, thread CPU time, the embedded model's four layer shapes at
-// M = 64..1024): 46-54 GMAC/s against the 256-bit tile's 37-43, 1.21-1.34x; MR = 5 was no faster.
-constexpr int PANEL_MR_512 = 4;
+// Measured on Zen 4 (one thread, thread CPU time, best of 7 in each of 3 alternating processes,
+// the embedded model's four layer shapes at M = 64..1024): 76-88 GMAC/s, 65-75% of the thread's
+// int16 peak, against 67-78 for the two-sum arithmetic before it (1.08-1.15x); MR = 8 rows beat
+// MR = 4 by 3-6%. The 256-bit tile, built for Zen 3 (-march=znver3) and run on the same machine:
+// 55-67 GMAC/s against the two-sum tile's 34-52.
+constexpr int PANEL_MR_512 = 8;
 
 SS_INLINE __m512i add_dot_pairs_512(__m512i acc, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
@@ -907,57 +902,35 @@ SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t 
   const int64_t K = xq.K, nb = xq.nb;
   const int16_t* xq_q = xq.q.data();
   const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
-  __m512 acc_a[MR], acc_b[MR], acc_m[MR];
-  for (int r = 0; r < MR; r++) {
-    acc_a[r] = _mm512_loadu_ps(acc + 3 * r * PANEL_ROWS);
-    acc_b[r] = _mm512_loadu_ps(acc + (3 * r + 1) * PANEL_ROWS);
-    acc_m[r] = _mm512_loadu_ps(acc + (3 * r + 2) * PANEL_ROWS);
-  }
+  __m512 sum[MR];
+  for (int r = 0; r < MR; r++) sum[r] = _mm512_loadu_ps(acc + r * PANEL_ROWS);
   for (int64_t b = b0; b < b1; b++) {
-    __m512i A[MR], B[MR];
-    for (int r = 0; r < MR; r++) A[r] = B[r] = _mm512_setzero_si512();
+    __m512i S[MR];
+    for (int r = 0; r < MR; r++) S[r] = _mm512_setzero_si512();
     const int16_t* pb = panel.pairs + b * block_pairs;
     const int16_t* xb = xq_q + r0 * K + 32 * b;
 #pragma GCC unroll 16
-    for (int i = 0; i < PANEL_PAIRS; i++) {
-      const int p = (i & 3) | ((i & 4) << 1) | ((i & 8) >> 1);  // pairs 0-3, 8-11 (into A), then 4-7, 12-15 (B)
+    for (int p = 0; p < PANEL_PAIRS; p++) {
       __m512i w = _mm512_loadu_si512(pb + p * 2 * PANEL_ROWS);
       asm("" : "+v"(w));  // one load for the MR rows
 #pragma GCC unroll 8
       for (int r = 0; r < MR; r++) {
         const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * K + 2 * p));
-        __m512i& sum = i < 8 ? A[r] : B[r];
-        sum = add_dot_pairs_512(sum, w, xv);
-        asm("" : "+v"(sum));  // keep the running sums in order (as panel_tile does)
+        S[r] = add_dot_pairs_512(S[r], w, xv);
+        asm("" : "+v"(S[r]));  // keep the running sums in order (as panel_tile does)
       }
     }
     const __m512 d = _mm512_loadu_ps(panel.d + b * PANEL_ROWS);
     const __m512 m = _mm512_loadu_ps(panel.m + b * PANEL_ROWS);
     for (int r = 0; r < MR; r++) {
       const int64_t xb_index = (r0 + r) * nb + b;
-      const __m512 dx = _mm512_set1_ps(xq_d[xb_index]);
-      acc_a[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(A[r]), d), dx, acc_a[r]);
-      acc_b[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(B[r]), d), dx, acc_b[r]);
-      if constexpr (HAS_MIN) acc_m[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), acc_m[r]);
+      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);
+      if constexpr (HAS_MIN) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
     }
   }
-  for (int r = 0; r < MR; r++) {
-    _mm512_storeu_ps(acc + 3 * r * PANEL_ROWS, acc_a[r]);
-    _mm512_storeu_ps(acc + (3 * r + 1) * PANEL_ROWS, acc_b[r]);
-    _mm512_storeu_ps(acc + (3 * r + 2) * PANEL_ROWS, acc_m[r]);
-  }
+  for (int r = 0; r < MR; r++) _mm512_storeu_ps(acc + r * PANEL_ROWS, sum[r]);
 }
 #endif
-
-// y[0 .. num_valid) = (A + B) + min term, from one activation row's accumulators [3][PANEL_ROWS].
-SS_INLINE void panel_store(const float* acc, float* y, int64_t num_valid) {
-  alignas(32) float out[PANEL_ROWS];
-  for (int h = 0; h < 2; h++) {
-    const __m256 ab = _mm256_add_ps(_mm256_loadu_ps(acc + 8 * h), _mm256_loadu_ps(acc + PANEL_ROWS + 8 * h));
-    _mm256_store_ps(out + 8 * h, _mm256_add_ps(ab, _mm256_loadu_ps(acc + 2 * PANEL_ROWS + 8 * h)));
-  }
-  std::memcpy(y, out, num_valid * sizeof(float));
-}
 
 // Panel p (weight rows 16p .. 16p + 15) against every activation row, a slice of K at a time:
 // a slice of the unpacked panel (1 KB a block) stays in L1 while every row passes it, where the
@@ -966,7 +939,7 @@ SS_INLINE void panel_store(const float* acc, float* y, int64_t num_valid) {
 template <int TYPE>
 void panel_int(const uint8_t* wp, int64_t group_bytes, int64_t p, int64_t N, const QuantizedRows& xq, float* y) {
   constexpr bool has_min = TYPE != Q8_0;
-  constexpr int64_t acc_per_row = 3 * PANEL_ROWS;
+  constexpr int64_t acc_per_row = PANEL_ROWS;
   thread_local Panel panel;
   thread_local std::vector<float> acc;
   unpack_panel16<TYPE>(wp, group_bytes, (N + 3) / 4, 4 * p, xq.nb, panel);
@@ -988,7 +961,7 @@ void panel_int(const uint8_t* wp, int64_t group_bytes, int64_t p, int64_t N, con
 #endif
   }
   const int64_t n0 = PANEL_ROWS * p, num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
-  for (int64_t r = 0; r < xq.M; r++) panel_store(acc_rows + r * acc_per_row, y + r * N + n0, num_valid);
+  for (int64_t r = 0; r < xq.M; r++) std::memcpy(y + r * N + n0, acc_rows + r * acc_per_row, num_valid * sizeof(float));
 }
 #else
 constexpr bool HAS_INT16_DOT = false;

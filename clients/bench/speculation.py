@@ -26,6 +26,18 @@ token, so each repeat finds it in the prefix cache, as the ones after it do: the
 measure the same thing (decode, with the prompt cached), not a cold first and warm rest.
 Each configuration reports its median tokens/s and the min–max over the repeats.
 
+With `--llama-server PATH`, llama.cpp's plain decode (no speculation) runs the same B
+requests of each workload and B: the same chat messages over its /v1/chat/completions
+(llama-server renders the GGUF's chat template itself; the report prints both engines'
+prompt token counts), greedy, EOS ignored, the same output lengths, on a llama-server of the
+same GGUF with B slots and `--threads` threads, started per B. It takes its turn in each
+repeat after our shapes (beside the first policy's runs: it has no policy), with its prompts
+primed into its slots' prompt caches as ours are. One engine is measured at a time: the
+llama-server is stopped (SIGSTOP) except while it is measured, and our executors have no
+request while it is. Each of our rows reports its tokens/s over llama.cpp's (the median of
+the per-repeat ratios, min–max), and the report checks issue #28's target: trees at least
+2x llama.cpp's plain decode at B = 1 on the branchy workload.
+
 With several shapes, the tree rows are labelled `POLICY+tree`, and the report gives tree
 over chain for tokens/s and for accepted tokens per decode step (accepted / (tokens -
 accepted): every decode step emits its accepted drafts plus one token): the median of the
@@ -48,19 +60,34 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from clients.bench.llama_server import llama_server_version, pause, resume, running, start_llama_server
+from clients.bench.openai_stream import chat_body, stream_request
 from clients.bench.services import start_scheduler, start_services
-from clients.bench.speculation_report import SWARMSERVE, config_results, format_report, plot, summarize, tree_vs_chain
+from clients.bench.speculation_report import (
+    LLAMA_CPP,
+    SWARMSERVE,
+    config_results,
+    format_report,
+    plot,
+    summarize,
+    tree_vs_chain,
+)
+from clients.bench.vs_llama_cpp import cpu_description, executor_info
 from clients.bench.workloads import SEED_OUTPUT_LENGTHS
 from clients.client import AsyncSwarmClient
 
 POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "even", "goodput")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 DRAFT_SHAPES = ("chain", "tree")  # the executor's --draft-shape
+SLOT_MARGIN = 64  # llama-server KV tokens a slot holds beyond its longest prompt and output
+WARM_UP_MESSAGES = [{"role": "user", "content": "warm up"}]
 
 SNIPPETS = [
     """def parse_config(path):
@@ -195,6 +222,66 @@ async def measure_swarmserve(address: str, requests: Sequence[SpecRequest]) -> d
     }
 
 
+def prompt_token_counts(info, requests: Sequence[SpecRequest]) -> list[int]:
+    """Each request's prompt in the model's tokens, rendered as our scheduler renders it (the
+    GGUF's chat template and tokenizer, from the executor's GetInfo)."""
+    from tokenizers import Tokenizer
+
+    from scheduler_svc.chat_template import render_chat_template
+
+    tokenizer = Tokenizer.from_str(info.tokenizer_json)
+    counts = []
+    for request in requests:
+        text = render_chat_template(
+            info.chat_template,
+            request.messages,
+            add_generation_prompt=True,
+            bos_token=info.bos_token or None,
+            eos_token=info.eos_token or None,
+        )
+        counts.append(len(tokenizer.encode(text, add_special_tokens=False).ids) + int(info.add_bos_token))
+    return counts
+
+
+def _chat_url(server) -> str:
+    return f"{server.url}/v1/chat/completions"
+
+
+async def prime_llama_cpp(server, requests: Sequence[SpecRequest]) -> None:
+    """Each prompt once, one token, all at once: each slot holds one in its prompt cache, as
+    prime_swarmserve does for ours."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests))) as http:
+        await asyncio.gather(
+            *(stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, r.messages, 1)) for r in requests)
+        )
+
+
+async def measure_llama_cpp(server, requests: Sequence[SpecRequest]) -> dict:
+    """The same requests over llama-server's /v1/chat/completions (its own rendering of the GGUF's
+    chat template), greedy, EOS ignored, after a warm-up request; timed as measure_swarmserve."""
+    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+    async with httpx.AsyncClient(limits=limits) as http:
+        await stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, WARM_UP_MESSAGES, 2))
+        t0 = time.monotonic()
+        streams = await asyncio.gather(
+            *(
+                stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, r.messages, r.max_new_tokens))
+                for r in requests
+            )
+        )
+        wall = time.monotonic() - t0
+    tokens = sum(s.output_tokens for s in streams)
+    return {
+        "tokens": tokens,
+        "expected_tokens": sum(r.max_new_tokens for r in requests),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "prompt_tokens": [s.prompt_tokens for s in streams],
+        "cached_tokens": [s.cached_tokens for s in streams],
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
 def policy_label(policy: str, shape: str) -> str:
     return policy if shape == "chain" else f"{policy}+{shape}"
 
@@ -216,8 +303,12 @@ class SpecBench:
     """The run's plan and what it measured; `runs` grows by one dict per measurement."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from executor_svc.weights.model_source import resolve_model_path  # the executor's own resolution of --model
+
         self.args = args
+        self.model_path = str(resolve_model_path(args.model))
         self.runs: list[dict] = []
+        self.prompt_tokens: dict[str, list[int]] = {}  # per workload, its largest B's requests
 
     def record(self, run: dict, **labels) -> None:
         run = {**labels, **run}
@@ -236,19 +327,48 @@ class SpecBench:
                 executors[shape] = await stack.enter_async_context(
                     start_services(
                         log_file,
-                        model=args.model,
+                        model=self.model_path,
                         dtype=args.dtype,
                         kv_cache_gb=args.kv_cache_gb,
                         executor_args=("--draft-shape", shape, "--threads", str(args.threads)),
                     )
                 )
+            info = await executor_info(next(iter(executors.values())).executor_address)
+            for kind in args.workloads:
+                requests = workload_requests(kind, max(args.batch_sizes), args.num_new_tokens)
+                self.prompt_tokens[kind] = prompt_token_counts(info, requests)
             for batch_size in args.batch_sizes:
-                for policy in args.policies:
-                    await self.run_policy(executors, policy, batch_size, log_file)
+                async with self.llama_cpp(batch_size, log_file) as llama:
+                    for index, policy in enumerate(args.policies):
+                        # llama.cpp has no policy: it takes its turns beside the first one's.
+                        await self.run_policy(executors, policy, batch_size, log_file, llama if index == 0 else None)
 
-    async def run_policy(self, executors: dict, policy: str, batch_size: int, log_file) -> None:
+    @asynccontextmanager
+    async def llama_cpp(self, batch_size: int, log_file) -> AsyncIterator:
+        """A llama-server with B slots, each large enough for any request, paused (SIGSTOP) but
+        while it is measured; None without --llama-server."""
+        if not self.args.llama_server:
+            yield None
+            return
+        longest_prompt = max(max(counts[:batch_size]) for counts in self.prompt_tokens.values())
+        slot_context = longest_prompt + self.args.num_new_tokens + SLOT_MARGIN
+        async with start_llama_server(
+            self.args.llama_server,
+            self.model_path,
+            log_file,
+            num_slots=batch_size,
+            context_length=batch_size * slot_context,
+            threads=self.args.threads,
+        ) as server:
+            pause(server)
+            try:
+                yield server
+            finally:
+                resume(server)  # a stopped process would not act on the SIGTERM
+
+    async def run_policy(self, executors: dict, policy: str, batch_size: int, log_file, llama=None) -> None:
         """Every repeat of (policy, B) with one scheduler per shape, each taking its executor over
-        from the one before (an executor serves one scheduler)."""
+        from the one before (an executor serves one scheduler); llama.cpp, if given, after them."""
         args = self.args
         async with AsyncExitStack() as stack:
             addresses = {}
@@ -264,15 +384,23 @@ class SpecBench:
                     )
                 )
             for kind in args.workloads:
+                requests = workload_requests(kind, batch_size, args.num_new_tokens)
                 for address in addresses.values():
-                    await prime_swarmserve(address, workload_requests(kind, batch_size, args.num_new_tokens))
+                    await prime_swarmserve(address, requests)
+                if llama is not None:
+                    with running(llama):
+                        await prime_llama_cpp(llama, requests)
             for repeat in range(args.repeats):
                 for kind in args.workloads:
                     requests = workload_requests(kind, batch_size, args.num_new_tokens)
+                    at = dict(workload=kind, batch_size=batch_size, repeat=repeat)
                     for shape, address in addresses.items():
                         run = await measure_swarmserve(address, requests)
-                        labels = dict(engine=SWARMSERVE, policy=policy_label(policy, shape), shape=shape)
-                        self.record(run, **labels, workload=kind, batch_size=batch_size, repeat=repeat)
+                        self.record(run, engine=SWARMSERVE, policy=policy_label(policy, shape), shape=shape, **at)
+                    if llama is not None:
+                        with running(llama):
+                            run = await measure_llama_cpp(llama, requests)
+                        self.record(run, engine=LLAMA_CPP, policy=LLAMA_CPP, shape="plain", **at)
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
@@ -329,27 +457,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="measurements of each configuration, interleaved with the others' (default %(default)s)",
     )
+    parser.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="also run llama.cpp's plain decode (no speculation) on the same requests: the llama-server binary "
+        "(../shared/anchors/llama-cpp.sh prints it), B slots, --threads threads",
+    )
     parser.add_argument("--out", default="bench_results/spec", help="prefix of the .json and .png written")
     parser.add_argument("--log", default="bench_spec.log", help="where the services' logs go")
 
 
 def run(args: argparse.Namespace) -> int:
     bench = SpecBench(args)
+    load_start = os.getloadavg()
     with open(args.log, "ab") as log_file:
         asyncio.run(bench.run(log_file))
     configs = config_results(bench.runs)
+    machine = {
+        "model": bench.model_path,
+        "cpu": cpu_description(),
+        "cpu_count": os.cpu_count(),
+        "threads": args.threads,
+        "llama_server_version": llama_server_version(args.llama_server) if args.llama_server else None,
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
+    }
     print()
-    print(format_report(configs, args.repeats), flush=True)
+    print(format_report(configs, args.repeats, machine), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "args": {key: value for key, value in vars(args).items() if key != "run"},
+        "machine": machine,
+        "prompt_tokens": bench.prompt_tokens,
         "runs": bench.runs,
         "configs": [c.to_json() for c in configs],
         "summary": summarize(configs),
         "tree_vs_chain": [q.to_json() for q in tree_vs_chain(configs)],
     }
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
     plot(configs, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

@@ -17,6 +17,9 @@ from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio, v
 
 NOISE = 0.10  # "within noise" of the best policy: within 10% of its median
 SWARMSERVE = "swarmserve"
+LLAMA_CPP = "llama.cpp"
+# Issue #28's target: trees at least 2x llama.cpp's plain decode at one agent on the branchy workload.
+TARGET_WORKLOAD, TARGET_BATCH_SIZE, TARGET_RATIO = "branchy", 1, 2.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class ConfigResult:
     accepted: int
     tokens: int
     num_preemptions: int
+    prompt_tokens: tuple[int | None, ...] = ()  # per request, as the engine counted them (first repeat)
+    num_prompt_tokens: int = 0  # over the repeats
+    num_cached_tokens: int = 0  # of them, served from a prefix (prompt) cache
+
+    @property
+    def cached_fraction(self) -> float | None:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else None
 
     @property
     def speed(self) -> Spread:
@@ -61,7 +71,13 @@ class ConfigResult:
             "acceptance": self.acceptance,
             "waste_per_token": self.waste_per_token,
             "num_preemptions": self.num_preemptions,
+            "prompt_tokens": list(self.prompt_tokens),
+            "cached_fraction": self.cached_fraction,
         }
+
+
+def _total(values) -> int:
+    return sum(v for v in values or () if v is not None)
 
 
 def config_results(runs: Sequence[dict]) -> list[ConfigResult]:
@@ -86,6 +102,9 @@ def config_results(runs: Sequence[dict]) -> list[ConfigResult]:
                 accepted=sum(run.get("accepted", 0) for run in group),
                 tokens=sum(run.get("tokens", 0) for run in group),
                 num_preemptions=sum(run.get("num_preemptions", 0) for run in group),
+                prompt_tokens=tuple(group[0].get("prompt_tokens", ())),
+                num_prompt_tokens=sum(_total(run.get("prompt_tokens")) for run in group),
+                num_cached_tokens=sum(_total(run.get("cached_tokens")) for run in group),
             )
         )
     return results
@@ -145,6 +164,73 @@ def tree_vs_chain(configs: Sequence[ConfigResult]) -> list[TreeVsChain]:
     return comparisons
 
 
+def vs_llama_cpp(config: ConfigResult, configs: Sequence[ConfigResult]) -> Spread | None:
+    """Our configuration's tokens/s over llama.cpp's on the same workload and B, repeat r over
+    repeat r; None without a llama.cpp run there (or for llama.cpp itself)."""
+    if config.engine == LLAMA_CPP:
+        return None
+    for llama in configs:
+        if llama.engine == LLAMA_CPP and (llama.workload, llama.batch_size) == (config.workload, config.batch_size):
+            return paired_ratio(config.tokens_per_s, llama.tokens_per_s)
+    return None
+
+
+def target_lines(configs: Sequence[ConfigResult]) -> list[str]:
+    """Issue #28's target for each tree configuration at its workload and B, where llama.cpp ran."""
+    lines = []
+    for c in configs:
+        if c.engine != SWARMSERVE or c.shape != "tree":
+            continue
+        if (c.workload, c.batch_size) != (TARGET_WORKLOAD, TARGET_BATCH_SIZE):
+            continue
+        ratio = vs_llama_cpp(c, configs)
+        if ratio is None:
+            continue
+        if ratio.low >= TARGET_RATIO:
+            verdict = "met in every repeat"
+        elif ratio.median >= TARGET_RATIO:
+            verdict = "met at the median, not in every repeat"
+        else:
+            verdict = "NOT met"
+        lines.append(
+            f"issue #28's target, trees >= {TARGET_RATIO:g}x llama.cpp's plain decode at B={TARGET_BATCH_SIZE} on "
+            f"{TARGET_WORKLOAD}: {c.policy} {ratio.text(2, 'x')}: {verdict}"
+        )
+    return ["", *lines] if lines else []
+
+
+def _counts_text(counts: Sequence[int | None]) -> str:
+    present = [n for n in counts if n is not None]
+    if not present:
+        return "not reported"
+    return f"{sum(present) / len(present):.1f} a request ({min(present)}–{max(present)})"
+
+
+def prompt_lines(configs: Sequence[ConfigResult]) -> list[str]:
+    """Per workload, at its largest B: the prompts' lengths as each engine counted them (each
+    rendered the GGUF's chat template itself), and how much of them came from a prompt cache."""
+    llama = {(c.workload, c.batch_size): c for c in configs if c.engine == LLAMA_CPP}
+    if not llama:
+        return []
+    lines = ["", "prompt tokens as each engine counted them (its own chat template rendering), largest B:"]
+    for kind in dict.fromkeys(c.workload for c in configs):
+        b = max(c.batch_size for c in configs if c.workload == kind)
+        ours = next((c for c in configs if c.engine == SWARMSERVE and (c.workload, c.batch_size) == (kind, b)), None)
+        theirs = llama.get((kind, b))
+        if ours is None or theirs is None:
+            continue
+        differences = [
+            abs(a - t) for a, t in zip(ours.prompt_tokens, theirs.prompt_tokens) if a is not None and t is not None
+        ]
+        cached = " / ".join("–" if c.cached_fraction is None else f"{c.cached_fraction:.0%}" for c in (ours, theirs))
+        lines.append(
+            f"  {kind:>7} B={b:<2}: swarmserve {_counts_text(ours.prompt_tokens)}, llama.cpp "
+            f"{_counts_text(theirs.prompt_tokens)}; largest difference for one request "
+            f"{max(differences) if differences else '–'}; cached (swarmserve / llama.cpp) {cached}"
+        )
+    return lines
+
+
 def summarize(configs: Sequence[ConfigResult]) -> dict:
     """Per workload and B, over our policies' medians: the best, goodput's ratio to it and to off."""
     ours = [c for c in configs if c.engine == SWARMSERVE]
@@ -168,10 +254,13 @@ def _ratio_text(ratio: Spread | None) -> str:
 
 
 def config_table(configs: Sequence[ConfigResult], num_repeats: int) -> list[str]:
+    has_llama = any(c.engine == LLAMA_CPP for c in configs)
     header = (
         f"{'workload':>8} {'B':>3} {'config':>14} | {'tok/s median (min–max)':>24} | "
         f"{'accepted/step':>13} | {'acceptance':>10} | {'waste':>5} | {'preempted':>9}"
     )
+    if has_llama:
+        header += f" | {'over llama.cpp':>20}"
     repeats = f"{num_repeats} repeat{'s' if num_repeats != 1 else ''}"
     lines = [
         f"tokens/s over {repeats} (each: all B requests sent at once, until the last one's last token)",
@@ -179,11 +268,19 @@ def config_table(configs: Sequence[ConfigResult], num_repeats: int) -> list[str]
         "-" * len(header),
     ]
     for c in sorted(configs, key=lambda c: (c.workload, c.batch_size)):
-        lines.append(
-            f"{c.workload:>8} {c.batch_size:>3} {c.policy:>14} | {c.speed.text():>24} | "
-            f"{Spread.of(c.accepted_per_step).median:>13.2f} | {c.acceptance:>10.0%} | "
-            f"{c.waste_per_token:>5.2f} | {c.num_preemptions:>9}"
-        )
+        if c.engine == LLAMA_CPP:
+            cells = f"{'–':>13} | {'–':>10} | {'–':>5} | {'–':>9}"
+        else:
+            cells = (
+                f"{Spread.of(c.accepted_per_step).median:>13.2f} | {c.acceptance:>10.0%} | "
+                f"{c.waste_per_token:>5.2f} | {c.num_preemptions:>9}"
+            )
+        line = f"{c.workload:>8} {c.batch_size:>3} {c.policy:>14} | {c.speed.text():>24} | {cells}"
+        if has_llama:
+            line += f" | {_ratio_text(vs_llama_cpp(c, configs)):>20}"
+        lines.append(line)
+    if has_llama:
+        lines.append("over llama.cpp: the median of the per-repeat ratios (min–max), llama.cpp's plain decode = 1")
     return lines
 
 
@@ -233,11 +330,25 @@ def summary_lines(configs: Sequence[ConfigResult], summary: dict) -> list[str]:
     return lines
 
 
-def format_report(configs: Sequence[ConfigResult], num_repeats: int) -> str:
+def machine_lines(machine: dict) -> list[str]:
+    start, end = ("/".join(f"{x:.1f}" for x in machine[key]) for key in ("load_avg_start", "load_avg_end"))
+    cpu = f"cpu: {machine['cpu']}, {machine['cpu_count']} cores"
+    return [
+        f"model {Path(machine['model']).name}, greedy, EOS ignored, {machine['threads']} threads per engine",
+        f"{cpu}; load average (1/5/15 min) {start} at the start, {end} at the end",
+        f"llama.cpp: {machine['llama_server_version'] or 'not run (no --llama-server)'}",
+        "",
+    ]
+
+
+def format_report(configs: Sequence[ConfigResult], num_repeats: int, machine: dict | None = None) -> str:
     comparisons = tree_vs_chain(configs)
     lines = [
+        *(machine_lines(machine) if machine else []),
         *config_table(configs, num_repeats),
         *tree_vs_chain_lines(comparisons),
+        *target_lines(configs),
+        *prompt_lines(configs),
         *summary_lines(configs, summarize(configs)),
     ]
     return "\n".join(lines)
@@ -253,7 +364,7 @@ def plot(configs: Sequence[ConfigResult], path: Path) -> None:
     kinds = list(dict.fromkeys(c.workload for c in configs))
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        for policy in dict.fromkeys(c.policy for c in configs):
+        for policy in dict.fromkeys(c.policy for c in configs):  # llama.cpp's plain decode too
             rows = sorted((c for c in configs if c.workload == kind and c.policy == policy), key=lambda c: c.batch_size)
             if not rows:
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio
 from clients.bench.speculation import add_arguments, max_new_tokens, workload_messages
-from clients.bench.speculation_report import config_results, format_report, tree_vs_chain
+from clients.bench.speculation_report import config_results, format_report, target_lines, tree_vs_chain, vs_llama_cpp
 from tests.support.stack import ROOT
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -77,6 +78,36 @@ def test_trees_are_below_chains_by_more_than_noise_only_when_their_ranges_part()
                                            for r, v in enumerate(vs)]), 2)  # fmt: skip
     assert "trees below chains by more than noise: YES" in report
     assert "8.5 (8.0–9.0)" in report
+
+
+def test_ours_over_llama_cpp_pairs_the_same_workload_b_and_repeat():
+    runs = [run("branchy", 1, "goodput", "tree", v, 1.0, r) for r, v in enumerate([30.0, 45.0, 40.0])]
+    runs += [
+        run("branchy", 1, "llama.cpp", "plain", v, repeat=r, engine="llama.cpp")
+        for r, v in enumerate([20.0, 15.0, 10.0])
+    ]
+    runs += [run("branchy", 2, "llama.cpp", "plain", 99.0, engine="llama.cpp")]
+    runs += [run("copy", 1, "goodput", "tree", 50.0)]
+    configs = config_results(runs)
+    tree = next(c for c in configs if c.policy == "goodput+tree" and c.workload == "branchy")
+    ratio = vs_llama_cpp(tree, configs)
+    assert (ratio.median, ratio.low, ratio.high) == (3.0, 1.5, 4.0)  # 30/20, 45/15, 40/10
+    assert vs_llama_cpp(next(c for c in configs if c.workload == "copy"), configs) is None  # no llama.cpp run there
+    assert vs_llama_cpp(next(c for c in configs if c.engine == "llama.cpp"), configs) is None
+    (line,) = [line for line in target_lines(configs) if line]
+    assert "goodput+tree 3.00x (1.50–4.00x): met at the median, not in every repeat" in line
+
+
+@pytest.mark.parametrize(
+    ("trees", "verdict"),
+    [([21.0, 25.0], "met in every repeat"), ([19.0, 25.0], "met at the median"), ([12.0, 19.0], "NOT met")],
+)
+def test_the_issues_target_is_two_times_llama_cpp_at_one_agent_on_branchy(trees, verdict):
+    runs = [run("branchy", 1, "goodput", "tree", v, 1.0, r) for r, v in enumerate(trees)]
+    runs += [run("branchy", 1, "llama.cpp", "plain", 10.0, repeat=r, engine="llama.cpp") for r in range(2)]
+    assert verdict in "\n".join(target_lines(config_results(runs)))
+    other_b = [dict(r, batch_size=2) for r in runs]  # the target is at B = 1 only
+    assert target_lines(config_results(other_b)) == []
 
 
 def test_the_branchy_workload_repeats_one_context_with_different_continuations():
@@ -191,3 +222,32 @@ def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
     assert set(configs) == {(p, w) for p in ("goodput", "goodput+tree") for w in ("branchy", "spread")}
     assert configs["goodput+tree", "branchy"]["tokens_per_s"]["num_repeats"] == 2
     assert "trees below chains by more than noise:" in stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(
+    not os.environ.get("SWARMSERVE_BENCH_LLAMA_SERVER"),
+    reason="set SWARMSERVE_BENCH_LLAMA_SERVER to a llama-server (../shared/anchors/llama-cpp.sh prints one)",
+)
+def test_llama_cpp_takes_its_turn_after_our_shapes_on_the_same_requests(tmp_path):
+    result, stdout = run_bench(
+        tmp_path,
+        "--workloads",
+        "branchy",
+        "--repeats",
+        "2",
+        "--llama-server",
+        os.environ["SWARMSERVE_BENCH_LLAMA_SERVER"],
+    )
+    order = [(r["repeat"], r["engine"], r["shape"]) for r in result["runs"]]
+    assert order == [
+        (repeat, engine, shape)
+        for repeat in (0, 1)
+        for engine, shape in (("swarmserve", "chain"), ("swarmserve", "tree"), ("llama.cpp", "plain"))
+    ]
+    ours, _, theirs = result["runs"][:3]
+    assert theirs["tokens"] == theirs["expected_tokens"] == 2 * 20  # EOS ignored, exact lengths
+    assert theirs["prompt_tokens"] == ours["prompt_tokens"]  # both render the GGUF's chat template alike
+    assert all(n > 0 for n in theirs["cached_tokens"])  # primed: each slot holds its prompt
+    assert result["machine"]["llama_server_version"]
+    assert "over llama.cpp" in stdout and "largest difference for one request 0" in stdout

@@ -60,13 +60,14 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from clients.bench.cpu_share import CpuWatch
 from clients.bench.llama_server import llama_server_version, pause, resume, running, start_llama_server
 from clients.bench.openai_stream import chat_body, stream_request
 from clients.bench.services import start_scheduler, start_services
@@ -296,7 +297,7 @@ def _progress(run: dict) -> str:
             f", acceptance {run['acceptance']:.0%}, {run['accepted_per_step']:.2f} accepted/step, "
             f"waste {run['waste_per_token']:.2f}/token"
         )
-    return line
+    return line + f"; other processes {run['other_cores']:.2f} cores, idle engines {run['idle_engine_cpu_s']:.2f} CPU-s"
 
 
 class SpecBench:
@@ -312,10 +313,10 @@ class SpecBench:
 
     def record(self, run: dict, **labels) -> None:
         run = {**labels, **run}
-        if run["tokens"] != run["expected_tokens"]:
-            print(f"  WARNING: {run['tokens']} tokens came back where {run['expected_tokens']} were asked", flush=True)
         self.runs.append(run)
         print(_progress(run), flush=True)
+        if run["tokens"] != run["expected_tokens"]:
+            print(f"  WARNING: {run['tokens']} tokens came back where {run['expected_tokens']} were asked", flush=True)
 
     async def run(self, log_file) -> None:
         args = self.args
@@ -390,17 +391,28 @@ class SpecBench:
                 if llama is not None:
                     with running(llama):
                         await prime_llama_cpp(llama, requests)
+            executor_pids = {shape: services.executor_pid for shape, services in executors.items()}
             for repeat in range(args.repeats):
                 for kind in args.workloads:
                     requests = workload_requests(kind, batch_size, args.num_new_tokens)
                     at = dict(workload=kind, batch_size=batch_size, repeat=repeat)
                     for shape, address in addresses.items():
-                        run = await measure_swarmserve(address, requests)
+                        idle = [pid for other, pid in executor_pids.items() if other != shape]
+                        idle += [llama.pid] if llama is not None else []
+                        run = await watched(measure_swarmserve(address, requests), idle)
                         self.record(run, engine=SWARMSERVE, policy=policy_label(policy, shape), shape=shape, **at)
                     if llama is not None:
                         with running(llama):
-                            run = await measure_llama_cpp(llama, requests)
+                            run = await watched(measure_llama_cpp(llama, requests), executor_pids.values())
                         self.record(run, engine=LLAMA_CPP, policy=LLAMA_CPP, shape="plain", **at)
+
+
+async def watched(measurement: Awaitable[dict], idle_pids: Iterable[int | None]) -> dict:
+    """The measurement's run, with the CPU the idle engines and the rest of the machine used meanwhile."""
+    watch = CpuWatch(pid for pid in idle_pids if pid is not None)
+    watch.start()
+    run = await measurement
+    return run | watch.stop().to_json()
 
 
 def positive_ints(text: str) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio, verdict_text
 
 NOISE = 0.10  # "within noise" of the best policy: within 10% of its median
+BUSY_CORES = 0.25  # other processes' CPU above which a run is flagged as shared
 SWARMSERVE = "swarmserve"
 LLAMA_CPP = "llama.cpp"
 # Issue #28's target: trees at least 2x llama.cpp's plain decode at one agent on the branchy workload.
@@ -40,6 +41,8 @@ class ConfigResult:
     prompt_tokens: tuple[int | None, ...] = ()  # per request, as the engine counted them (first repeat)
     num_prompt_tokens: int = 0  # over the repeats
     num_cached_tokens: int = 0  # of them, served from a prefix (prompt) cache
+    other_cores: tuple[float, ...] = ()  # per repeat: processes outside the benchmark (cpu_share.py)
+    idle_engine_cpu_s: tuple[float, ...] = ()  # per repeat: the engines not measured
 
     @property
     def cached_fraction(self) -> float | None:
@@ -73,6 +76,8 @@ class ConfigResult:
             "num_preemptions": self.num_preemptions,
             "prompt_tokens": list(self.prompt_tokens),
             "cached_fraction": self.cached_fraction,
+            "other_cores": list(self.other_cores),
+            "idle_engine_cpu_s": list(self.idle_engine_cpu_s),
         }
 
 
@@ -105,6 +110,8 @@ def config_results(runs: Sequence[dict]) -> list[ConfigResult]:
                 prompt_tokens=tuple(group[0].get("prompt_tokens", ())),
                 num_prompt_tokens=sum(_total(run.get("prompt_tokens")) for run in group),
                 num_cached_tokens=sum(_total(run.get("cached_tokens")) for run in group),
+                other_cores=tuple(run.get("other_cores", 0.0) for run in group),
+                idle_engine_cpu_s=tuple(run.get("idle_engine_cpu_s", 0.0) for run in group),
             )
         )
     return results
@@ -257,7 +264,7 @@ def config_table(configs: Sequence[ConfigResult], num_repeats: int) -> list[str]
     has_llama = any(c.engine == LLAMA_CPP for c in configs)
     header = (
         f"{'workload':>8} {'B':>3} {'config':>14} | {'tok/s median (min–max)':>24} | "
-        f"{'accepted/step':>13} | {'acceptance':>10} | {'waste':>5} | {'preempted':>9}"
+        f"{'accepted/step':>13} | {'acceptance':>10} | {'waste':>5} | {'preempted':>9} | {'others':>6}"
     )
     if has_llama:
         header += f" | {'over llama.cpp':>20}"
@@ -275,13 +282,34 @@ def config_table(configs: Sequence[ConfigResult], num_repeats: int) -> list[str]
                 f"{Spread.of(c.accepted_per_step).median:>13.2f} | {c.acceptance:>10.0%} | "
                 f"{c.waste_per_token:>5.2f} | {c.num_preemptions:>9}"
             )
-        line = f"{c.workload:>8} {c.batch_size:>3} {c.policy:>14} | {c.speed.text():>24} | {cells}"
+        others = max(c.other_cores, default=0.0)
+        line = f"{c.workload:>8} {c.batch_size:>3} {c.policy:>14} | {c.speed.text():>24} | {cells} | {others:>6.2f}"
         if has_llama:
             line += f" | {_ratio_text(vs_llama_cpp(c, configs)):>20}"
         lines.append(line)
+    lines.append("others: the most cores processes outside this benchmark used during one of its repeats")
     if has_llama:
         lines.append("over llama.cpp: the median of the per-repeat ratios (min–max), llama.cpp's plain decode = 1")
     return lines
+
+
+def sharing_lines(configs: Sequence[ConfigResult]) -> list[str]:
+    """Warnings: runs that shared the machine with other processes, or during which an engine
+    that was not measured used the CPU."""
+    lines = []
+    shared = [(c, x) for c in configs for x in c.other_cores if x > BUSY_CORES]
+    if shared:
+        worst, cores = max(shared, key=lambda item: item[1])
+        lines.append(
+            f"WARNING: in {len(shared)} of {sum(len(c.other_cores) for c in configs)} runs, processes outside this "
+            f"benchmark used more than {BUSY_CORES:g} cores (up to {cores:.2f}, {worst.policy} B={worst.batch_size} "
+            f"{worst.workload}): those runs lost cores to them, llama.cpp's most (its threads wait for each other "
+            "after every op). Compare within a repeat, or rerun on a quiet machine."
+        )
+    idle = max((x for c in configs for x in c.idle_engine_cpu_s), default=0.0)
+    if idle > 0.1:
+        lines.append(f"WARNING: an engine that was not being measured used {idle:.2f} CPU-s during a run")
+    return ["", *lines] if lines else []
 
 
 def tree_vs_chain_lines(comparisons: Sequence[TreeVsChain]) -> list[str]:
@@ -346,6 +374,7 @@ def format_report(configs: Sequence[ConfigResult], num_repeats: int, machine: di
     lines = [
         *(machine_lines(machine) if machine else []),
         *config_table(configs, num_repeats),
+        *sharing_lines(configs),
         *tree_vs_chain_lines(comparisons),
         *target_lines(configs),
         *prompt_lines(configs),

@@ -10,9 +10,17 @@ import sys
 
 import pytest
 
+from clients.bench.cpu_share import CLOCK_TICKS, CpuSnapshot, cpu_share, parse_machine_busy_s, process_tree
 from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio
 from clients.bench.speculation import add_arguments, max_new_tokens, workload_messages
-from clients.bench.speculation_report import config_results, format_report, target_lines, tree_vs_chain, vs_llama_cpp
+from clients.bench.speculation_report import (
+    config_results,
+    format_report,
+    sharing_lines,
+    target_lines,
+    tree_vs_chain,
+    vs_llama_cpp,
+)
 from tests.support.stack import ROOT
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
@@ -108,6 +116,46 @@ def test_the_issues_target_is_two_times_llama_cpp_at_one_agent_on_branchy(trees,
     assert verdict in "\n".join(target_lines(config_results(runs)))
     other_b = [dict(r, batch_size=2) for r in runs]  # the target is at B = 1 only
     assert target_lines(config_results(other_b)) == []
+
+
+def test_other_processes_cpu_is_the_machines_busy_time_less_the_benchmarks():
+    before = CpuSnapshot(time_s=10.0, machine_busy_s=100.0, process_cpu_s={1: 5.0, 2: 1.0, 3: 0.5})
+    after = CpuSnapshot(time_s=12.0, machine_busy_s=104.0, process_cpu_s={1: 7.5, 2: 1.0, 3: 0.7, 4: 9.0})
+    share = cpu_share(before, after, tree={1, 2, 3, 4}, idle_pids={2, 3})
+    # The machine was busy 4 s; the tree used 2.5 + 0 + 0.2 (pid 4 started meanwhile: not counted as ours).
+    assert share.other_cores == pytest.approx((4.0 - 2.7) / 2.0)
+    assert share.idle_engine_cpu_s == pytest.approx(0.2)
+    quiet = cpu_share(before, CpuSnapshot(12.0, 102.5, {1: 7.5, 2: 1.0, 3: 0.5}), tree={1, 2, 3}, idle_pids={2, 3})
+    assert (quiet.other_cores, quiet.idle_engine_cpu_s) == (0.0, 0.0)
+
+
+def test_runs_that_shared_the_machine_are_flagged():
+    quiet = [
+        dict(run("branchy", 1, "goodput", "chain", 10.0, repeat=r), other_cores=0.1, idle_engine_cpu_s=0.0)
+        for r in range(2)
+    ]
+    assert sharing_lines(config_results(quiet)) == []
+    busy = quiet + [
+        dict(run("branchy", 1, "llama.cpp", "plain", 9.0, engine="llama.cpp"), other_cores=1.2, idle_engine_cpu_s=0.5)
+    ]
+    warnings = "\n".join(sharing_lines(config_results(busy)))
+    assert "in 1 of 3 runs" in warnings and "up to 1.20, llama.cpp B=1 branchy" in warnings
+    assert "not being measured used 0.50 CPU-s" in warnings
+
+
+def test_proc_stat_busy_time_leaves_out_idle_iowait_and_steal():
+    line = "cpu  100 20 30 5000 70 4 6 800 0 0\ncpu0 50 10 15 2500 35 2 3 400 0 0\n"
+    assert parse_machine_busy_s(line) == pytest.approx((100 + 20 + 30 + 4 + 6) / CLOCK_TICKS)
+
+
+def test_the_process_tree_holds_the_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert {os.getpid(), child.pid} <= process_tree(os.getpid())
+        assert os.getpid() not in process_tree(child.pid)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_branchy_workload_repeats_one_context_with_different_continuations():

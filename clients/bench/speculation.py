@@ -58,7 +58,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -244,6 +246,42 @@ def prompt_token_counts(info, requests: Sequence[SpecRequest]) -> list[int]:
     return counts
 
 
+class KvBudgetError(RuntimeError):
+    """--kv-cache-gb cannot hold a configuration's requests at once: they would be preempted."""
+
+
+def kv_blocks_needed(
+    prompt_tokens: Sequence[int], output_tokens: Sequence[int], max_draft_tokens: int, block_size: int
+) -> int:
+    """KV blocks B requests hold at their longest, none shared: each its prompt, its output and
+    one step's draft tokens (a tree's nodes, or a chain's)."""
+    return sum(
+        math.ceil((prompt + output + max_draft_tokens) / block_size)
+        for prompt, output in zip(prompt_tokens, output_tokens)
+    )
+
+
+def check_kv_budget(info, prompt_tokens: dict[str, list[int]], batch_size: int, num_new_tokens: int) -> str:
+    """What the executor's KV cache holds against what each workload's B requests may hold at
+    once, as a line to print; KvBudgetError where it cannot hold them."""
+    needs = {}
+    for kind, counts in prompt_tokens.items():
+        outputs = [max_new_tokens(kind, i, num_new_tokens) for i in range(batch_size)]
+        needs[kind] = kv_blocks_needed(counts[:batch_size], outputs, info.max_draft_tokens, info.kv_block_size)
+    kind = max(needs, key=needs.get)
+    if needs[kind] > info.num_kv_blocks:
+        gib = needs[kind] * info.kv_bytes_per_block / 2**30
+        raise KvBudgetError(
+            f"{kind} at B={batch_size} may hold {needs[kind]} KV blocks at once, the KV cache has "
+            f"{info.num_kv_blocks}: pass --kv-cache-gb {math.ceil(gib * 100) / 100:g} or more, or its requests "
+            "will be preempted"
+        )
+    return (
+        f"KV cache: {info.num_kv_blocks} blocks of {info.kv_block_size} tokens; the most B={batch_size} requests "
+        f"may hold at once, none shared: {needs[kind]} ({kind})"
+    )
+
+
 def _chat_url(server) -> str:
     return f"{server.url}/v1/chat/completions"
 
@@ -338,6 +376,7 @@ class SpecBench:
             for kind in args.workloads:
                 requests = workload_requests(kind, max(args.batch_sizes), args.num_new_tokens)
                 self.prompt_tokens[kind] = prompt_token_counts(info, requests)
+            print(check_kv_budget(info, self.prompt_tokens, max(args.batch_sizes), args.num_new_tokens), flush=True)
             for batch_size in args.batch_sizes:
                 async with self.llama_cpp(batch_size, log_file) as llama:
                     for index, policy in enumerate(args.policies):
@@ -484,7 +523,11 @@ def run(args: argparse.Namespace) -> int:
     bench = SpecBench(args)
     load_start = os.getloadavg()
     with open(args.log, "ab") as log_file:
-        asyncio.run(bench.run(log_file))
+        try:
+            asyncio.run(bench.run(log_file))
+        except KvBudgetError as error:
+            print(f"swarmserve bench spec: {error}", file=sys.stderr)
+            return 2
     configs = config_results(bench.runs)
     machine = {
         "model": bench.model_path,

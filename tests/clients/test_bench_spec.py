@@ -7,12 +7,20 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from clients.bench.cpu_share import CLOCK_TICKS, CpuSnapshot, cpu_share, parse_machine_busy_s, process_tree
 from clients.bench.repeats import Spread, is_below_beyond_noise, paired_ratio
-from clients.bench.speculation import add_arguments, max_new_tokens, workload_messages
+from clients.bench.speculation import (
+    KvBudgetError,
+    add_arguments,
+    check_kv_budget,
+    kv_blocks_needed,
+    max_new_tokens,
+    workload_messages,
+)
 from clients.bench.speculation_report import (
     config_results,
     format_report,
@@ -158,6 +166,25 @@ def test_the_process_tree_holds_the_children():
         child.wait()
 
 
+def test_kv_blocks_are_counted_per_request_with_one_steps_drafts():
+    # 100 + 48 + 16 = 164 tokens: 11 blocks of 16; 200 + 48 + 16 = 264: 17 blocks (16.5 rounded up).
+    assert kv_blocks_needed([100, 200], [48, 48], 16, 16) == 11 + 17
+    assert kv_blocks_needed([100], [44], 4, 16) == 10  # 148 tokens: 9.25 blocks, rounded up
+    assert kv_blocks_needed([], [], 16, 16) == 0
+
+
+def test_a_kv_cache_too_small_for_the_largest_b_is_an_error_naming_the_size_to_pass():
+    info = SimpleNamespace(num_kv_blocks=100, kv_block_size=16, max_draft_tokens=16, kv_bytes_per_block=2**20)
+    prompts = {"branchy": [200] * 16, "free": [40] * 16}
+    # branchy, 16 x (200 + 48 + 16) = 16 x 17 blocks = 272 > 100; 272 MiB = 0.266 GiB, rounded up.
+    with pytest.raises(KvBudgetError, match=r"branchy at B=16 may hold 272 KV blocks.*--kv-cache-gb 0.27 "):
+        check_kv_budget(info, prompts, 16, 48)
+    assert "the most B=4 requests may hold at once, none shared: 68 (branchy)" in check_kv_budget(info, prompts, 4, 48)
+    # spread: each request its own length, 40…900 tokens: 16 + 20 + 23 + 28 + 33 + 44 + 55 + 70 blocks.
+    large = SimpleNamespace(**{**vars(info), "num_kv_blocks": 1000})
+    assert check_kv_budget(large, {"spread": [200] * 8}, 8, 900).endswith(": 289 (spread)")
+
+
 def test_the_branchy_workload_repeats_one_context_with_different_continuations():
     for index in range(3):
         (message,) = workload_messages("branchy", index)
@@ -233,19 +260,22 @@ def test_below_by_more_than_noise_means_the_ranges_do_not_overlap(values, refere
     assert is_below_beyond_noise(values, reference) is verdict
 
 
-def run_bench(tmp_path, *flags: str) -> tuple[dict, str]:
+def bench_spec(tmp_path, *flags: str) -> subprocess.CompletedProcess:
     model = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec(context_length=4096))
-    out = tmp_path / "spec"
-    done = subprocess.run(
+    return subprocess.run(
         [
             sys.executable, "-m", "clients.cli", "bench", "spec", "--model", str(model), "--policies", "goodput",
             "--shapes", "chain,tree", "--batch-sizes", "2", "--num-new-tokens", "20", "--threads", "1",
-            "--kv-cache-gb", "0.01", "--out", str(out), "--log", str(tmp_path / "log"), *flags,
+            "--kv-cache-gb", "0.01", "--out", str(tmp_path / "spec"), "--log", str(tmp_path / "log"), *flags,
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def run_bench(tmp_path, *flags: str) -> tuple[dict, str]:
+    done = bench_spec(tmp_path, *flags)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(out.with_suffix(".json").read_text()), done.stdout
+    return json.loads((tmp_path / "spec.json").read_text()), done.stdout
 
 
 @pytest.mark.e2e
@@ -270,6 +300,14 @@ def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
     assert set(configs) == {(p, w) for p in ("goodput", "goodput+tree") for w in ("branchy", "spread")}
     assert configs["goodput+tree", "branchy"]["tokens_per_s"]["num_repeats"] == 2
     assert "trees below chains by more than noise:" in stdout
+
+
+@pytest.mark.e2e
+def test_a_kv_cache_too_small_stops_the_run_before_it_measures(tmp_path):
+    done = bench_spec(tmp_path, "--workloads", "branchy", "--batch-sizes", "1,16", "--kv-cache-gb", "0.002")
+    assert done.returncode == 2
+    assert "branchy at B=16 may hold" in done.stderr and "--kv-cache-gb" in done.stderr
+    assert "repeat 1" not in done.stdout and not (tmp_path / "spec.json").exists()
 
 
 @pytest.mark.e2e

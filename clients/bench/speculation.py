@@ -46,11 +46,17 @@ are below chains by more than noise: the tree's best repeat below the chain's wo
 two equal distributions do by chance with probability 1 / C(2N, N), 1/20 at N = 3
 (repeats.py). With one repeat there is no verdict.
 
+Before anything is measured, the KV cache is checked against each workload's requests at
+the largest B (prompt, output and one step's drafts each, none shared): a `--kv-cache-gb`
+too small for them is an error naming the size to pass, since preempted requests would
+measure the cache, not speculation. Each run records the CPU the engines not measured used
+meanwhile (they should use none) and the cores processes outside the benchmark took
+(cpu_share.py); the report flags runs that shared the machine.
+
 Also reports the acceptance rate (accepted / drafted), waste (drafted tokens rejected, per
-useful token) and preemptions (none, if `--kv-cache-gb` holds every request) per
-configuration, and per workload and B whether goodput is within 10% of the best policy.
-Writes a JSON file (every run, and the per-configuration results) and a PNG plot of
-tokens/s vs B per workload, the repeats' min–max as error bars.
+useful token) and preemptions per configuration, and per workload and B whether goodput is
+within 10% of the best policy. Writes a JSON file (every run, and the per-configuration
+results) and a PNG plot of tokens/s vs B per workload, the repeats' min–max as error bars.
 """
 
 from __future__ import annotations

@@ -31,8 +31,11 @@ requests of each workload and B: the same chat messages over its /v1/chat/comple
 (llama-server renders the GGUF's chat template itself; the report prints both engines'
 prompt token counts), greedy, EOS ignored, the same output lengths, on a llama-server of the
 same GGUF with B slots and `--threads` threads, started per B. It takes its turn in each
-repeat after our shapes (beside the first policy's runs: it has no policy), with its prompts
-primed into its slots' prompt caches as ours are. One engine is measured at a time: the
+repeat after our shapes (beside the first policy's runs: it has no policy). A llama.cpp slot
+caches only the prompt it ran last, so request i runs in slot i (`id_slot`) and the slots are
+primed with their prompts right before each measurement (its warm-up): without that, a warm-up
+request or another workload took a slot over and the measured request prefilled its whole
+prompt again (seen: 167 of 191 tokens), where ours found it in the prefix cache. One engine is measured at a time: the
 llama-server is stopped (SIGSTOP) except while it is measured, and our executors have no
 request while it is. Each of our rows reports its tokens/s over llama.cpp's (the median of
 the per-repeat ratios, min–max), and the report checks issue #28's target: trees at least
@@ -66,6 +69,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
@@ -96,7 +100,6 @@ POLICIES = ("off", "fixed:2", "fixed:4", "fixed:8", "even", "goodput")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 DRAFT_SHAPES = ("chain", "tree")  # the executor's --draft-shape
 SLOT_MARGIN = 64  # llama-server KV tokens a slot holds beyond its longest prompt and output
-WARM_UP_MESSAGES = [{"role": "user", "content": "warm up"}]
 
 SNIPPETS = [
     """def parse_config(path):
@@ -292,26 +295,32 @@ def _chat_url(server) -> str:
     return f"{server.url}/v1/chat/completions"
 
 
-async def prime_llama_cpp(server, requests: Sequence[SpecRequest]) -> None:
-    """Each prompt once, one token, all at once: each slot holds one in its prompt cache, as
-    prime_swarmserve does for ours."""
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests))) as http:
-        await asyncio.gather(
-            *(stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, r.messages, 1)) for r in requests)
-        )
+def llama_chat_body(request: SpecRequest, slot: int, max_tokens: int) -> dict:
+    """Request i runs in slot i (`id_slot`): llama-server would pick a slot by prompt similarity,
+    and one short request after another can land in the same slot, leaving the others empty."""
+    return chat_body(LLAMA_CPP, request.messages, max_tokens) | {"id_slot": slot}
+
+
+async def prime_llama_cpp(http: httpx.AsyncClient, server, requests: Sequence[SpecRequest]) -> None:
+    """Each prompt for one token in its own slot, all at once: slot i holds request i's prompt
+    in its prompt cache, as our prefix cache holds them all."""
+    await asyncio.gather(
+        *(stream_request(http, _chat_url(server), llama_chat_body(r, i, 1)) for i, r in enumerate(requests))
+    )
 
 
 async def measure_llama_cpp(server, requests: Sequence[SpecRequest]) -> dict:
     """The same requests over llama-server's /v1/chat/completions (its own rendering of the GGUF's
-    chat template), greedy, EOS ignored, after a warm-up request; timed as measure_swarmserve."""
-    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+    chat template), greedy, EOS ignored, timed as measure_swarmserve, after priming the slots
+    (the module docstring says why)."""
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
     async with httpx.AsyncClient(limits=limits) as http:
-        await stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, WARM_UP_MESSAGES, 2))
+        await prime_llama_cpp(http, server, requests)
         t0 = time.monotonic()
         streams = await asyncio.gather(
             *(
-                stream_request(http, _chat_url(server), chat_body(LLAMA_CPP, r.messages, r.max_new_tokens))
-                for r in requests
+                stream_request(http, _chat_url(server), llama_chat_body(r, i, r.max_new_tokens))
+                for i, r in enumerate(requests)
             )
         )
         wall = time.monotonic() - t0
@@ -405,6 +414,7 @@ class SpecBench:
             num_slots=batch_size,
             context_length=batch_size * slot_context,
             threads=self.args.threads,
+            extra_args=shlex.split(self.args.llama_args),
         ) as server:
             pause(server)
             try:
@@ -433,9 +443,6 @@ class SpecBench:
                 requests = workload_requests(kind, batch_size, args.num_new_tokens)
                 for address in addresses.values():
                     await prime_swarmserve(address, requests)
-                if llama is not None:
-                    with running(llama):
-                        await prime_llama_cpp(llama, requests)
             executor_pids = {shape: services.executor_pid for shape, services in executors.items()}
             for repeat in range(args.repeats):
                 for kind in args.workloads:
@@ -520,6 +527,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="also run llama.cpp's plain decode (no speculation) on the same requests: the llama-server binary "
         "(../shared/anchors/llama-cpp.sh prints it), B slots, --threads threads",
+    )
+    parser.add_argument(
+        "--llama-args",
+        default="",
+        metavar="ARGS",
+        help="extra llama-server flags as one string: --llama-args '--cache-ram 0'",
     )
     parser.add_argument("--out", default="bench_results/spec", help="prefix of the .json and .png written")
     parser.add_argument("--log", default="bench_spec.log", help="where the services' logs go")

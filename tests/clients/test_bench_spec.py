@@ -1,4 +1,7 @@
-"""`swarmserve bench spec`'s pure parts: the workloads and tree-vs-chain ratios."""
+"""`swarmserve bench spec`: its pure parts (the workloads, the spread rule, repeats folded into
+medians and ranges, tree-vs-chain and ours-vs-llama.cpp ratios, the noise verdict, the KV check,
+the CPU accounting) and runs end to end on a tiny GGUF: ours always, llama.cpp's when
+SWARMSERVE_BENCH_LLAMA_SERVER names a llama-server (it is not part of the test environment)."""
 
 from __future__ import annotations
 

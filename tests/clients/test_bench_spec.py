@@ -283,10 +283,11 @@ def run_bench(tmp_path, *flags: str) -> tuple[dict, str]:
 
 @pytest.mark.e2e
 def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
-    result, stdout = run_bench(tmp_path, "--workloads", "branchy,spread", "--repeats", "2")
-    order = [(r["repeat"], r["workload"], r["shape"]) for r in result["runs"]]
+    result, stdout = run_bench(tmp_path, "--workloads", "branchy,spread", "--batch-sizes", "2,16", "--repeats", "2")
+    order = [(r["batch_size"], r["repeat"], r["workload"], r["shape"]) for r in result["runs"]]
     assert order == [
-        (repeat, workload, shape)
+        (b, repeat, workload, shape)
+        for b in (2, 16)
         for repeat in (0, 1)
         for workload in ("branchy", "spread")
         for shape in ("chain", "tree")
@@ -294,14 +295,20 @@ def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
     for r in result["runs"]:
         assert r["tokens"] == r["expected_tokens"]  # EOS ignored: exact lengths
         assert r["num_preemptions"] == 0
-    spread = [r for r in result["runs"] if r["workload"] == "spread"]
-    assert {r["expected_tokens"] for r in spread} == {1 + 2}  # 40 and 90 of 900 tokens, at 20: 0.9 and 2
-    (comparison, _) = result["tree_vs_chain"]
-    assert comparison["tokens_per_s_ratio"]["num_repeats"] == 2
-    assert comparison["is_tree_below_chain_beyond_noise"] in (True, False)
-    configs = {(c["policy"], c["workload"]): c for c in result["configs"]}
-    assert set(configs) == {(p, w) for p in ("goodput", "goodput+tree") for w in ("branchy", "spread")}
-    assert configs["goodput+tree", "branchy"]["tokens_per_s"]["num_repeats"] == 2
+    spread = {r["batch_size"]: r["expected_tokens"] for r in result["runs"] if r["workload"] == "spread"}
+    # The seeds' 40…900 tokens scaled to 20: 1, 2, 3, 5, 7, 11, 14, 20; B = 2 takes the first two, B = 16 all twice.
+    assert spread == {2: 1 + 2, 16: 2 * (1 + 2 + 3 + 5 + 7 + 11 + 14 + 20)}
+    comparisons = result["tree_vs_chain"]
+    assert [(q["workload"], q["batch_size"]) for q in comparisons] == [
+        ("branchy", 2),
+        ("spread", 2),
+        ("branchy", 16),
+        ("spread", 16),
+    ]
+    assert all(q["tokens_per_s_ratio"]["num_repeats"] == 2 for q in comparisons)
+    assert all(q["is_tree_below_chain_beyond_noise"] in (True, False) for q in comparisons)
+    configs = {(c["policy"], c["workload"], c["batch_size"]) for c in result["configs"]}
+    assert configs == {(p, w, b) for p in ("goodput", "goodput+tree") for w in ("branchy", "spread") for b in (2, 16)}
     assert "trees below chains by more than noise:" in stdout
 
 

@@ -32,7 +32,8 @@ child and go on, else emit the target and stop. The kept path is the longest roo
 path whose every token equals the target, and each emitted token is the very token
 plain decoding gives at its output position, because the row that chose it saw
 exactly the tokens before it (its ancestors) at their positions. A chain is the
-tree with parents -1, 0, 1, ...: the same walk as above.
+tree with parents -1, 0, 1, ...: `verify` runs the same walk on it, so chains and
+trees keep drafts by one rule.
 """
 
 from __future__ import annotations
@@ -44,44 +45,9 @@ import torch
 from executor_svc.sampling.sampler import SampleSpec, draw, token_probabilities, uniform
 
 
-def accept_greedy(argmax_ids: list[int], draft_ids: list[int]) -> tuple[list[int], int]:
-    """argmax of rows 0..m and drafts d_1..d_m → (emitted tokens, number of drafts kept)."""
-    num_accepted = 0
-    while num_accepted < len(draft_ids) and draft_ids[num_accepted] == argmax_ids[num_accepted]:
-        num_accepted += 1
-    return draft_ids[:num_accepted] + [argmax_ids[num_accepted]], num_accepted
-
-
-def accept_sampled(
-    probs_of_row: Callable[[int], torch.Tensor],
-    draft_ids: list[int],
-    uniform_at: Callable[[int], float],
-) -> tuple[list[int], int]:
-    """Speculative sampling with point-mass drafts, drawing as plain decoding would.
-
-    probs_of_row(j): row j's sampling distribution [V]; uniform_at(j): the uniform in
-    [0, 1) of output offset j, the one plain decoding uses there. Returns (emitted
-    tokens, drafts kept).
-    """
-    for j, draft in enumerate(draft_ids):
-        token = draw(probs_of_row(j), uniform_at(j))
-        if token != draft:
-            return draft_ids[:j] + [token], j
-    m = len(draft_ids)
-    return draft_ids + [draw(probs_of_row(m), uniform_at(m))], m
-
-
-def verify(
-    logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], spec: SampleSpec
-) -> tuple[list[int], int]:
-    """One request's rows: logits [m + 1, V] float32, their argmax, its m drafts."""
-    if spec.params.is_greedy:
-        return accept_greedy(argmax_ids, draft_ids)
-    return accept_sampled(
-        lambda j: token_probabilities(logits[j], spec.params),
-        draft_ids,
-        lambda j: uniform(spec.seed, spec.output_index + j),
-    )
+def chain_parents(num_drafts: int) -> list[int]:
+    """A chain's parent indexes as a tree's: -1, 0, 1, ..., num_drafts - 2."""
+    return list(range(-1, num_drafts - 1))
 
 
 def _children_by_token(token_ids: Sequence[int], parent_indexes: Sequence[int]) -> list[dict[int, int]]:
@@ -132,3 +98,12 @@ def verify_tree(
         token_ids,
         parent_indexes,
     )
+
+
+def verify(
+    logits: torch.Tensor, argmax_ids: list[int], draft_ids: list[int], spec: SampleSpec
+) -> tuple[list[int], int]:
+    """One request's chain rows: logits [m + 1, V] float32, their argmax, its m drafts → (emitted
+    tokens, drafts kept): verify_tree on the chain."""
+    emitted, kept = verify_tree(logits, argmax_ids, draft_ids, chain_parents(len(draft_ids)), spec)
+    return emitted, len(kept)

@@ -1,5 +1,5 @@
-"""Draft verification: greedy keeps exactly the argmax prefix; speculative sampling with
-point-mass drafts reproduces the target distribution exactly."""
+"""Draft verification of chains (the tree walk on parents -1, 0, 1, ...): greedy keeps exactly the
+argmax prefix; speculative sampling with point-mass drafts reproduces the target distribution exactly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,22 @@ import pytest
 import torch
 
 from executor_svc.sampling.sampler import draw
-from executor_svc.sampling.verifier import accept_greedy, accept_sampled
+from executor_svc.sampling.verifier import accept_tree, chain_parents
+
+
+def accept_greedy(argmax, drafts):
+    """A chain verified greedily (argmax of rows 0..m): (emitted tokens, drafts kept)."""
+    emitted, kept = accept_tree(lambda row, _: argmax[row], drafts, chain_parents(len(drafts)))
+    return emitted, len(kept)
+
+
+def accept_sampled(probs_of_row, drafts, uniform_at):
+    """A chain verified by sampling: row j's token drawn with output offset j's uniform."""
+    emitted, kept = accept_tree(
+        lambda row, j: draw(probs_of_row(row), uniform_at(j)), drafts, chain_parents(len(drafts))
+    )
+    return emitted, len(kept)
+
 
 GRID = 200  # each uniform on a midpoint grid: the integral over it is exact up to 1/GRID
 

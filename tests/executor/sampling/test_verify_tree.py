@@ -1,5 +1,5 @@
 """Verifying draft trees: the longest root path whose tokens equal the targets,
-greedy and sampled, and a chain verifies exactly as accept_greedy does."""
+greedy and sampled, and a chain keeps drafts while they equal the argmax."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from executor_svc.sampling.sampler import draw
-from executor_svc.sampling.verifier import accept_greedy, accept_tree
+from executor_svc.sampling.verifier import accept_tree, chain_parents
 
 
 def greedy(argmax_rows):
@@ -72,10 +72,11 @@ def test_malformed_trees_are_refused():
     argmax_rows=st.lists(st.integers(0, 3), min_size=7, max_size=7),
     drafts=st.lists(st.integers(0, 3), max_size=6),
 )
-def test_a_chain_verifies_as_accept_greedy_does(argmax_rows, drafts):
+def test_a_chain_keeps_drafts_while_they_equal_the_argmax(argmax_rows, drafts):
     rows = argmax_rows[: len(drafts) + 1]
-    emitted, kept = accept_tree(greedy(rows), drafts, list(range(-1, len(drafts) - 1)))
-    assert (emitted, len(kept)) == accept_greedy(rows, drafts)
+    emitted, kept = accept_tree(greedy(rows), drafts, chain_parents(len(drafts)))
+    num_kept = next((j for j, draft in enumerate(drafts) if draft != rows[j]), len(drafts))
+    assert (emitted, len(kept)) == (drafts[:num_kept] + [rows[num_kept]], num_kept)
     assert kept == list(range(len(kept)))
 
 

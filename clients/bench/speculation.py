@@ -79,6 +79,7 @@ from pathlib import Path
 
 import httpx
 
+from clients.bench.arguments import positive_ints
 from clients.bench.cpu_share import CpuWatch
 from clients.bench.llama_server import llama_server_version, pause, resume, running, start_llama_server
 from clients.bench.openai_stream import chat_body, stream_request
@@ -469,17 +470,6 @@ async def watched(measurement: Awaitable[dict], idle_pids: Iterable[int | None])
     watch.start()
     run = await measurement
     return run | watch.stop().to_json()
-
-
-def positive_ints(text: str) -> tuple[int, ...]:
-    """`1,4,16` -> (1, 4, 16); an argparse type."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def names(choices: Sequence[str] | None = None):

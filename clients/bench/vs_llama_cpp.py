@@ -47,6 +47,7 @@ import grpc
 import httpx
 
 from clients.bench import prompt_bound, prompt_bound_report, workloads
+from clients.bench.arguments import positive_ints
 from clients.bench.llama_server import llama_complete, llama_server_version, start_llama_server
 from clients.bench.prompt_bound import SWARMSERVE, Endpoint, Peers
 from clients.bench.services import start_services
@@ -175,17 +176,6 @@ def stream_prompts(num_streams: int) -> list[str]:
         else f"{i}. {STREAM_PROMPTS[i % len(STREAM_PROMPTS)]}"
         for i in range(num_streams)
     ]
-
-
-def stream_counts(text: str) -> tuple[int, ...]:
-    """`1,8,16` -> (1, 8, 16); an argparse type."""
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated stream counts, got {text!r}") from None
-    if not counts or any(n <= 0 for n in counts):
-        raise argparse.ArgumentTypeError(f"stream counts must be positive integers, got {text!r}")
-    return counts
 
 
 def _count(minimum: int):
@@ -715,7 +705,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--streams",
-        type=stream_counts,
+        type=positive_ints,
         default=(1, 8, 16),
         metavar="N,N,...",
         help="concurrent streams per run (default 1,8,16)",
@@ -789,7 +779,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-streams",
-        type=stream_counts,
+        type=positive_ints,
         default=(1, 8, 16),
         metavar="N,N,...",
         help="prefill rows: requests sent at once (default 1,8,16)",

@@ -98,10 +98,16 @@ async def warm_up(http: httpx.AsyncClient, endpoint: Endpoint, prompt: list[int]
 
 
 async def measure_prefill(endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, warm_up_prompt) -> dict:
-    """All `prompts` at once against `endpoint`, after one warm-up request."""
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(limits=limits) as http:
+    """All `prompts` at once against `endpoint`, after one warm-up request.
+
+    The warm-up has a connection of its own. A measured request that reused the warm-up's
+    kept-alive connection is the suspect (not proven) in llama.cpp's lost N = 1 row of an earlier
+    run ("Server disconnected without sending a response"): its server may close a kept-alive
+    connection just as the client reuses it."""
+    async with httpx.AsyncClient() as http:
         await warm_up(http, endpoint, warm_up_prompt)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(limits=limits) as http:
         t0 = time.monotonic()
         requests = await asyncio.gather(
             *(
@@ -164,11 +170,13 @@ async def run_agent(
 
 
 async def measure_swarm(endpoint: Endpoint, system_prompt: str, scripts: Sequence[AgentScript]) -> dict:
-    """Every agent at once, after one short warm-up chat request."""
-    limits = httpx.Limits(max_connections=len(scripts) + 1, max_keepalive_connections=len(scripts) + 1)
-    async with httpx.AsyncClient(limits=limits) as http:
+    """Every agent at once, after one short warm-up chat request (on a connection of its own, as
+    measure_prefill's)."""
+    async with httpx.AsyncClient() as http:
         warm_up_messages = [{"role": "user", "content": "Say hello."}]
         await stream_request(http, endpoint.chat_url, chat_body(endpoint.model, warm_up_messages, WARM_UP_TOKENS))
+    limits = httpx.Limits(max_connections=len(scripts), max_keepalive_connections=len(scripts))
+    async with httpx.AsyncClient(limits=limits) as http:
         turns: list[SwarmTurn] = []
         t0 = time.monotonic()
         await asyncio.gather(*(run_agent(http, endpoint, system_prompt, s, turns) for s in scripts))

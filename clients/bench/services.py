@@ -8,6 +8,8 @@ both are stopped on exit.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +18,44 @@ from clients.client import AsyncSwarmClient
 from clients.serve import ServeConfig, Supervisor, flag_args, free_port, scheduler_command, stop_process
 
 STOP_GRACE_S = 15.0
+
+
+class PeerServer:
+    """A peer's server (llama-server, vLLM) started for a run, at `url`. `pause` stops it (SIGSTOP;
+    the whole process group with `group`, for a server that runs its engine in child processes)
+    until `resume`, so that it keeps off the cores while another engine is measured: vLLM's CPU
+    worker busy-waits at ~100% of a core even with no request (measured: `VLLM::Worker` at 99% of
+    a core through the other engines' rows, which cost them 20-24% of their throughput on 2
+    cores), and llama.cpp's threads poll for work after each batch. Both do nothing once the
+    process has exited."""
+
+    def __init__(self, url: str, process: asyncio.subprocess.Process, *, group: bool = False) -> None:
+        self.url = url
+        self._process = process
+        self._group = group
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def _signal(self, signum: int) -> None:
+        if self._process.returncode is None:
+            os.killpg(self.pid, signum) if self._group else self._process.send_signal(signum)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Resumed for the block, stopped again after it."""
+        self.resume()
+        try:
+            yield
+        finally:
+            self.pause()
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ import httpx
 
 from clients.bench.arguments import positive_ints
 from clients.bench.cpu_share import CpuWatch
-from clients.bench.llama_server import llama_server_version, pause, resume, running, start_llama_server
+from clients.bench.llama_server import llama_server_version, start_llama_server
 from clients.bench.openai_stream import chat_body, stream_request
 from clients.bench.services import start_scheduler, start_services
 from clients.bench.speculation_report import (
@@ -421,11 +421,11 @@ class SpecBench:
             threads=self.args.threads,
             extra_args=shlex.split(self.args.llama_args),
         ) as server:
-            pause(server)
+            server.pause()
             try:
                 yield server
             finally:
-                resume(server)  # a stopped process would not act on the SIGTERM
+                server.resume()  # a stopped process would not act on the SIGTERM
 
     async def run_policy(self, executors: dict, policy: str, batch_size: int, log_file, llama=None) -> None:
         """Every repeat of (policy, B) with one scheduler per shape, each taking its executor over
@@ -459,7 +459,7 @@ class SpecBench:
                         run = await watched(measure_swarmserve(address, requests), idle)
                         self.record(run, engine=SWARMSERVE, policy=policy_label(policy, shape), shape=shape, **at)
                     if llama is not None:
-                        with running(llama):
+                        async with llama.running():
                             run = await watched(measure_llama_cpp(llama, requests), executor_pids.values())
                         self.record(run, engine=LLAMA_CPP, policy=LLAMA_CPP, shape="plain", **at)
 

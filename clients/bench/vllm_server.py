@@ -10,15 +10,14 @@ serves the embedded model's weights as a bf16 checkpoint under the name
 from __future__ import annotations
 
 import asyncio
-import os
 import shlex
-import signal
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 
+from clients.bench.services import PeerServer
 from clients.health import wait_http_healthy
 from clients.serve import free_port, stop_process
 
@@ -44,42 +43,10 @@ async def wait_healthy(url: str, *, timeout_s: float, process: asyncio.subproces
     )
 
 
-class StartedServer:
-    """A server started for the run, in its own process group, kept stopped (SIGSTOP) except while
-    it is measured: vLLM's CPU worker busy-waits at ~100% of a core even when it has no request
-    (measured: `VLLM::Worker` at 99% of a core through the other engines' rows, which cost them
-    20-24% of their throughput on 2 cores), and the engines of a run share the cores."""
-
-    def __init__(self, url: str, process: asyncio.subprocess.Process) -> None:
-        self.url = url
-        self._process = process
-
-    def _signal(self, signum: int) -> None:
-        if self._process.returncode is None:
-            os.killpg(self._process.pid, signum)
-
-    def pause(self) -> None:
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        """Resumed for the block, stopped again after it."""
-        self.resume()
-        try:
-            yield
-        finally:
-            self.pause()
-
-
 @asynccontextmanager
-async def start_vllm_server(
-    template: str, log_file, *, startup_timeout_s: float = 1200.0
-) -> AsyncIterator[StartedServer]:
+async def start_vllm_server(template: str, log_file, *, startup_timeout_s: float = 1200.0) -> AsyncIterator[PeerServer]:
     """Run `template` on a free loopback port in its own process group; yield it once healthy,
-    paused (see StartedServer)."""
+    paused (see PeerServer)."""
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         *vllm_command(template, port),
@@ -88,7 +55,7 @@ async def start_vllm_server(
         stderr=log_file,
         start_new_session=True,
     )
-    server = StartedServer(f"http://127.0.0.1:{port}", process)
+    server = PeerServer(f"http://127.0.0.1:{port}", process, group=True)
     try:
         await wait_healthy(server.url, timeout_s=startup_timeout_s, process=process)
         server.pause()

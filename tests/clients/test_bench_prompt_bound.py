@@ -17,7 +17,8 @@ import pytest
 from clients.bench import prompt_bound, prompt_bound_report, workloads
 from clients.bench.openai_stream import StreamedRequest
 from clients.bench.prompt_bound import Endpoint, advantage, percentile, prefill_summary, swarm_summary
-from clients.bench.vllm_server import StartedServer, vllm_command
+from clients.bench.services import PeerServer
+from clients.bench.vllm_server import vllm_command
 from clients.bench.vs_llama_cpp import REPO_ROOT, format_report
 from clients.cli import parse_args
 from clients.serve import free_port
@@ -275,7 +276,7 @@ def test_a_peer_started_for_the_run_is_stopped_except_while_it_is_measured():
         try:
             await asyncio.sleep(0.3)
             child = int(open(f"/proc/{process.pid}/task/{process.pid}/children").read().split()[0])
-            server = StartedServer("http://127.0.0.1:1", process)
+            server = PeerServer("http://127.0.0.1:1", process, group=True)
             server.pause()
             await asyncio.sleep(0.1)
             assert process_states([process.pid, child]) == ["T", "T"]

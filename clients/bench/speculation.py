@@ -79,7 +79,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.bench.arguments import positive_ints
+from clients.bench.arguments import int_at_least, positive_ints
 from clients.bench.cpu_share import CpuWatch
 from clients.bench.llama_server import llama_server_version, start_llama_server
 from clients.bench.openai_stream import chat_body, stream_request
@@ -486,18 +486,13 @@ def names(choices: Sequence[str] | None = None):
     return parse
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
-    parser.add_argument("--threads", type=_count, default=2, help="each executor's CPU threads (default %(default)s)")
+    parser.add_argument(
+        "--threads", type=int_at_least(1), default=2, help="each executor's CPU threads (default %(default)s)"
+    )
     parser.add_argument("--policies", type=names(), default=POLICIES)
     parser.add_argument("--batch-sizes", type=positive_ints, default=BATCH_SIZES)
     parser.add_argument(
@@ -511,7 +506,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=_count,
+        type=int_at_least(1),
         default=1,
         help="measurements of each configuration, interleaved with the others' (default %(default)s)",
     )

@@ -47,7 +47,7 @@ import grpc
 import httpx
 
 from clients.bench import prompt_bound, prompt_bound_report, workloads
-from clients.bench.arguments import positive_ints
+from clients.bench.arguments import int_at_least, positive_ints
 from clients.bench.llama_server import llama_complete, llama_server_version, start_llama_server
 from clients.bench.prompt_bound import SWARMSERVE, Endpoint, Peers
 from clients.bench.services import start_services
@@ -176,16 +176,6 @@ def stream_prompts(num_streams: int) -> list[str]:
         else f"{i}. {STREAM_PROMPTS[i % len(STREAM_PROMPTS)]}"
         for i in range(num_streams)
     ]
-
-
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def tokens_per_s(num_tokens: int, wall_s: float) -> float:
@@ -710,15 +700,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="concurrent streams per run (default 1,8,16)",
     )
-    parser.add_argument("--max-tokens", type=_count(1), default=128, help="tokens per stream (default %(default)s)")
+    parser.add_argument(
+        "--max-tokens", type=int_at_least(1), default=128, help="tokens per stream (default %(default)s)"
+    )
     parser.add_argument(
         "--copy-tokens",
-        type=_count(0),
+        type=int_at_least(0),
         default=256,
         help="tokens of the copy-heavy turn; 0 skips it (default %(default)s)",
     )
     parser.add_argument(
-        "--threads", type=_count(1), default=2, help="CPU threads for each engine (default %(default)s)"
+        "--threads", type=int_at_least(1), default=2, help="CPU threads for each engine (default %(default)s)"
     )
     parser.add_argument(
         "--executor-arg",
@@ -785,16 +777,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill rows: requests sent at once (default 1,8,16)",
     )
     parser.add_argument(
-        "--prefill-tokens", type=_count(1), default=1024, help="prefill rows: prompt tokens (default %(default)s)"
+        "--prefill-tokens", type=int_at_least(1), default=1024, help="prefill rows: prompt tokens (default %(default)s)"
     )
     parser.add_argument(
-        "--prefill-max-tokens", type=_count(2), default=128, help="prefill rows: tokens out (default %(default)s)"
+        "--prefill-max-tokens", type=int_at_least(2), default=128, help="prefill rows: tokens out (default %(default)s)"
     )
-    parser.add_argument("--agents", type=_count(1), default=8, help="swarm: agents (default %(default)s)")
-    parser.add_argument("--turns", type=_count(1), default=3, help="swarm: turns per agent (default %(default)s)")
+    parser.add_argument("--agents", type=int_at_least(1), default=8, help="swarm: agents (default %(default)s)")
+    parser.add_argument("--turns", type=int_at_least(1), default=3, help="swarm: turns per agent (default %(default)s)")
     parser.add_argument(
         "--swarm-chunk-chars",
-        type=_count(1),
+        type=int_at_least(1),
         default=workloads.CHARS_PER_CHUNK,
         help="swarm: characters of source file per turn (default %(default)s, ~1k tokens)",
     )
@@ -806,7 +798,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--swarm-slot-context",
-        type=_count(1),
+        type=int_at_least(1),
         default=8192,
         help="swarm: llama-server's context per slot (default %(default)s, the embedded model's)",
     )

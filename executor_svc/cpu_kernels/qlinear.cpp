@@ -634,7 +634,7 @@ constexpr int64_t INT_ROWS_PER_TASK = 64;
 
 // One interleaved group (four weight rows) × activation rows [r0, r1). A row's arithmetic,
 // whatever the rows beside it (see "integer dot products"): per block, the exact integer
-// sum S over its 32 elements (dot_s16's 8 lanes, reduced by two hadds and one add of the
+// sum S over its 32 elements (dot_s16's 8 lanes, reduced by three hadds and one add of the
 // halves), then acc = fma(float(S) · d_w, dx, acc) and the min term acc = fma(m_w, s_x,
 // acc). One 4-lane vector carries the four weight rows, so the float work is shared four
 // ways; a block's codes are widened once for all the rows. The accumulators live in `acc`
@@ -733,8 +733,9 @@ void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, 
 constexpr int PANEL_ROWS = 16;  // weight rows per unpacked panel (two 8-lane vectors)
 constexpr int PANEL_PAIRS = 16;  // int16 pairs per 32-value block
 constexpr int PANEL_MR = 6;      // activation rows per register tile
-// From this many activation rows the panels are faster (measured: Zen 3, Q4_1 576×1536; below it
-// the per-row kernel reads each weight block once for all rows anyway).
+// From this many activation rows the panels are faster (measured: Zen 3, Q4_1 576×1536; on Zen 4,
+// one layer's four matmuls on 2 threads, the panels took 1.03-1.48x the rows' time at M = 2-6 and
+// 0.57-0.79x at M = 8-16; below it the per-row kernel reads each weight block once for all rows anyway).
 constexpr int64_t PANEL_MIN_ROWS = 8;
 constexpr int64_t PANEL_SLICE_BLOCKS = 12;  // blocks of K per pass over the rows (12 KB of unpacked panel)
 
@@ -863,7 +864,7 @@ SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, 
     }
     for (int h = 0; h < 2; h++) {
       const __m256 d = _mm256_loadu_ps(panel.d + b * PANEL_ROWS + 8 * h);
-      const __m256 m = _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h);
+      const __m256 m = HAS_MIN ? _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h) : _mm256_setzero_ps();
       for (int r = 0; r < MR; r++) {
         const int64_t xb_index = (r0 + r) * nb + b;
         float* a = acc + r * PANEL_ROWS + 8 * h;
@@ -925,7 +926,7 @@ SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t 
       }
     }
     const __m512 d = _mm512_loadu_ps(panel.d + b * PANEL_ROWS);
-    const __m512 m = _mm512_loadu_ps(panel.m + b * PANEL_ROWS);
+    const __m512 m = HAS_MIN ? _mm512_loadu_ps(panel.m + b * PANEL_ROWS) : _mm512_setzero_ps();  // Q8_0: never written
     for (int r = 0; r < MR; r++) {
       const int64_t xb_index = (r0 + r) * nb + b;
       sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);

@@ -93,19 +93,19 @@ class DenseStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x: the first layer's normed input; residual: the residual stream (both [T, hidden], updated
-  // IN PLACE for residual). kv: the cache [num_layers, 2, num_blocks, block_size, Hkv, D].
+  // IN PLACE for residual). kv: each layer's (K, V) cache, [num_blocks, block_size, Hkv, D] each.
   // Returns the final norm of the last residual: the LM head's input.
-  at::Tensor forward(at::Tensor x, at::Tensor residual, const at::Tensor& kv, const at::Tensor& cos_table,
+  at::Tensor forward(at::Tensor x, at::Tensor residual, const std::vector<std::pair<at::Tensor, at::Tensor>>& kv,
+                     const at::Tensor& cos_table,
                      const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
                      const at::Tensor& block_tables, const c10::optional<at::Tensor>& window_starts,
                      const c10::optional<at::Tensor>& window_positions) const {
-    TORCH_CHECK(kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2,
-                "kv must be [", num_layers(), ", 2, num_blocks, block_size, num_kv_heads, head_dim]");
+    TORCH_CHECK(static_cast<int64_t>(kv.size()) == num_layers(), "kv must hold ", num_layers(), " layers' (K, V)");
     for (int64_t i = 0; i < num_layers(); i++) {
       const DenseLayer& layer = layers_[i];
-      at::Tensor k_cache = kv.select(0, i).select(0, 0);
-      at::Tensor v_cache = kv.select(0, i).select(0, 1);
+      at::Tensor k_cache = kv[i].first;
+      at::Tensor v_cache = kv[i].second;
       const at::Tensor qkv = layer.qkv(x);
       const at::Tensor q = qkv_rope_write(qkv, H_, Hkv_, layer.q_norm, layer.k_norm, eps_, cos_table, sin_table,
                                           positions, slot_mapping, k_cache, v_cache, false);

@@ -1,7 +1,7 @@
 // Everything in a decoder layer except the matmuls, for the CPU: ragged paged
 // attention, RMSNorm (with the residual add fused), the qkv post-processing
-// (q/k RMSNorm, RoPE, KV-cache write) and SiLU·mul — one call each, float32 math,
-// tensors in float32 or bfloat16.
+// (q/k RMSNorm, RoPE, KV-cache write) and SiLU·mul — one call each, float32 math
+// (but attention's bfloat16 dot products, below), tensors in float32 or bfloat16.
 //
 // Batch invariance by construction: every output row is computed by the same
 // instruction sequence whatever the batch, the tiling and the thread count.
@@ -9,14 +9,14 @@
 // - Attention: a query row walks its request's keys from key 0 in fixed
 //   KV_CHUNK-key chunks (an online softmax: running max, rescale, sum in key
 //   order within a chunk). A row stops at its own position; the chunk boundaries
-//   never move. Work items (request, KV head, query tile, head range) only decide
-//   which rows are computed together, never how a row is computed.
-//   Measured and not taken (Zen 4, one thread): scoring a key per vector lane
-//   (each item transposes a chunk's K once, 8 query rows share each load, no
-//   lane reduction) ran prompt tiles 1.13x faster (256 queries at 1k context:
-//   31 -> 36 GMAC/s) but a lone decode row 1.7x slower (0.073 -> 0.123 ms at 1k
-//   context): a decode item transposes its keys for 1-3 rows. Storing K d-major
-//   per cache block would remove the transpose for both.
+//   never move. A score is one fused multiply-add chain over d per key, each key
+//   in a vector lane of its own (no reductions across lanes), so rows share each
+//   key load: K is stored d-major per cache block (KLayout; a token-major cache
+//   is gathered into the same order, the same bits). Work items (request, KV head,
+//   query tile, head range) and row blocks only decide which rows are computed
+//   together, never how a row is computed. Over a bfloat16 cache on a CPU with
+//   AVX512_BF16, q and the probabilities are rounded to bfloat16 and the products
+//   run as vdpbf16ps (see attention's bfloat16 section).
 // - Row ops (norms, RoPE, SiLU): each row is reduced by one fixed sequence
 //   (16-lane float32 chains, then a fixed lane reduction).
 //
@@ -42,7 +42,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using f16 = c10::Half;  // a KV cache element only (--kv-cache-dtype float16); activations are float32 or bfloat16
-constexpr int64_t KV_CHUNK = 32;          // keys per online-softmax step (fixed: part of the arithmetic)
+constexpr int64_t KV_CHUNK = 64;          // keys per online-softmax step (fixed: part of the arithmetic)
 constexpr int64_t QUERY_TILE_TOKENS = 16;  // tokens of one request per work item (does not affect results)
 constexpr int64_t PARALLEL_MIN_ROW_KEYS = 512;  // below this many (q row, key) pairs (~10 µs), one thread (no effect on results)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -165,129 +165,360 @@ struct WorkItem {
   int64_t cost;
 };
 
-// q·k over D, one fixed sequence per (q row, key). NV = D / 16 when known at
-// compile time (the common head dims), 0 for any D. A given D always takes the same path.
-template <int NV>
-inline float dot(const float* q, const float* k, int64_t D) {
-#if SS_SIMD16
-  if constexpr (NV > 0) {
-    V16 acc = simd16::mul(simd16::load(q), simd16::load(k));
-    for (int c = 1; c < NV; c++) acc = simd16::fmadd(simd16::load(q + 16 * c), simd16::load(k + 16 * c), acc);
-    return simd16::reduce_add(acc);
+// Where K element (block, slot in block, kv head, d) lives in k_cache [num_blocks, block_size, Hkv, D]:
+// row-major (contiguous: a token's head is D consecutive values, vLLM's flash layout) or d-major
+// (each block is [Hkv, D, block_size], the tensor permuted to the common shape: one d of 16
+// consecutive keys is one vector load, which is how attention scores keys). KVCache picks the
+// layout for the C++ kernels; no result depends on it. V is always row-major.
+struct KLayout {
+  int64_t block, slot, head, d, block_size;
+  int64_t offset(int64_t position, const int32_t* table, int64_t kv_head) const {
+    return table[position / block_size] * block + (position % block_size) * slot + kv_head * head;
   }
-#endif
-  float s = 0.f;
-  for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
-  return s;
+};
+
+KLayout k_layout(const at::Tensor& k_cache) {
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), D = k_cache.size(3);
+  if (k_cache.is_contiguous()) return {bs * Hkv * D, Hkv * D, D, 1, bs};
+  const std::vector<int64_t> d_major = {bs * Hkv * D, 1, D * bs, bs};
+  TORCH_CHECK(k_cache.strides().vec() == d_major,
+              "k_cache must be contiguous [num_blocks, block_size, Hkv, D], or d-major: a contiguous [num_blocks, "
+              "Hkv, D, block_size] permuted to that shape");
+  return {bs * Hkv * D, 1, D * bs, bs, bs};
 }
 
+// Every score, probability and output row is computed by one fixed sequence whatever the item,
+// so a row's bits depend on its request's keys only:
+//   score(q, k_j) = (fma over d = 0, 1, …, D-1 of q[d]·k_j[d], from 0) · scale, each key j in a
+//   vector lane of its own (no lane reduction);
+//   per KV_CHUNK keys from key 0: the chunk's max, exp, the sum of the chunk's exps (a fixed tree
+//   over lanes), acc ← acc·alpha, then acc ← fma(p_j, v_j, acc) key by key.
+// Rows of an item share each load of a key (blocks of SCORE_ROWS / PV_ROWS rows); which rows are
+// blocked together changes only the speed.
+constexpr int64_t KEY_GROUP = 16;  // keys scored together, one per lane
+constexpr int64_t GROUPS = KV_CHUNK / KEY_GROUP;
+static_assert(KV_CHUNK % KEY_GROUP == 0, "a chunk is whole key groups");
+
+template <typename C>
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, alpha;
+  std::vector<int64_t> n;
+  std::vector<C> kt, zeros;  // gathered key groups [GROUPS][D][16]; one group of zeros
+  std::vector<bf16> q16, p16, zero_row;  // the bfloat16 dot products' q, probabilities and padding row
+};
+
+#if SS_SIMD16
 #if defined(__AVX512F__)
-// Scores of one q row (qv: NV vectors) against 16 keys at once: lane j of the result
-// is q·k_j. Each key's 16 lane partials are summed by a fixed tree that depends only
-// on j (= key mod 16, chunks being aligned at key 0); keys j ≥ n give 0.
-template <int NV>
-inline __m512 dot16(const __m512* qv, const float* const* kp, int64_t n) {
-  __m512 P[16];
-  for (int j = 0; j < 16; j++) {
-    if (j < n) {
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp[j]));
-      for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kp[j] + 16 * c), acc);
-      P[j] = acc;
-    } else {
-      P[j] = _mm512_setzero_ps();
-    }
-  }
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(P[2 * i], P[2 * i + 1]), _mm512_unpackhi_ps(P[2 * i], P[2 * i + 1]));
-  for (int i = 0; i < 4; i++) {  // per 128-bit lane: keys 4i..4i+3, each summed over the lane's 4 elements
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // Sum the four 128-bit lanes: block i of the result = u[i] summed over its lanes.
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#elif SS_SIMD16
-// dot16 of the AVX-512 build on two 8-lane halves (a: 128-bit lanes 0-1, b: lanes 2-3),
-// with the same additions in the same tree, so both builds score keys bit-identically.
-template <int NV>
-inline V16 dot16(const V16* qv, const float* const* kp, int64_t n) {
-  V16 P[16];
-  for (int j = 0; j < 16; j++) {
-    if (j < n) {
-      V16 acc = simd16::mul(qv[0], simd16::load(kp[j]));
-      for (int c = 1; c < NV; c++) acc = simd16::fmadd(qv[c], simd16::load(kp[j] + 16 * c), acc);
-      P[j] = acc;
-    } else {
-      P[j] = simd16::zero();
-    }
-  }
-  auto pair_ps = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); };
-  auto pair_pd = [](__m256 x, __m256 y) {
-    const __m256d a = _mm256_castps_pd(x), b = _mm256_castps_pd(y);
-    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  };
-  V16 t[8], u[4];
-  for (int i = 0; i < 8; i++) t[i] = {pair_ps(P[2 * i].a, P[2 * i + 1].a), pair_ps(P[2 * i].b, P[2 * i + 1].b)};
-  for (int i = 0; i < 4; i++) u[i] = {pair_pd(t[2 * i].a, t[2 * i + 1].a), pair_pd(t[2 * i].b, t[2 * i + 1].b)};
-  const V16 w0 = {_mm256_add_ps(u[0].a, u[0].b), _mm256_add_ps(u[1].a, u[1].b)};
-  const V16 w1 = {_mm256_add_ps(u[2].a, u[2].b), _mm256_add_ps(u[3].a, u[3].b)};
-  auto lanes = [](__m256 lo, __m256 hi) {  // [lo.L0 + lo.L1, hi.L0 + hi.L1] as the 512-bit shuffles pair them
-    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-  };
-  return {lanes(w0.a, w0.b), lanes(w1.a, w1.b)};
-}
-#endif
-
-// s[0..n) ← exp(s - m), s[n..KV_CHUNK) ← 0; returns Σ s in a fixed order.
-inline float exp_chunk(float* s, int64_t n, float m) {
-#if SS_SIMD16
-  static_assert(KV_CHUNK == 32, "exp_chunk handles two 16-lane vectors");
-  const V16 vm = simd16::set1(m);
-  const V16 p0 = simd16::keep_first(exp16(simd16::sub(simd16::load(s), vm)), n);
-  const V16 p1 = simd16::keep_first(exp16(simd16::sub(simd16::load(s + 16), vm)), n - 16);
-  simd16::store(s, p0);
-  simd16::store(s + 16, p1);
-  return simd16::reduce_add(simd16::add(p0, p1));
+constexpr int SCORE_ROWS = 4, SCORE_GROUPS = 4, PV_ROWS = 4, PV_VECS = 4;  // 16-21 of 32 registers
 #else
-  float lanes[16] = {0};
-  for (int64_t j = 0; j < KV_CHUNK; j++) {
-    s[j] = j < n ? std::exp(s[j] - m) : 0.f;
-    lanes[j % 16] += s[j];
+constexpr int SCORE_ROWS = 2, SCORE_GROUPS = 2, PV_ROWS = 2, PV_VECS = 2;  // 13 of 16 registers
+#endif
+static_assert(GROUPS % SCORE_GROUPS == 0, "score passes cover the chunk");
+
+// s[r][16 g + j] = Σ_d q[r][d] · K_g[d][j] for MR rows and the chunk's key groups (group g's d
+// row at kg[g] + d · ks[g]); groups at or past `groups` are skipped.
+template <int MR, typename C>
+SS_INLINE void score_rows(const float* q, int64_t D, const C* const* kg, const int64_t* ks, int64_t groups, float* s) {
+  for (int g0 = 0; g0 < groups; g0 += SCORE_GROUPS) {
+    V16 acc[MR][SCORE_GROUPS];
+    for (int r = 0; r < MR; r++)
+      for (int g = 0; g < SCORE_GROUPS; g++) acc[r][g] = simd16::zero();
+    const C* kp[SCORE_GROUPS];
+    int64_t stride[SCORE_GROUPS];
+    for (int g = 0; g < SCORE_GROUPS; g++) {
+      kp[g] = kg[g0 + g];
+      stride[g] = ks[g0 + g];
+    }
+    for (int64_t d = 0; d < D; d++) {
+      V16 k[SCORE_GROUPS];
+      for (int g = 0; g < SCORE_GROUPS; g++) {
+        k[g] = load16(kp[g] + d * stride[g]);
+        simd16::in_register(k[g]);  // loaded once for MR rows, not folded into each row's fma
+      }
+      for (int r = 0; r < MR; r++) {
+        const V16 qb = simd16::set1(q[r * D + d]);
+        for (int g = 0; g < SCORE_GROUPS; g++) acc[r][g] = simd16::fmadd(qb, k[g], acc[r][g]);
+      }
+    }
+    for (int r = 0; r < MR; r++)
+      for (int g = 0; g < SCORE_GROUPS; g++) simd16::store(s + r * KV_CHUNK + KEY_GROUP * (g0 + g), acc[r][g]);
   }
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
-  return lanes[0];
+}
+
+// Columns [c0, c0 + 16 CW) of MR rows' accumulators: acc ← acc·alpha_r, then acc += p[r][j]·v_j for
+// the row's keys j < n[r], in key order.
+template <int MR, int CW, typename C>
+SS_INLINE void accumulate_rows(float* acc, int64_t D, const float* alpha, const float* p, const int64_t* n,
+                               const C* const* v, int64_t c0) {
+  V16 a[MR][CW];
+  int64_t n_min = n[0], n_max = n[0];
+  for (int r = 0; r < MR; r++) {
+    const V16 va = simd16::set1(alpha[r]);
+    for (int c = 0; c < CW; c++) a[r][c] = simd16::mul(simd16::load(acc + r * D + c0 + 16 * c), va);
+    n_min = std::min(n_min, n[r]);
+    n_max = std::max(n_max, n[r]);
+  }
+  for (int64_t j = 0; j < n_min; j++) {
+    V16 vv[CW];
+    for (int c = 0; c < CW; c++) vv[c] = load16(v[j] + c0 + 16 * c);
+    for (int r = 0; r < MR; r++) {
+      const V16 pj = simd16::set1(p[r * KV_CHUNK + j]);
+      for (int c = 0; c < CW; c++) a[r][c] = simd16::fmadd(pj, vv[c], a[r][c]);
+    }
+  }
+  for (int64_t j = n_min; j < n_max; j++) {  // the causal diagonal: rows end at their own positions
+    V16 vv[CW];
+    for (int c = 0; c < CW; c++) vv[c] = load16(v[j] + c0 + 16 * c);
+    for (int r = 0; r < MR; r++) {
+      if (j >= n[r]) continue;
+      const V16 pj = simd16::set1(p[r * KV_CHUNK + j]);
+      for (int c = 0; c < CW; c++) a[r][c] = simd16::fmadd(pj, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < CW; c++) simd16::store(acc + r * D + c0 + 16 * c, a[r][c]);
+}
+
+template <int MR, typename C>
+SS_INLINE void accumulate_block(float* acc, int64_t D, const float* alpha, const float* p, const int64_t* n,
+                                const C* const* v) {
+  int64_t c0 = 0;
+  for (; c0 + 16 * PV_VECS <= D; c0 += 16 * PV_VECS) accumulate_rows<MR, PV_VECS>(acc, D, alpha, p, n, v, c0);
+  for (; c0 + 16 <= D; c0 += 16) accumulate_rows<MR, 1>(acc, D, alpha, p, n, v, c0);
+  for (; c0 < D; c0++)  // a head_dim that is not whole vectors: the same fma per lane, one at a time
+    for (int r = 0; r < MR; r++) {
+      float x = acc[r * D + c0] * alpha[r];
+      for (int64_t j = 0; j < n[r]; j++) x = std::fma(p[r * KV_CHUNK + j], to_f(v[j][c0]), x);
+      acc[r * D + c0] = x;
+    }
+}
+#endif
+
+// Scores of rows [0, rows) (q rows D apart) for the chunk's key groups, into s (KV_CHUNK per row).
+template <typename C>
+void score_chunk(const float* q, int64_t rows, int64_t D, const C* const* kg, const int64_t* ks, int64_t groups,
+                 float* s) {
+#if SS_SIMD16
+  int64_t r = 0;
+  for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS) score_rows<SCORE_ROWS>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK);
+  switch (rows - r) {
+    case 3: if constexpr (SCORE_ROWS > 3) score_rows<3>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK); break;
+    case 2: if constexpr (SCORE_ROWS > 2) score_rows<2>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK); break;
+    case 1: score_rows<1>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK); break;
+    default: break;
+  }
+#else
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t j = 0; j < KEY_GROUP; j++) {
+        float x = 0.f;
+        for (int64_t d = 0; d < D; d++) x = std::fma(q[r * D + d], to_f(kg[g][d * ks[g] + j]), x);
+        s[r * KV_CHUNK + g * KEY_GROUP + j] = x;
+      }
 #endif
 }
 
-// acc ← acc · alpha + Σ_j p[j] v_j, keys in order.
-template <int NV>
-inline void rescale_accumulate(float* acc, float alpha, const float* p, const float* const* v, int64_t n, int64_t D) {
+// Rows [0, rows): acc ← acc·alpha + Σ_{j < n} p_j v_j (see accumulate_rows).
+template <typename C>
+void accumulate_chunk(float* acc, int64_t rows, int64_t D, const float* alpha, const float* p, const int64_t* n,
+                      const C* const* v) {
 #if SS_SIMD16
-  if constexpr (NV > 0) {
-    V16 a[NV];
-    const V16 va = simd16::set1(alpha);
-    for (int c = 0; c < NV; c++) a[c] = simd16::mul(simd16::load(acc + 16 * c), va);
-    for (int64_t j = 0; j < n; j++) {
-      const V16 pj = simd16::set1(p[j]);
-      for (int c = 0; c < NV; c++) a[c] = simd16::fmadd(pj, simd16::load(v[j] + 16 * c), a[c]);
+  int64_t r = 0;
+  for (; r + PV_ROWS <= rows; r += PV_ROWS)
+    accumulate_block<PV_ROWS>(acc + r * D, D, alpha + r, p + r * KV_CHUNK, n + r, v);
+  switch (rows - r) {
+    case 3: if constexpr (PV_ROWS > 3) accumulate_block<3>(acc + r * D, D, alpha + r, p + r * KV_CHUNK, n + r, v); break;
+    case 2: if constexpr (PV_ROWS > 2) accumulate_block<2>(acc + r * D, D, alpha + r, p + r * KV_CHUNK, n + r, v); break;
+    case 1: accumulate_block<1>(acc + r * D, D, alpha + r, p + r * KV_CHUNK, n + r, v); break;
+    default: break;
+  }
+#else
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t d = 0; d < D; d++) {
+      float x = acc[r * D + d] * alpha[r];
+      for (int64_t j = 0; j < n[r]; j++) x = std::fma(p[r * KV_CHUNK + j], to_f(v[j][d]), x);
+      acc[r * D + d] = x;
     }
-    for (int c = 0; c < NV; c++) simd16::store(acc + 16 * c, a[c]);
-    return;
+#endif
+}
+
+// One row's chunk: s[0..n) scores → probabilities p = exp(s·scale − m_new) (zeros from n on);
+// updates the row's running max m and sum l; returns alpha = exp(m_old − m_new).
+inline float softmax_chunk(float* s, int64_t n, float scale, float& m, float& l) {
+#if SS_SIMD16
+  static_assert(GROUPS == 4, "softmax_chunk handles four 16-lane vectors");
+  V16 x[GROUPS];
+  const V16 vs = simd16::set1(scale);
+  for (int g = 0; g < GROUPS; g++)
+    x[g] = simd16::first_or(simd16::mul(simd16::load(s + 16 * g), vs), n - 16 * g, NEG_INF);
+  const float chunk_max = simd16::reduce_max(simd16::max(simd16::max(x[0], x[1]), simd16::max(x[2], x[3])));
+  const float m_new = std::max(m, chunk_max);
+  const V16 vm = simd16::set1(m_new);
+  V16 p[GROUPS];
+  for (int g = 0; g < GROUPS; g++) {
+    p[g] = simd16::keep_first(exp16(simd16::sub(x[g], vm)), n - 16 * g);
+    simd16::store(s + 16 * g, p[g]);
+  }
+  const float psum = simd16::reduce_add(simd16::add(simd16::add(p[0], p[1]), simd16::add(p[2], p[3])));
+#else
+  float chunk_max = NEG_INF;
+  for (int64_t j = 0; j < n; j++) chunk_max = std::max(chunk_max, s[j] * scale);
+  const float m_new = std::max(m, chunk_max);
+  float psum = 0.f;
+  for (int64_t j = 0; j < KV_CHUNK; j++) {
+    s[j] = j < n ? std::exp(s[j] * scale - m_new) : 0.f;
+    psum += s[j];
   }
 #endif
-  for (int64_t d = 0; d < D; d++) {
-    float x = acc[d] * alpha;
-    for (int64_t j = 0; j < n; j++) x += p[j] * v[j][d];
-    acc[d] = x;
+  const float alpha = m == NEG_INF ? 0.f : std::exp(m - m_new);
+  l = l * alpha + psum;
+  m = m_new;
+  return alpha;
+}
+
+#if defined(__AVX512BF16__)
+// A bfloat16 KV cache on a CPU with AVX512_BF16 (Zen 4, Sapphire Rapids): q and the probabilities
+// are rounded to bfloat16 too, and every q·k and p·v product runs as vdpbf16ps (two products per
+// float32 lane per instruction, twice the fused multiply-adds' rate). Per row, one fixed sequence:
+//   score(q, k_j) = over d-pairs e = 0, 2, …: acc ← acc + q[e+1]k_j[e+1] + q[e]k_j[e] (vdpbf16ps);
+//   p_j = bf16(exp(s_j·scale − m)); acc ← acc·alpha, then over key pairs (j, j+1) from 0:
+//   acc ← acc + p_{j+1} v_{j+1} + p_j v_j, a row's odd last key paired with a zero row.
+// The float32 path above stays the reference (`--kv-cache-dtype float32`).
+constexpr int BF_SCORE_ROWS = 8, BF_SCORE_GROUPS = 2, BF_PV_ROWS = 4;
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Word 2i of the result: word i of the first row (key i's d); word 2i + 1: key i's d + 1.
+inline __m512i pair_index() {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; i++) {
+    idx[2 * i] = static_cast<int16_t>(i);
+    idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// 16 keys' (d, d+1) pairs, key order, from two d-major rows of 16 values `stride` apart.
+SS_INLINE __m512i key_pairs(const bf16* row, int64_t stride, __m512i idx) {
+  const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + stride));
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(d0), d1, 1));
+}
+
+SS_INLINE __m512i pair_at(const bf16* p) {  // the 32-bit (p[0], p[1]) in every lane
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return _mm512_set1_epi32(bits);
+}
+
+// s[r][16 g + j] for MR rows of bfloat16 q (D apart) against the chunk's key groups.
+template <int MR>
+SS_INLINE void score_rows_bf16(const bf16* q, int64_t D, const bf16* const* kg, const int64_t* ks, int64_t groups,
+                               float* s, __m512i idx) {
+  for (int g0 = 0; g0 < groups; g0 += BF_SCORE_GROUPS) {
+    __m512 acc[MR][BF_SCORE_GROUPS];
+    for (int r = 0; r < MR; r++)
+      for (int g = 0; g < BF_SCORE_GROUPS; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 2) {
+      __m512i k[BF_SCORE_GROUPS];
+      for (int g = 0; g < BF_SCORE_GROUPS; g++) {
+        k[g] = key_pairs(kg[g0 + g] + e * ks[g0 + g], ks[g0 + g], idx);
+        asm volatile("" : "+v"(k[g]));
+      }
+      for (int r = 0; r < MR; r++) {
+        const __m512bh qb = as_bh(pair_at(q + r * D + e));
+        for (int g = 0; g < BF_SCORE_GROUPS; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(k[g]), qb);
+      }
+    }
+    for (int r = 0; r < MR; r++)
+      for (int g = 0; g < BF_SCORE_GROUPS; g++) _mm512_storeu_ps(s + r * KV_CHUNK + KEY_GROUP * (g0 + g), acc[r][g]);
   }
 }
+
+void score_chunk_bf16(const bf16* q, int64_t rows, int64_t D, const bf16* const* kg, const int64_t* ks,
+                      int64_t groups, float* s) {
+  static_assert(GROUPS % BF_SCORE_GROUPS == 0, "score passes cover the chunk");
+  const __m512i idx = pair_index();
+  int64_t r = 0;
+  for (; r + BF_SCORE_ROWS <= rows; r += BF_SCORE_ROWS)
+    score_rows_bf16<BF_SCORE_ROWS>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK, idx);
+  for (; r + 4 <= rows; r += 4) score_rows_bf16<4>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK, idx);
+  for (; r < rows; r++) score_rows_bf16<1>(q + r * D, D, kg, ks, groups, s + r * KV_CHUNK, idx);
+}
+
+// MR rows' accumulators (D floats each, each 32-d block in unpack order: lanes d = 0-3, 8-11, 16-19,
+// 24-27, then 4-7, 12-15, 20-23, 28-31): acc ← acc·alpha, then the key pairs [j0, j1) (even), all
+// of them keys of every row. `v`: the chunk's value rows.
+template <int MR, int CB>  // CB: 32-d blocks, from column c0
+SS_INLINE void accumulate_pairs_bf16(float* acc, int64_t D, const float* alpha, const bf16* p, int64_t j0,
+                                     int64_t j1, const bf16* const* v, int64_t c0) {
+  __m512 a[MR][2 * CB];
+  for (int r = 0; r < MR; r++) {
+    const __m512 va = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < 2 * CB; c++) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c0 + 16 * c), va);
+  }
+  for (int64_t j = j0; j < j1; j += 2) {
+    __m512i pairs[2 * CB];
+    for (int b = 0; b < CB; b++) {
+      const __m512i x0 = _mm512_loadu_si512(v[j] + c0 + 32 * b);
+      const __m512i x1 = _mm512_loadu_si512(v[j + 1] + c0 + 32 * b);
+      pairs[2 * b] = _mm512_unpacklo_epi16(x0, x1);
+      pairs[2 * b + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+    for (int r = 0; r < MR; r++) {
+      const __m512bh pb = as_bh(pair_at(p + r * KV_CHUNK + j));
+      for (int c = 0; c < 2 * CB; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], as_bh(pairs[c]), pb);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < 2 * CB; c++) _mm512_storeu_ps(acc + r * D + c0 + 16 * c, a[r][c]);
+}
+
+template <int MR>
+SS_INLINE void accumulate_block_bf16(float* acc, int64_t D, const float* alpha, const bf16* p, int64_t j0, int64_t j1,
+                                     const bf16* const* v) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= D; c0 += 64) accumulate_pairs_bf16<MR, 2>(acc, D, alpha, p, j0, j1, v, c0);
+  if (c0 < D) accumulate_pairs_bf16<MR, 1>(acc, D, alpha, p, j0, j1, v, c0);
+}
+
+// Rows [0, rows): acc ← acc·alpha + the row's keys j < n[r] (see above). The pairs all rows share
+// run MR rows at a time; each row's own tail (the causal diagonal) runs alone.
+void accumulate_chunk_bf16(float* acc, int64_t rows, int64_t D, const float* alpha, const bf16* p, const int64_t* n,
+                           const bf16* const* v, const bf16* zero_row) {
+  const bf16* tail[2];
+  const float one = 1.f;
+  for (int64_t r0 = 0; r0 < rows; r0 += BF_PV_ROWS) {
+    const int64_t mr = std::min<int64_t>(BF_PV_ROWS, rows - r0);
+    int64_t shared = n[r0];
+    for (int64_t r = r0; r < r0 + mr; r++) shared = std::min(shared, n[r]);
+    shared &= ~int64_t{1};
+    float* a = acc + r0 * D;
+    const bf16* pr = p + r0 * KV_CHUNK;
+    if (mr == BF_PV_ROWS) {
+      accumulate_block_bf16<BF_PV_ROWS>(a, D, alpha + r0, pr, 0, shared, v);
+    } else {
+      for (int64_t r = 0; r < mr; r++)
+        accumulate_block_bf16<1>(a + r * D, D, alpha + r0 + r, pr + r * KV_CHUNK, 0, shared, v);
+    }
+    for (int64_t r = 0; r < mr; r++) {
+      const int64_t nr = n[r0 + r];
+      for (int64_t j = shared; j < nr; j += 2) {
+        tail[0] = v[j];
+        tail[1] = j + 1 < nr ? v[j + 1] : zero_row;
+        accumulate_block_bf16<1>(a + r * D, D, &one, pr + r * KV_CHUNK + j, 0, 2, tail);
+      }
+    }
+  }
+}
+
+// A row's D accumulators in unpack order → d order.
+inline int64_t unpacked_position(int64_t d) {
+  const int64_t block = d / 32, i = d % 32;
+  const int64_t lane = (i % 8) / 4 * 16 + (i / 8) * 4 + i % 4;
+  return block * 32 + lane;
+}
+#endif
 
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t D) {
@@ -298,131 +529,130 @@ inline void to_float_row(const T* src, float* dst, int64_t D) {
   for (; d < D; d++) dst[d] = to_f(src[d]);
 }
 
-struct Scratch {
-  std::vector<float> q, acc, m, l, kbuf, vbuf;
-};
-
-// T: q's and the output's dtype; C: the KV cache's (float32 math either way: K and V rows are
+// T: q's and the output's dtype; C: the KV cache's (float32 math either way: K and V values are
 // converted exactly to float32 as they are read).
-template <typename T, typename C, int NV>
+template <typename T, typename C>
 void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
-                    int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
-                    int64_t block_size, int64_t num_blocks, float scale, int64_t window_start,
-                    const int64_t* window_positions, Scratch& sc) {
+                    const KLayout& kl, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+                    float scale, int64_t window_start, const int64_t* window_positions, Scratch<C>& sc) {
   const int64_t G = H / Hkv;
   const int64_t nh = it.head_end - it.head_begin;
   const int64_t rows = (it.token_end - it.token_begin) * nh;
+  const int64_t bs = kl.block_size;
   sc.q.resize(rows * D);
   sc.acc.assign(rows * D, 0.f);
   sc.m.assign(rows, NEG_INF);
   sc.l.assign(rows, 0.f);
-  constexpr bool kFloat = std::is_same<C, float>::value;
-  if (!kFloat) {
-    sc.kbuf.resize(KV_CHUNK * D);
-    sc.vbuf.resize(KV_CHUNK * D);
-  }
+  sc.s.resize(rows * KV_CHUNK);
+  sc.alpha.resize(rows);
+  sc.n.resize(rows);
+  sc.kt.resize(GROUPS * D * KEY_GROUP);
+  sc.zeros.assign(D * KEY_GROUP, C(0.f));
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Cache = std::is_same<C, bf16>::value;
+#else
+  constexpr bool kBf16Cache = false;
+#endif
+  const bool bf16_dots = kBf16Cache && D % 32 == 0;
   // Row i = (token t, head h): q row (query_start + t, kv_head * G + h).
   for (int64_t t = it.token_begin; t < it.token_end; t++)
     for (int64_t h = it.head_begin; h < it.head_end; h++) {
       const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
       to_float_row(q + ((query_start + t) * H + it.kv_head * G + h) * D, sc.q.data() + i * D, D);
     }
+  if (bf16_dots) {
+    sc.q16.resize(rows * D);
+    for (int64_t x = 0; x < rows * D; x++) sc.q16[x] = bf16(sc.q[x]);
+    sc.p16.resize(rows * KV_CHUNK);
+    sc.zero_row.assign(D, bf16(0.f));
+  }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
-  const float* kp[KV_CHUNK];
-  const float* vp[KV_CHUNK];
-  alignas(64) float s[KV_CHUNK];
-  // Element offset of logical `key`'s row (this KV head) in the caches; the table is checked by the caller.
   // A tree row reads its ancestors as keys window_start.. (see paged_attention).
-  auto row_offset = [&](int64_t key) {
-    const int64_t position = key >= window_start ? window_positions[key - window_start] : key;
-    return ((table[position / block_size] * block_size + position % block_size) * Hkv + it.kv_head) * D;
+  auto position_of = [&](int64_t key) { return key >= window_start ? window_positions[key - window_start] : key; };
+  auto v_row = [&](int64_t key) {
+    const int64_t p = position_of(key);
+    return v_cache + ((table[p / bs] * bs + p % bs) * Hkv + it.kv_head) * D;
   };
-  // The keys' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
+  // Key group g of the chunk at c0: in place where its 16 keys are one block's consecutive d-major
+  // slots, else gathered (the same values) into sc.kt; past the last key, zeros.
+  const C* kg[GROUPS];
+  int64_t ks[GROUPS];
+  auto locate_groups = [&](int64_t c0) {
+    for (int64_t g = 0; g < GROUPS; g++) {
+      const int64_t k0 = c0 + g * KEY_GROUP;
+      ks[g] = KEY_GROUP;
+      if (k0 >= max_keys) {
+        kg[g] = sc.zeros.data();
+      } else if (kl.slot == 1 && bs >= KEY_GROUP && k0 + KEY_GROUP <= window_start) {
+        kg[g] = k_cache + kl.offset(k0, table, it.kv_head);
+        ks[g] = kl.d;
+      } else {
+        C* dst = sc.kt.data() + g * D * KEY_GROUP;
+        for (int64_t j = 0; j < KEY_GROUP; j++) {
+          if (k0 + j >= max_keys) {
+            for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = C(0.f);
+            continue;
+          }
+          const C* src = k_cache + kl.offset(position_of(k0 + j), table, it.kv_head);
+          for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = src[d * kl.d];
+        }
+        kg[g] = dst;
+      }
+    }
+  };
+  // The values' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
-  // rows while this one is computed (it does not change any value).
+  // rows while this one is computed (it does not change any value). A d-major key group is one
+  // contiguous run the hardware prefetcher follows.
   constexpr int64_t kLine = 64;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  auto prefetch_chunk = [&](int64_t c) {
+  auto prefetch_values = [&](int64_t c) {
     for (int64_t key = c; key < std::min(c + KV_CHUNK, max_keys); key++) {
-      const int64_t offset = row_offset(key);
-      const char* kr = reinterpret_cast<const char*>(k_cache + offset);
-      const char* vr = reinterpret_cast<const char*>(v_cache + offset);
-      for (int64_t b = 0; b < row_bytes; b += kLine) {
-        __builtin_prefetch(kr + b);
-        __builtin_prefetch(vr + b);
-      }
+      const char* vr = reinterpret_cast<const char*>(v_row(key));
+      for (int64_t b = 0; b < row_bytes; b += kLine) __builtin_prefetch(vr + b);
     }
   };
-  prefetch_chunk(0);
+  const C* vp[KV_CHUNK];
+  prefetch_values(0);
   for (int64_t c0 = 0; c0 < max_keys; c0 += KV_CHUNK) {
     const int64_t nc = std::min(KV_CHUNK, max_keys - c0);
-    if (c0 + KV_CHUNK < max_keys) prefetch_chunk(c0 + KV_CHUNK);
-    for (int64_t j = 0; j < nc; j++) {
-      const int64_t offset = row_offset(c0 + j);
-      if constexpr (kFloat) {
-        kp[j] = reinterpret_cast<const float*>(k_cache + offset);
-        vp[j] = reinterpret_cast<const float*>(v_cache + offset);
-      } else {
-        to_float_row(k_cache + offset, sc.kbuf.data() + j * D, D);
-        to_float_row(v_cache + offset, sc.vbuf.data() + j * D, D);
-        kp[j] = sc.kbuf.data() + j * D;
-        vp[j] = sc.vbuf.data() + j * D;
-      }
-    }
-    for (int64_t t = it.token_begin; t < it.token_end; t++) {
-      const int64_t num_keys = first_position + t + 1;
-      if (num_keys <= c0) continue;
-      const int64_t n = std::min(KV_CHUNK, num_keys - c0);
-      for (int64_t h = 0; h < nh; h++) {
-        const int64_t i = (t - it.token_begin) * nh + h;
-        const float* qi = sc.q.data() + i * D;
-        float chunk_max = NEG_INF;
-#if defined(__AVX512F__)
-        if constexpr (NV > 0) {
-          __m512 qv[NV];
-          for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
-          const __m512 vs = _mm512_set1_ps(scale);
-          for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
-            const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
-            const __mmask16 valid = (__mmask16)(nj == 16 ? 0xFFFF : (1u << nj) - 1);
-            const __m512 sc16 = nj > 0 ? _mm512_mul_ps(dot16<NV>(qv, kp + j0, nj), vs) : _mm512_setzero_ps();
-            _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sc16));
-            if (nj > 0) chunk_max = std::max(chunk_max, _mm512_mask_reduce_max_ps(valid, sc16));
-          }
-        } else
-#elif SS_SIMD16
-        if constexpr (NV > 0) {
-          V16 qv[NV];
-          for (int c = 0; c < NV; c++) qv[c] = simd16::load(qi + 16 * c);
-          const V16 vs = simd16::set1(scale);
-          for (int64_t j0 = 0; j0 < KV_CHUNK; j0 += 16) {
-            const int64_t nj = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
-            if (nj == 0) {
-              simd16::store(s + j0, simd16::set1(NEG_INF));
-              continue;
-            }
-            const V16 sc16 = simd16::first_or(simd16::mul(dot16<NV>(qv, kp + j0, nj), vs), nj, NEG_INF);
-            simd16::store(s + j0, sc16);
-            chunk_max = std::max(chunk_max, simd16::reduce_max(sc16));
-          }
-        } else
-#endif
-        {
-          for (int64_t j = 0; j < n; j++) {
-            s[j] = dot<NV>(qi, kp[j], D) * scale;
-            chunk_max = std::max(chunk_max, s[j]);
-          }
-          for (int64_t j = n; j < KV_CHUNK; j++) s[j] = NEG_INF;
+    if (c0 + KV_CHUNK < max_keys) prefetch_values(c0 + KV_CHUNK);
+    locate_groups(c0);
+    for (int64_t j = 0; j < nc; j++) vp[j] = v_row(c0 + j);
+    // Rows whose token sees a key of this chunk: a suffix of the item's rows.
+    const int64_t t_first = std::max(it.token_begin, c0 - first_position);
+    const int64_t i0 = (t_first - it.token_begin) * nh;
+    const int64_t active = rows - i0;
+    if (active <= 0) continue;
+    const int64_t groups = (nc + KEY_GROUP - 1) / KEY_GROUP;
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Cache) {
+      if (bf16_dots) {
+        score_chunk_bf16(sc.q16.data() + i0 * D, active, D, kg, ks, groups, sc.s.data() + i0 * KV_CHUNK);
+        for (int64_t i = i0; i < rows; i++) {
+          const int64_t t = it.token_begin + i / nh;
+          float* si = sc.s.data() + i * KV_CHUNK;
+          sc.n[i] = std::min(KV_CHUNK, first_position + t + 1 - c0);
+          sc.alpha[i] = softmax_chunk(si, sc.n[i], scale, sc.m[i], sc.l[i]);
+          for (int64_t j = 0; j < KV_CHUNK; j += 32)
+            _mm512_storeu_si512(sc.p16.data() + i * KV_CHUNK + j,
+                                reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(si + j + 16),
+                                                                              _mm512_loadu_ps(si + j))));
         }
-        const float m_old = sc.m[i];
-        const float m_new = std::max(m_old, chunk_max);
-        const float alpha = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
-        const float psum = exp_chunk(s, n, m_new);
-        sc.l[i] = sc.l[i] * alpha + psum;
-        sc.m[i] = m_new;
-        rescale_accumulate<NV>(sc.acc.data() + i * D, alpha, s, vp, n, D);
+        accumulate_chunk_bf16(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, sc.p16.data() + i0 * KV_CHUNK,
+                              sc.n.data() + i0, vp, sc.zero_row.data());
+        continue;
       }
     }
+#endif
+    score_chunk<C>(sc.q.data() + i0 * D, active, D, kg, ks, groups, sc.s.data() + i0 * KV_CHUNK);
+    for (int64_t i = i0; i < rows; i++) {
+      const int64_t t = it.token_begin + i / nh;
+      sc.n[i] = std::min(KV_CHUNK, first_position + t + 1 - c0);
+      sc.alpha[i] = softmax_chunk(sc.s.data() + i * KV_CHUNK, sc.n[i], scale, sc.m[i], sc.l[i]);
+    }
+    accumulate_chunk<C>(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, sc.s.data() + i0 * KV_CHUNK,
+                        sc.n.data() + i0, vp);
   }
   for (int64_t t = it.token_begin; t < it.token_end; t++)
     for (int64_t h = it.head_begin; h < it.head_end; h++) {
@@ -430,27 +660,14 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
       T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
       const float* a = sc.acc.data() + i * D;
       const float l = sc.l[i];
+#if defined(__AVX512BF16__)
+      if (bf16_dots) {
+        for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / l);
+        continue;
+      }
+#endif
       for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[d] / l);
     }
-}
-
-// attention_item with the head_dim's vector count fixed at compile time where it can be.
-template <typename T, typename C>
-void run_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
-              int64_t max_blocks, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
-              int64_t block_size, int64_t num_blocks, float scale, int64_t window_start,
-              const int64_t* window_positions, Scratch& sc) {
-#define SWARMSERVE_ITEM(NV) \
-  attention_item<T, C, NV>(it, q, k_cache, v_cache, out, table, max_blocks, query_start, first_position, H, Hkv, D, \
-                        block_size, num_blocks, scale, window_start, window_positions, sc)
-  switch (D) {
-    case 32: SWARMSERVE_ITEM(2); break;
-    case 64: SWARMSERVE_ITEM(4); break;
-    case 128: SWARMSERVE_ITEM(8); break;
-    case 256: SWARMSERVE_ITEM(16); break;
-    default: SWARMSERVE_ITEM(0);
-  }
-#undef SWARMSERVE_ITEM
 }
 
 at::Tensor int64_contiguous(const at::Tensor& t, const char* name) {
@@ -467,7 +684,8 @@ void check_float_type(const at::Tensor& t, const char* name) {
 }  // namespace
 
 // Causal attention of each query row over its own request's paged KV.
-//   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (q's dtype);
+//   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (float32, bfloat16 or float16;
+//   K row-major or d-major, see KLayout);
 //   query_starts, query_lens, context_lens [R] int; block_tables [R, max_blocks] int32.
 // Optional, for draft trees: window_starts [R] int64 and window_positions [R, W] int64. Where
 // window_starts[r] >= 0, request r (one tree row) reads logical key window_starts[r] + k from
@@ -483,7 +701,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
   check_kv_type(k_cache, v_cache);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  const KLayout kl = k_layout(k_cache);
   const at::Tensor q = q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
@@ -597,13 +816,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const C* vc = ptr<C>(v_cache);
       T* op = ptr<T>(out);
       run_workers([&](int64_t, int64_t) {
-        Scratch sc;
+        Scratch<C> sc;
         for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
           const WorkItem& it = items[i];
           const bool is_tree_row = wsp != nullptr && wsp[it.request] >= 0;
-          run_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, max_blocks, sp[it.request],
-                         cp[it.request] - lp[it.request], H, Hkv, D, block_size, num_blocks, fscale,
-                         is_tree_row ? wsp[it.request] : INT64_MAX, is_tree_row ? wpp + it.request * W : nullptr, sc);
+          attention_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, sp[it.request],
+                               cp[it.request] - lp[it.request], H, Hkv, D, fscale,
+                               is_tree_row ? wsp[it.request] : INT64_MAX, is_tree_row ? wpp + it.request * W : nullptr,
+                               sc);
         }
       });
     });
@@ -744,11 +964,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 namespace {
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
+KLayout check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D,
               "k_cache and v_cache must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
   check_kv_type(k_cache, v_cache);
+  return k_layout(k_cache);
+}
+
+// One head's D values (already in the cache's type) into K's slot `slot` (flat), head g.
+template <typename C>
+inline void store_key(const C* src, C* k_cache, const KLayout& kl, int64_t slot, int64_t g, int64_t D) {
+  C* dst = k_cache + (slot / kl.block_size) * kl.block + (slot % kl.block_size) * kl.slot + g * kl.head;
+  if (kl.d == 1) {
+    std::memcpy(dst, src, D * sizeof(C));
+  } else {
+    for (int64_t d = 0; d < D; d++) dst[d * kl.d] = src[d];
+  }
 }
 
 // n values from src to dst, rounded to dst's type (a copy when the types agree).
@@ -811,7 +1043,7 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
   const int64_t D = x.n / (H + 2 * Hkv);
   TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
   const int64_t T = x.rows;
-  check_cache(k_cache, v_cache, Hkv, D);
+  const KLayout kl = check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D / 2 && cos_table.sizes() == sin_table.sizes() &&
                   cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
               "cos_table and sin_table must be float32 [context, ", D / 2, "]");
@@ -842,6 +1074,7 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
       C* vc = ptr<C>(v_cache);
       at::parallel_for(0, T, row_grain(x.n), [&](int64_t b, int64_t e) {
         alignas(64) float c[256], s[256];
+        alignas(64) C key[512];
         for (int64_t t = b; t < e; t++) {
           const T_* row = xp + t * x.stride;
           for (int64_t i = 0; i < D / 2; i++) {
@@ -854,7 +1087,8 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
           if (t < N) {
             for (int64_t g = 0; g < Hkv; g++) {
               norm_rope_head<T_, C>(row + (H + g) * D, kw.empty() ? nullptr : kw.data(), (float)eps, c, s, D,
-                                    interleaved, kc + (slots[t] * Hkv + g) * D);
+                                    interleaved, key);
+              store_key(key, kc, kl, slots[t], g, D);
             }
             store_row(row + (H + Hkv) * D, vc + slots[t] * Hkv * D, Hkv * D);
           }
@@ -906,7 +1140,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   const int64_t N = k_in.size(0), Hkv = k_in.size(1), D = k_in.size(2);
   check_float_type(k_in, "k");
   TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "k and v must share a dtype");
-  check_cache(k_cache, v_cache, Hkv, D);
+  const KLayout kl = check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(slot_mapping.size(0) == N, "slot_mapping must have one slot per token");
   at::Tensor holder;
   const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), holder);
@@ -923,15 +1157,28 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
       const T* vp = ptr<T>(v);
       C* kc = ptr<C>(k_cache);
       C* vc = ptr<C>(v_cache);
+      std::vector<C> key(Hkv * D);
       for (int64_t t = 0; t < N; t++) {
-        store_row(kp + t * k.stride(0), kc + slots[t] * Hkv * D, Hkv * D);
+        store_row(kp + t * k.stride(0), key.data(), Hkv * D);
+        for (int64_t g = 0; g < Hkv; g++) store_key(key.data() + g * D, kc, kl, slots[t], g, D);
         store_row(vp + t * v.stride(0), vc + slots[t] * Hkv * D, Hkv * D);
       }
     });
   });
 }
 
+bool has_bf16_dot_products() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 void register_layer_ops(pybind11::module_& m) {
+  m.def("has_bf16_dot_products", &has_bf16_dot_products,
+        "whether attention over a bfloat16 KV cache rounds q and the probabilities to bfloat16 and "
+        "multiplies in hardware (AVX512_BF16), rather than in float32");
   m.def("paged_attention", &paged_attention,
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),

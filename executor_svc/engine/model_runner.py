@@ -165,7 +165,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> KVManager:
         """The paged KV cache and its prefix cache; hybrid models also keep a recurrent state per running
         request there. KV depends on the weights and the dtypes: a cached block is only valid for this
-        model as loaded, hence the prefix root."""
+        model as loaded, hence the prefix root. K is laid out as the ops read it (see kv_cache.py)."""
         config = self.config
         return KVManager.from_memory_budget(
             self.model_config,
@@ -180,6 +180,7 @@ class ModelRunner:
             enable_prefix_caching=config.enable_prefix_caching,
             num_state_snapshots=config.num_state_snapshots,
             kv_dtype=self.kv_dtype,
+            key_layout=self.ops.key_layout,
         )
 
     def _capture_decode_graphs(self):

@@ -102,12 +102,12 @@ class CpuLayerStack:
         residual: torch.Tensor,
         batch: RaggedBatch,
         metadata: "CpuAttentionMetadata",
-        kv: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
     ) -> torch.Tensor:
         """x, residual [T, hidden] from the embedding → the last layer's output after the final
-        norm (residual is updated in place); kv: the whole cache tensor, one [2, ...] per layer."""
+        norm (residual is updated in place); kv: each layer's (K, V) cache (KVCache.layers)."""
         m = metadata
         return self._stack.forward(
             x,
@@ -128,6 +128,7 @@ class CpuLayerStack:
 
 class CpuOps:
     name = "cpu"
+    key_layout = "d_major"  # each block's K as [Hkv, D, block_size]: attention scores a key per lane (kv_cache.py)
 
     def __init__(self) -> None:
         self._k = load()

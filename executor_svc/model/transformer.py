@@ -99,7 +99,7 @@ class Transformer(Decoder):
         c, w, ops = self.config, self.weights, self.ops
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         if self.layer_stack is not None:
-            x = self.layer_stack.forward(x, residual, batch, metadata, kv_cache.tensor, self.rope_cos, self.rope_sin)
+            x = self.layer_stack.forward(x, residual, batch, metadata, kv_cache.layers, self.rope_cos, self.rope_sin)
             return lm_head(x, batch, w)
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache.layer(layer_index)

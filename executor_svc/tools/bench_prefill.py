@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from executor_svc.engine.model_runner import resolve_kv_cache_dtype, resolve_ops
-from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_cache import KVCache, to_key_layout
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
 from executor_svc.weights.gguf_file import open_gguf
@@ -145,7 +145,7 @@ def bench_prefill(
     model: Transformer, kv_dtype, token_counts: list[int], chunk: int, reps: int, peak: dict
 ) -> list[dict]:
     config = model.config
-    cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device)
+    cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device, model.ops.key_layout)
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
@@ -164,12 +164,14 @@ def bench_prefill(
     return rows
 
 
-def attention_seconds(kernels, config: ModelConfig, kv_dtype, num_queries: int, context: int, reps: int) -> float:
+def attention_seconds(
+    kernels, config: ModelConfig, kv_dtype, key_layout: str, num_queries: int, context: int, reps: int
+) -> float:
     """One request's `num_queries` last tokens of `context` over the paged KV, one layer (random q, K, V)."""
     block_size, generator = 16, torch.Generator().manual_seed(context)
     num_blocks = -(-context // block_size)
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    k_cache = to_key_layout(torch.randn(shape, generator=generator).to(kv_dtype), key_layout)
     v_cache = torch.randn(shape, generator=generator).to(kv_dtype)
     q = torch.randn(num_queries, config.num_heads, config.head_dim, generator=generator)
     one = torch.zeros(1, dtype=torch.long)
@@ -179,7 +181,9 @@ def attention_seconds(kernels, config: ModelConfig, kv_dtype, num_queries: int, 
     return best_of(reps, lambda: kernels.paged_attention(q, k_cache, v_cache, one, lens, contexts, table, scale))
 
 
-def bench_chunk_costs(kernels, weights, config: ModelConfig, kv_dtype, chunk: int, contexts: list[int], reps: int):
+def bench_chunk_costs(
+    kernels, weights, config: ModelConfig, kv_dtype, key_layout: str, chunk: int, contexts: list[int], reps: int
+):
     """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
     ending at each context length, and one decode row's attention there."""
     x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
@@ -189,8 +193,8 @@ def bench_chunk_costs(kernels, weights, config: ModelConfig, kv_dtype, chunk: in
     )
     rows = []
     for context in contexts:
-        attention = attention_seconds(kernels, config, kv_dtype, min(chunk, context), context, reps)
-        decode_row = attention_seconds(kernels, config, kv_dtype, 1, context, reps)
+        attention = attention_seconds(kernels, config, kv_dtype, key_layout, min(chunk, context), context, reps)
+        decode_row = attention_seconds(kernels, config, kv_dtype, key_layout, 1, context, reps)
         rows.append(
             {
                 "context": context,
@@ -231,7 +235,7 @@ def run(
         "chunk": chunk,
         "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
         "prefill": bench_prefill(model, kv_dtype, token_counts, chunk, reps, peak),
-        "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, chunk, contexts, reps),
+        "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, ops.key_layout, chunk, contexts, reps),
     }
 
 

@@ -154,7 +154,7 @@ def all_position_logits(model, token_ids: list[int], kv_dtype) -> torch.Tensor:
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
-    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, kv_dtype, torch.device("cpu"))
+    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, kv_dtype, torch.device("cpu"), model.ops.key_layout)
     blocks: list[int] = []
     cache.grow(blocks, len(token_ids))
     batch = RaggedBatch.build([RequestSlice(token_ids, 0, blocks, len(token_ids))], 16, torch.device("cpu"))
@@ -167,6 +167,7 @@ def all_position_logits(model, token_ids: list[int], kv_dtype) -> torch.Tensor:
         ("float32", "exact", "float32"),
         ("float32", "int16", "float32"),
         ("float32", "int16", "float16"),
+        ("float32", "int16", "bfloat16"),
         ("bfloat16", "exact", "bfloat16"),
     ],
 )
@@ -176,8 +177,8 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     """Packed GGUF weights with the C++ kernels against dequantize-then-F.linear in float32
     with the plain-torch ops, teacher-forced over every reference prompt and its 64 greedy
     tokens. The exact float32 path must agree at >= 99% of positions (it measures 100%), and
-    so must the CPU default (the int16 matmul) with either KV cache, float32 or
-    --kv-cache-dtype float16; bfloat16
+    so must the CPU default (the int16 matmul) with any KV cache: float32, --kv-cache-dtype
+    float16, or bfloat16 (with bfloat16 dot products in attention where the CPU has them); bfloat16
     activations, which --dtype auto does not pick on the CPU for this reason, measure ~98%
     and are held to 95%."""
     from executor_svc.weights.weight_format import has_int16_dot

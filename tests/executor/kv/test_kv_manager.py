@@ -99,3 +99,19 @@ def test_allocation_beyond_the_cache_raises_and_frees_nothing_held():
     with pytest.raises(OutOfKVBlocksError):
         kv.allocate_slots("a", NUM_BLOCKS * BLOCK_SIZE)
     assert len(kv.block_ids("a")) == 3
+
+
+@pytest.mark.parametrize("key_layout", ["token_major", "d_major"])
+def test_moving_tokens_copies_every_layers_keys_and_values_in_either_key_layout(key_layout):
+    cache = KVCache(TINY, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), key_layout)
+    cache.tensor.normal_(generator=torch.Generator().manual_seed(0))
+    kv = KVManager(cache, None, root_hash("tiny"), True)
+    kv.allocate_slots("a", 11)
+    blocks = kv.block_ids("a")
+    before = [(k.clone(), v.clone()) for k, v in cache.layers]
+    kv.move_tokens("a", [6, 9, 10], [5, 6, 7])  # a kept tree path, moved down (one source is also a target)
+    slot = lambda p: (blocks[p // BLOCK_SIZE], p % BLOCK_SIZE)  # noqa: E731
+    for (k, v), (k0, v0) in zip(cache.layers, before):
+        for src, dst in ((6, 5), (9, 6), (10, 7)):
+            assert torch.equal(k[slot(dst)], k0[slot(src)]) and torch.equal(v[slot(dst)], v0[slot(src)])
+        assert torch.equal(k[slot(4)], k0[slot(4)]) and torch.equal(v[slot(8)], v0[slot(8)])  # the rest untouched

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc.kv.kv_cache import to_key_layout
 from executor_svc.model.attention import write_kv
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.torch_ops import TorchOps
@@ -22,6 +23,13 @@ except cpu_kernels.CpuKernelsUnavailable as exc:  # no compiler here
 REF = TorchOps()
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+BF16_DOTS = cpu_kernels.load().has_bf16_dot_products()
+
+
+def attention_tol(dtype, kv_dtype):
+    """Over a bfloat16 KV cache on a CPU with bfloat16 dot products, q and the probabilities are
+    rounded to bfloat16 too: bfloat16's tolerance whatever the activations."""
+    return TOL[torch.bfloat16 if kv_dtype == torch.bfloat16 and BF16_DOTS else dtype]
 
 
 def run_attention(setup: Setup, parts, dtype=torch.float32, row_multiple=4, kv_dtype=None):
@@ -205,7 +213,9 @@ def test_attention_over_a_16_bit_kv_cache_matches_dense_attention_on_the_rounded
     for (r, start, m), out in zip(parts, outs):
         q = setup.q[r][start : start + m].to(dtype).float()
         k, v = (t[r][: start + m].to(kv_dtype).float() for t in (setup.k, setup.v))
-        torch.testing.assert_close(out.float(), dense_reference(q, k, v, setup.head_dim**-0.5), **TOL[dtype])
+        torch.testing.assert_close(
+            out.float(), dense_reference(q, k, v, setup.head_dim**-0.5), **attention_tol(dtype, kv_dtype)
+        )
         assert out.dtype == dtype
 
 
@@ -297,6 +307,91 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
     assert torch.equal(vc, vc_ref)  # V is copied as is
 
 
+# ------------------------------------------------------------------ attention: the K layouts
+
+
+def d_major(k_cache: torch.Tensor) -> torch.Tensor:
+    """The same keys stored d-major (each block [Hkv, D, block_size]), seen in the common shape."""
+    return to_key_layout(k_cache, "d_major")
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32, 64])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.float32, None), (torch.bfloat16, None)] + MIXED_KV,
+    ids=lambda t: str(t).removeprefix("torch."),
+)
+def test_d_major_keys_give_the_token_major_bits(block_size, dtype, kv_dtype):
+    """Where a key group is one d-major run the kernel loads it in place, elsewhere it gathers it:
+    the same values, so the same bits, at every block size (in place from 16 keys a block)."""
+    gen = torch.Generator().manual_seed(block_size)
+    num_heads, num_kv_heads, head_dim, lens = 9, 3, 64, [1, 70, 300, 129]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    kv_dtype = kv_dtype or dtype
+    k_cache, v_cache = (
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2)
+    )
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    # A decode, a prefill chunk ending mid-block, a whole prompt, a verify run.
+    parts = [(0, 0, 1), (1, 40, 30), (2, 0, 300), (3, 124, 5)]
+    slices = [RequestSlice([0] * m, start, tables[r], num_logits=1) for r, start, m in parts]
+    batch = RaggedBatch.build(slices, block_size, torch.device("cpu"), row_multiple=4)
+    q = torch.randn(batch.num_padded_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    metadata = OPS.prepare(batch, block_size)
+    token_major = OPS.attention(q, k_cache, v_cache, metadata, head_dim**-0.5)
+    assert torch.equal(OPS.attention(q, d_major(k_cache), v_cache, metadata, head_dim**-0.5), token_major)
+    for (r, start, m), s0 in zip(parts, batch.query_starts):  # and it is attention
+        slots = [tables[r][p // block_size] * block_size + p % block_size for p in range(start + m)]
+        k, v = (c.view(-1, num_kv_heads, head_dim)[slots].float() for c in (k_cache, v_cache))
+        ref = dense_reference(q[s0 : s0 + m].float(), k, v, head_dim**-0.5)
+        torch.testing.assert_close(token_major[s0 : s0 + m].float(), ref, **attention_tol(dtype, kv_dtype))
+
+
+def test_a_key_cache_in_neither_layout_is_refused():
+    setup = Setup([20])
+    batch = RaggedBatch.build([RequestSlice([0], 19, setup.tables[0], 1)], BLOCK_SIZE, torch.device("cpu"))
+    transposed = setup.k_cache.transpose(2, 3).contiguous().transpose(2, 3)  # [.., D, Hkv] storage
+    with pytest.raises(RuntimeError, match="d-major"):
+        OPS.attention(torch.zeros(1, 6, 32), transposed, setup.v_cache, OPS.prepare(batch, BLOCK_SIZE), 1.0)
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(torch.float32, torch.float32)] + MIXED_KV, ids=lambda t: str(t).removeprefix("torch.")
+)
+def test_the_kv_writes_store_the_same_keys_in_either_layout(dtype, kv_dtype):
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    k, v = randn(5, num_kv_heads, head_dim, dtype=dtype), randn(5, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    slots = torch.tensor([17, 3, 40, 41, 8])
+    qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=2)
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
+    stored = []
+    for layout in (lambda c: c, d_major):
+        k_cache, v_cache = (
+            layout(torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype)),
+            torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype),
+        )
+        OPS.write_kv(k, v, k_cache, v_cache, slots)
+        q = OPS.qkv_rope_write(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            None,
+            None,
+            1e-6,
+            angles.cos(),
+            angles.sin(),
+            torch.tensor([5, 6, 7, 0]),
+            torch.tensor([21, 22, 23, 9]),
+            k_cache,
+            v_cache,
+        )
+        stored.append((q, k_cache.contiguous(), v_cache))
+    for a, b in zip(*stored):
+        assert torch.equal(a, b)
+    assert stored[0][1].abs().sum() > 0
+
+
 # ------------------------------------------------------------------ the whole model
 
 
@@ -318,7 +413,7 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
     logits = []
     for ops in (REF, OPS):
         model = Transformer(config, weights, torch.device("cpu"), ops=ops, dtype=dtype)
-        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), ops.key_layout)
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             cache.grow(table, len(prompt) + 1)
@@ -379,7 +474,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     results = []
     for layer_stack in (None, stack):
         model.layer_stack = layer_stack
-        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"))
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), OPS.key_layout)
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             cache.grow(table, len(prompt) + 1)

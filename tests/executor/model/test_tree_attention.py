@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 
 import pytest
 import torch
 
+from executor_svc.kv.kv_cache import to_key_layout
 from executor_svc.model.attention import build_attention_plan, paged_attention, write_kv
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice, tree_paths
 
@@ -42,7 +44,18 @@ def cpu_attention(batch, q, k_cache, v_cache):
     return ops.attention(q, k_cache, v_cache, ops.prepare(batch, BLOCK_SIZE), SCALE)
 
 
-BACKENDS = {"torch": torch_attention, "cpu": cpu_attention}
+def cpu_attention_over_d_major_keys(batch, q, k_cache, v_cache, kv_dtype=torch.float32):
+    """The C++ kernel over the same keys stored d-major (KVCache's layout for it), in kv_dtype."""
+    return cpu_attention(batch, q, to_key_layout(k_cache.to(kv_dtype), "d_major"), v_cache.to(kv_dtype))
+
+
+BACKENDS = {
+    "torch": torch_attention,
+    "cpu": cpu_attention,
+    "cpu_d_major": cpu_attention_over_d_major_keys,
+    # bfloat16 dot products where the CPU has them (q and probabilities rounded; see layer_ops.cpp)
+    "cpu_d_major_bf16": partial(cpu_attention_over_d_major_keys, kv_dtype=torch.bfloat16),
+}
 
 
 class Cache:

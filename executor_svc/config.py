@@ -78,9 +78,10 @@ class EngineConfig:
         metadata=flag(
             "--kv-cache-dtype",
             choices=KV_CACHE_DTYPES,
-            help="KV cache element type; auto: the activations' dtype; float16/bfloat16 with float32 activations "
-            "(the C++ CPU kernels) halve the bytes a long-context decode reads and double the tokens in the budget "
-            "(default %(default)s)",
+            help="KV cache element type; auto: float16 with the C++ CPU kernels' int16 matmul (the CPU default), "
+            "else the activations' dtype; float16/bfloat16 with float32 activations (the C++ CPU kernels) halve the "
+            "bytes a long-context decode reads and double the tokens in the budget; bfloat16 on a CPU with "
+            "AVX512_BF16 also runs attention in bfloat16 dot products (default %(default)s)",
         ),
     )
     block_size: int = field(default=16, metadata=flag("--block-size", help="tokens per KV block (default %(default)s)"))

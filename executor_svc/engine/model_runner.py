@@ -52,14 +52,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops) -> torch.dtype:
-    """The KV cache's element type. `auto`: the activations' dtype. `float16` / `bfloat16` under
-    float32 activations (the C++ CPU kernels only: they compute in float32 and round each K/V
-    value once, where it is written) halve the bytes a decode step reads at long context and
-    double the tokens the KV budget holds; greedy output may then differ from the float32
-    reference on near-ties (the README's CPU section has the measured top-1 agreement)."""
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str = "exact") -> torch.dtype:
+    """The KV cache's element type. `float16` / `bfloat16` under float32 activations (the C++ CPU
+    kernels only: they round each K/V value once, where it is written) halve the bytes a decode
+    step reads at long context and double the tokens the KV budget holds; greedy output may then
+    differ from the float32 reference on near-ties (the README's CPU section has the measured
+    top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: float16 on the CPU's default path
+    (the C++ kernels with the int16 matmul), which measures the float32 cache's agreement; else
+    the activations' dtype, so `--dtype float32` stays the exact reference."""
     if name == "auto":
-        return dtype
+        return torch.float16 if ops.name == "cpu" and matmul == "int16" and dtype == torch.float32 else dtype
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
         raise ValueError(
@@ -125,7 +127,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
         self.ops = resolve_ops(config.kernels, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.ops)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.ops, self.matmul)
         weights = self._load_weights(gguf)
         self.weight_bytes = weights.num_bytes
         self.model = self._build_model(weights)

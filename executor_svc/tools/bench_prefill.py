@@ -225,7 +225,7 @@ def run(
     ops = resolve_ops("cpu", cpu)
     weights = load_weights(gguf, config, torch.float32, cpu, int16_dot=True)
     model = Transformer(config, weights, cpu, ops, torch.float32)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, "int16")
     peak = measured_peak(kernels)
     return {
         "model": config.name,

@@ -314,7 +314,7 @@ def test_repeats_of_both_shapes_take_turns_end_to_end(tmp_path):
 
 @pytest.mark.e2e
 def test_a_kv_cache_too_small_stops_the_run_before_it_measures(tmp_path):
-    done = bench_spec(tmp_path, "--workloads", "branchy", "--batch-sizes", "1,16", "--kv-cache-gb", "0.002")
+    done = bench_spec(tmp_path, "--workloads", "branchy", "--batch-sizes", "1,16", "--kv-cache-gb", "0.001")
     assert done.returncode == 2
     assert "branchy at B=16 may hold" in done.stderr and "--kv-cache-gb" in done.stderr
     assert "repeat 1" not in done.stdout and not (tmp_path / "spec.json").exists()

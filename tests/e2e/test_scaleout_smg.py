@@ -33,13 +33,13 @@ openai = pytest.importorskip("openai")
 
 from clients.bench.otlp_sink import OtlpSinkServer  # noqa: E402
 from tests.support.stack import ROOT, free_port  # noqa: E402
-from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model  # noqa: E402
+from tests.support.tiny_gguf import TinyModelSpec, tiny_kv_bytes_per_block, write_tiny_model  # noqa: E402
 
 BLOCK = 16
 NUM_AGENTS = 16
 NUM_TURNS = 3
 NUM_KV_BLOCKS = 768  # every agent's conversation stays cached on its pair
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 

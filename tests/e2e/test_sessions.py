@@ -10,11 +10,11 @@ import pytest
 
 from clients import AsyncSwarmClient
 from tests.support.stack import Stack
-from tests.support.tiny_gguf import TinyModelSpec
+from tests.support.tiny_gguf import TinyModelSpec, tiny_kv_bytes_per_block
 
 BLOCK = 16
 NUM_KV_BLOCKS = 40  # 39 usable
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 
 
 @pytest.fixture(scope="module")

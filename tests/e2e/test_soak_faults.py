@@ -49,7 +49,7 @@ from swarmserve.executor.v1 import executor_pb2 as epb
 from swarmserve.executor.v1 import executor_pb2_grpc as epb_grpc
 from tests.support.soak import JSON_SCHEMA, SoakProgress, SoakSize, run_agent, side_request
 from tests.support.stack import Stack, free_port
-from tests.support.tiny_gguf import TinyModelSpec
+from tests.support.tiny_gguf import TinyModelSpec, tiny_kv_bytes_per_block
 
 openai = pytest.importorskip("openai")
 
@@ -57,7 +57,7 @@ IS_LONG = os.environ.get("SWARMSERVE_LONG_TESTS") == "1"
 SIZE = SoakSize(num_agents=12, num_turns=6, max_tokens=96, num_side_requests=60) if IS_LONG else SoakSize(8, 3, 40, 15)
 MODEL = TinyModelSpec(context_length=4096, tie_word_embeddings=False, seed=1)
 BLOCK = 16
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 NUM_KV_BLOCKS = 192  # ~3,000 tokens: a small KV cache (the executor's default is far larger)
 # Before each fault (kill, drain + restart, kill), the share of the undisturbed run's tokens streamed
 # since the one before: the last kill's share is left whatever the drain streamed.

@@ -22,7 +22,7 @@ from clients import AsyncSwarmClient
 from clients.cli import main as cli_main
 from clients.timeline import fetch_timeline
 from tests.support.stack import Stack
-from tests.support.tiny_gguf import TinyModelSpec
+from tests.support.tiny_gguf import TinyModelSpec, tiny_kv_bytes_per_block
 
 NUM_AGENTS = 6
 NUM_TURNS = 2
@@ -30,7 +30,7 @@ NUM_NEW_TOKENS = 96
 NUM_WRITERS = 6  # short prompts, long outputs, all at once: together they outgrow the KV cache
 NUM_WRITER_TOKENS = 320
 BLOCK = 16
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 NUM_KV_BLOCKS = 120  # ~1,900 tokens: the writers alone need more, so some are preempted
 SYSTEM = "You are one of a swarm of coding agents. The repository:\n" + "\n".join(
     f"src/module_{i}.py: def handler_{i}(request): return request.value + {i}" for i in range(12)

@@ -20,7 +20,7 @@ from scheduler_svc.request import Request
 from service_common.errors import InvalidRequestError
 from service_common.sampling_params import SamplingParams
 from tests.support.planner_driver import run, workload
-from tests.support.tiny_gguf import TinyModelSpec
+from tests.support.tiny_gguf import TinyModelSpec, tiny_kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def engine(make_tiny_engine):
 @pytest.fixture(scope="module")
 def small_engine(make_tiny_engine):
     """A KV cache too small for the workload at once: plans preempt, and runs stop for lack of blocks."""
-    return make_tiny_engine(TinyModelSpec(context_length=512), kv_cache_bytes=112 << 10, max_draft_tokens=8)
+    return make_tiny_engine(
+        TinyModelSpec(context_length=512), kv_cache_bytes=14 * tiny_kv_bytes_per_block(), max_draft_tokens=8
+    )
 
 
 # ------------------------------------------------------------- planner + engine

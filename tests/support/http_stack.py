@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 from tests.support.stack import Stack
-from tests.support.tiny_gguf import HERMES_TOOLS_TEMPLATE, TinyModelSpec, write_tiny_model
+from tests.support.tiny_gguf import HERMES_TOOLS_TEMPLATE, TinyModelSpec, tiny_kv_bytes_per_block, write_tiny_model
 
 BLOCK = 16
 NUM_KV_BLOCKS = 64
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V × layers × tokens × kv heads × head dim × fp32
+BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 
 
 def http_stack(

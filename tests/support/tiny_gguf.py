@@ -106,6 +106,15 @@ class TinyModelSpec:
     chat_template: str = ""  # empty: CHATML_TEMPLATE
 
 
+def tiny_kv_bytes_per_block(block_size: int = 16) -> int:
+    """KV bytes per block of a default TinyModelSpec as an executor with default flags stores it:
+    K and V × 2 layers × tokens × 2 KV heads × head dim 16 × the element (float16, `--kv-cache-dtype
+    auto` with the int16 matmul; float32 on a CPU without it). Tests size a KV budget in blocks with it."""
+    from executor_svc.weights.weight_format import has_int16_dot
+
+    return 2 * 2 * block_size * 2 * 16 * (2 if has_int16_dot() else 4)
+
+
 def _block_elements(qtype: GGMLQuantizationType) -> int:
     return GGML_QUANT_SIZES[qtype][0]
 

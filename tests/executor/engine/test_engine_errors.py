@@ -179,7 +179,7 @@ def test_out_of_kv_blocks_computes_nothing(tiny_path):
     from executor_svc.kv.kv_cache import bytes_per_block
 
     probe = Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=1 << 20))
-    per_block = bytes_per_block(probe.model_config, 16, probe.model_runner.dtype)
+    per_block = bytes_per_block(probe.model_config, 16, probe.model_runner.kv_dtype)
     engine = Engine(EngineConfig(model=str(tiny_path), kv_cache_bytes=5 * per_block))
     assert engine.kv.num_usable_blocks == 4
     engine.add_request(NewRequest("a", [40] * 40))

@@ -71,7 +71,7 @@ def test_the_runner_loads_the_model_and_sizes_its_kv_cache_within_the_budget(run
     assert runner.model_config.num_layers == TinyModelSpec().num_layers
     assert runner.tokenizer.eos_token_ids
     assert runner.weight_bytes == runner.model.weights.num_bytes > 0
-    per_block = bytes_per_block(runner.model_config, runner.kv.block_size, runner.dtype)
+    per_block = bytes_per_block(runner.model_config, runner.kv.block_size, runner.kv_dtype)
     assert 0 < runner.kv.num_usable_blocks * per_block <= 4 << 20
     assert runner.decode_graphs is None  # graphs are captured on a GPU only
 

@@ -229,6 +229,15 @@ def test_a_rows_attention_over_a_16_bit_kv_cache_does_not_depend_on_its_batch(dt
         assert torch.equal(row, solo[0]), parts
 
 
+def rope_write_four_tokens(ops, qkv, num_heads, num_kv_heads, k_cache, v_cache):
+    """qkv_rope_write of qkv's 4 rows at positions 5, 6, 7, 0 into slots 21, 22, 23, 9 (random angles)."""
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
+    positions, slots = torch.tensor([5, 6, 7, 0]), torch.tensor([21, 22, 23, 9])
+    return ops.qkv_rope_write(
+        qkv, num_heads, num_kv_heads, None, None, 1e-6, angles.cos(), angles.sin(), positions, slots, k_cache, v_cache
+    )
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", MIXED_KV, ids=lambda t: str(t).removeprefix("torch."))
 def test_a_16_bit_kv_cache_stores_what_torch_rounds(dtype, kv_dtype):
     """write_kv and qkv_rope_write round K and V to the cache's dtype exactly as `.to(kv_dtype)` does."""
@@ -240,25 +249,10 @@ def test_a_16_bit_kv_cache_stores_what_torch_rounds(dtype, kv_dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=2)
-    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
-    positions, slots = torch.tensor([5, 6, 7, 0]), torch.tensor([21, 22, 23, 9])
     results = []
     for ops in (OPS, REF):
         k_cache, v_cache = (torch.zeros(6, 8, num_kv_heads, head_dim, dtype=kv_dtype) for _ in range(2))
-        q = ops.qkv_rope_write(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            None,
-            None,
-            1e-6,
-            angles.cos(),
-            angles.sin(),
-            positions,
-            slots,
-            k_cache,
-            v_cache,
-        )
+        q = rope_write_four_tokens(ops, qkv, num_heads, num_kv_heads, k_cache, v_cache)
         results.append((q, k_cache, v_cache))
     (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
     assert kc.dtype == kv_dtype and torch.equal(vc, vc_ref)  # V: one rounding, the same one
@@ -364,7 +358,6 @@ def test_the_kv_writes_store_the_same_keys_in_either_layout(dtype, kv_dtype):
     k, v = randn(5, num_kv_heads, head_dim, dtype=dtype), randn(5, num_kv_heads, head_dim, dtype=dtype, seed=1)
     slots = torch.tensor([17, 3, 40, 41, 8])
     qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=2)
-    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))
     stored = []
     for layout in (lambda c: c, d_major):
         k_cache, v_cache = (
@@ -372,20 +365,7 @@ def test_the_kv_writes_store_the_same_keys_in_either_layout(dtype, kv_dtype):
             torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype),
         )
         OPS.write_kv(k, v, k_cache, v_cache, slots)
-        q = OPS.qkv_rope_write(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            None,
-            None,
-            1e-6,
-            angles.cos(),
-            angles.sin(),
-            torch.tensor([5, 6, 7, 0]),
-            torch.tensor([21, 22, 23, 9]),
-            k_cache,
-            v_cache,
-        )
+        q = rope_write_four_tokens(OPS, qkv, num_heads, num_kv_heads, k_cache, v_cache)
         stored.append((q, k_cache.contiguous(), v_cache))
     for a, b in zip(*stored):
         assert torch.equal(a, b)

@@ -231,10 +231,7 @@ SS_INLINE void score_rows(const float* q, int64_t D, const C* const* kg, const i
     }
     for (int64_t d = 0; d < D; d++) {
       V16 k[SCORE_GROUPS];
-      for (int g = 0; g < SCORE_GROUPS; g++) {
-        k[g] = load16(kp[g] + d * stride[g]);
-        simd16::in_register(k[g]);  // loaded once for MR rows, not folded into each row's fma
-      }
+      for (int g = 0; g < SCORE_GROUPS; g++) k[g] = load16(kp[g] + d * stride[g]);
       for (int r = 0; r < MR; r++) {
         const V16 qb = simd16::set1(q[r * D + d]);
         for (int g = 0; g < SCORE_GROUPS; g++) acc[r][g] = simd16::fmadd(qb, k[g], acc[r][g]);
@@ -421,10 +418,7 @@ SS_INLINE void score_rows_bf16(const bf16* q, int64_t D, const bf16* const* kg, 
       for (int g = 0; g < BF_SCORE_GROUPS; g++) acc[r][g] = _mm512_setzero_ps();
     for (int64_t e = 0; e < D; e += 2) {
       __m512i k[BF_SCORE_GROUPS];
-      for (int g = 0; g < BF_SCORE_GROUPS; g++) {
-        k[g] = key_pairs(kg[g0 + g] + e * ks[g0 + g], ks[g0 + g], idx);
-        asm volatile("" : "+v"(k[g]));
-      }
+      for (int g = 0; g < BF_SCORE_GROUPS; g++) k[g] = key_pairs(kg[g0 + g] + e * ks[g0 + g], ks[g0 + g], idx);
       for (int r = 0; r < MR; r++) {
         const __m512bh qb = as_bh(pair_at(q + r * D + e));
         for (int g = 0; g < BF_SCORE_GROUPS; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(k[g]), qb);
@@ -529,8 +523,8 @@ inline void to_float_row(const T* src, float* dst, int64_t D) {
   for (; d < D; d++) dst[d] = to_f(src[d]);
 }
 
-// T: q's and the output's dtype; C: the KV cache's (float32 math either way: K and V values are
-// converted exactly to float32 as they are read).
+// T: q's and the output's dtype; C: the KV cache's (K and V values are converted exactly to float32
+// as they are read, float32 math, but for the bfloat16 dot products over a bfloat16 cache).
 template <typename T, typename C>
 void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
                     const KLayout& kl, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
@@ -547,7 +541,7 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   sc.alpha.resize(rows);
   sc.n.resize(rows);
   sc.kt.resize(GROUPS * D * KEY_GROUP);
-  sc.zeros.assign(D * KEY_GROUP, C(0.f));
+  if (static_cast<int64_t>(sc.zeros.size()) != D * KEY_GROUP) sc.zeros.assign(D * KEY_GROUP, C(0.f));  // never written
 #if defined(__AVX512BF16__)
   constexpr bool kBf16Cache = std::is_same<C, bf16>::value;
 #else
@@ -564,7 +558,7 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     sc.q16.resize(rows * D);
     for (int64_t x = 0; x < rows * D; x++) sc.q16[x] = bf16(sc.q[x]);
     sc.p16.resize(rows * KV_CHUNK);
-    sc.zero_row.assign(D, bf16(0.f));
+    if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));  // never written
   }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
   // A tree row reads its ancestors as keys window_start.. (see paged_attention).
@@ -625,34 +619,32 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     const int64_t active = rows - i0;
     if (active <= 0) continue;
     const int64_t groups = (nc + KEY_GROUP - 1) / KEY_GROUP;
+    float* s0 = sc.s.data() + i0 * KV_CHUNK;
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Cache) {
-      if (bf16_dots) {
-        score_chunk_bf16(sc.q16.data() + i0 * D, active, D, kg, ks, groups, sc.s.data() + i0 * KV_CHUNK);
-        for (int64_t i = i0; i < rows; i++) {
-          const int64_t t = it.token_begin + i / nh;
-          float* si = sc.s.data() + i * KV_CHUNK;
-          sc.n[i] = std::min(KV_CHUNK, first_position + t + 1 - c0);
-          sc.alpha[i] = softmax_chunk(si, sc.n[i], scale, sc.m[i], sc.l[i]);
-          for (int64_t j = 0; j < KV_CHUNK; j += 32)
-            _mm512_storeu_si512(sc.p16.data() + i * KV_CHUNK + j,
-                                reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(si + j + 16),
-                                                                              _mm512_loadu_ps(si + j))));
-        }
-        accumulate_chunk_bf16(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, sc.p16.data() + i0 * KV_CHUNK,
-                              sc.n.data() + i0, vp, sc.zero_row.data());
-        continue;
-      }
+      if (bf16_dots) score_chunk_bf16(sc.q16.data() + i0 * D, active, D, kg, ks, groups, s0);
     }
 #endif
-    score_chunk<C>(sc.q.data() + i0 * D, active, D, kg, ks, groups, sc.s.data() + i0 * KV_CHUNK);
+    if (!bf16_dots) score_chunk<C>(sc.q.data() + i0 * D, active, D, kg, ks, groups, s0);
     for (int64_t i = i0; i < rows; i++) {
       const int64_t t = it.token_begin + i / nh;
       sc.n[i] = std::min(KV_CHUNK, first_position + t + 1 - c0);
       sc.alpha[i] = softmax_chunk(sc.s.data() + i * KV_CHUNK, sc.n[i], scale, sc.m[i], sc.l[i]);
     }
-    accumulate_chunk<C>(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, sc.s.data() + i0 * KV_CHUNK,
-                        sc.n.data() + i0, vp);
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Cache) {
+      if (bf16_dots) {
+        bf16* p16 = sc.p16.data() + i0 * KV_CHUNK;  // the probabilities, rounded for vdpbf16ps
+        for (int64_t x = 0; x < active * KV_CHUNK; x += 32)
+          _mm512_storeu_si512(p16 + x, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s0 + x + 16),
+                                                                                     _mm512_loadu_ps(s0 + x))));
+        accumulate_chunk_bf16(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, p16, sc.n.data() + i0, vp,
+                              sc.zero_row.data());
+        continue;
+      }
+    }
+#endif
+    accumulate_chunk<C>(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, s0, sc.n.data() + i0, vp);
   }
   for (int64_t t = it.token_begin; t < it.token_end; t++)
     for (int64_t h = it.head_begin; h < it.head_end; h++) {

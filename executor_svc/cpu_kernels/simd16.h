@@ -57,8 +57,6 @@ SS_INLINE V16 bf16x16(const void* p) {
 // 16 IEEE half values at p → float32 (exact).
 SS_INLINE V16 f16x16(const void* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 SS_INLINE V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-// Keeps a in a register: the compiler may not re-load it from memory as an operand of each use.
-SS_INLINE void in_register(V16& a) { asm volatile("" : "+v"(a.v)); }
 // a · 2^n for integral n (exp's last step).
 SS_INLINE V16 scale_pow2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 // Lanes l < n of a, 0 elsewhere.
@@ -118,7 +116,6 @@ SS_INLINE V16 bf16x16(const void* p) {
 SS_INLINE V16 f16x16(const void* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
 }
-SS_INLINE void in_register(V16& x) { asm volatile("" : "+x"(x.a), "+x"(x.b)); }
 SS_INLINE V16 round_nearest(V16 x) {
   return {_mm256_round_ps(x.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           _mm256_round_ps(x.b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};

@@ -52,7 +52,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str = "exact") -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str) -> torch.dtype:
     """The KV cache's element type. `float16` / `bfloat16` under float32 activations (the C++ CPU
     kernels only: they round each K/V value once, where it is written) halve the bytes a decode
     step reads at long context and double the tokens the KV budget holds; greedy output may then

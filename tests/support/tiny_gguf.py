@@ -107,12 +107,16 @@ class TinyModelSpec:
 
 
 def tiny_kv_bytes_per_block(block_size: int = 16) -> int:
-    """KV bytes per block of a default TinyModelSpec as an executor with default flags stores it:
-    K and V × 2 layers × tokens × 2 KV heads × head dim 16 × the element (float16, `--kv-cache-dtype
-    auto` with the int16 matmul; float32 on a CPU without it). Tests size a KV budget in blocks with it."""
-    from executor_svc.weights.weight_format import has_int16_dot
+    """KV bytes per block of a default TinyModelSpec (2 layers, 2 KV heads of 16) in the KV dtype an
+    executor with default flags picks on this CPU. Tests size a KV budget in blocks with it."""
+    import torch
 
-    return 2 * 2 * block_size * 2 * 16 * (2 if has_int16_dot() else 4)
+    from executor_svc.engine.model_runner import resolve_kv_cache_dtype, resolve_matmul
+    from executor_svc.model.cpu_ops import CpuOps
+
+    cpu = torch.device("cpu")
+    kv_dtype = resolve_kv_cache_dtype("auto", torch.float32, CpuOps, resolve_matmul("auto", "auto", cpu, "auto"))
+    return 2 * 2 * block_size * 2 * 16 * kv_dtype.itemsize
 
 
 def _block_elements(qtype: GGMLQuantizationType) -> int:

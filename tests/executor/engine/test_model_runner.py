@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from executor_svc.config import EngineConfig
-from executor_svc.engine.model_runner import ModelRunner, resolve_device, resolve_dtype, resolve_matmul, resolve_ops
+from executor_svc.engine.model_runner import (
+    ModelRunner,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_matmul,
+    resolve_ops,
+)
 from executor_svc.kv.kv_cache import bytes_per_block
 from executor_svc.model.cpu_ops import CpuOps
 from executor_svc.model.ragged_batch import RequestSlice
@@ -46,6 +53,18 @@ def test_auto_matmul_is_int16_only_with_the_cpu_kernels_and_never_in_the_float32
     assert resolve_matmul("auto", "auto", CPU, "torch") == "exact"
     assert resolve_matmul("auto", "auto", GPU, "auto") == "exact"
     assert resolve_matmul("exact", "auto", GPU, "triton") == "exact"
+
+
+def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
+    from executor_svc.model.torch_ops import TorchOps
+
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, CpuOps, "int16") == torch.float32
+    with pytest.raises(ValueError, match=r"only the C\+\+ CPU kernels"):
+        resolve_kv_cache_dtype("float16", torch.float32, TorchOps, "exact")
 
 
 def test_a_matmul_the_kernels_cannot_run_is_refused():

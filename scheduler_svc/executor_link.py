@@ -96,6 +96,14 @@ class ExecutorLink:
             return False
         return response.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
+    async def wait_until_disconnected(self) -> None:
+        """Return once the channel leaves READY: the executor's process went away (or the channel
+        went idle), seen without an RPC, so that an idle scheduler notices a dead executor."""
+        state = self.channel.get_state(try_to_connect=False)
+        while state == grpc.ChannelConnectivity.READY:
+            await self.channel.wait_for_state_change(state)
+            state = self.channel.get_state(try_to_connect=False)
+
     def detach(self) -> None:
         """Forget the connection (after a failed step); the next attach starts clean."""
         self.info = None

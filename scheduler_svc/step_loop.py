@@ -167,10 +167,26 @@ class StepLoop:
             if not self.is_connected:
                 attempt = await self._reconnect(attempt)
             elif not self.planner.has_work and not self.in_flight:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
             else:
                 await self._advance()
+
+    async def _idle(self) -> None:
+        """Nothing to plan: wait for work, or for the executor's connection to drop. Without a step
+        in flight no RPC would fail, so /health would say ok with the executor gone; a dropped
+        connection detaches, and the loop re-attaches at once if the executor is still there (a
+        channel that merely went idle)."""
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        dropped = asyncio.ensure_future(self.link.wait_until_disconnected())
+        try:
+            done, _ = await asyncio.wait({woken, dropped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            dropped.cancel()
+        if dropped in done and woken not in done and self.is_connected:
+            log.info("executor_connection_dropped", executor=self.link.address)
+            self._detach()
 
     async def _reconnect(self, attempt: int) -> int:
         """Try to attach once, backing off after a failure; returns the attempts failed so far."""

@@ -64,6 +64,10 @@ class FakeLink:
     def restart_at_step(self, n: int) -> None:
         self._restart_at = n
 
+    async def wait_until_disconnected(self) -> None:
+        """A fake connection never drops on its own: its failures come from steps."""
+        await asyncio.Event().wait()
+
     async def attach(self) -> epb.GetInfoResponse:
         self.num_attaches += 1
         self._forget()  # an attach releases whatever the executor held

@@ -28,7 +28,10 @@ NUM_AGENTS = 6
 NUM_TURNS = 2
 NUM_NEW_TOKENS = 96
 NUM_WRITERS = 6  # short prompts, long outputs, all at once: together they outgrow the KV cache
-NUM_WRITER_TOKENS = 320
+# 31 blocks each at full length: any 4 of the 6 running at once outgrow the cache on their own. With
+# 320 tokens (21 blocks) all 6 had to overlap (126 of 120 blocks), and a loaded CI machine, where one
+# writer finished (its drafts all accepted) before the last had grown, saw no preemption.
+NUM_WRITER_TOKENS = 480
 BLOCK = 16
 BYTES_PER_BLOCK = tiny_kv_bytes_per_block(BLOCK)
 NUM_KV_BLOCKS = 120  # ~1,900 tokens: the writers alone need more, so some are preempted

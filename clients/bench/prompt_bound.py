@@ -128,6 +128,13 @@ class SwarmTurn:
     request: StreamedRequest
 
 
+def ttft_medians_by_turn(turns: Sequence[SwarmTurn]) -> list[float | None]:
+    """The median TTFT of each turn index (0: every agent arrives at once, behind one another's
+    prompts; later turns: one prompt at thousands of tokens of context, beside the others' decodes)."""
+    num_turns = 1 + max((t.turn for t in turns), default=-1)
+    return [percentile(_present(t.request.ttft_s for t in turns if t.turn == i), 50) for i in range(num_turns)]
+
+
 def swarm_summary(turns: Sequence[SwarmTurn], t0: float, end_s: float) -> dict:
     ttfts = _present(t.request.ttft_s for t in turns)
     output = sum(t.request.output_tokens for t in turns)
@@ -139,6 +146,7 @@ def swarm_summary(turns: Sequence[SwarmTurn], t0: float, end_s: float) -> dict:
         "makespan_s": makespan,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p50_s_by_turn": ttft_medians_by_turn(turns),
         "output_tokens": output,
         "output_tokens_per_s": output / makespan if makespan > 0 else 0.0,
         "prompt_tokens": sum(prompt) if len(prompt) == len(turns) else None,

@@ -51,6 +51,18 @@ def swarm_label(row: dict) -> str:
     return f"{row['num_agents']} agents x {row['num_turns']} turns"
 
 
+def ttft_by_turn_lines(row: dict) -> list[str]:
+    """A swarm row's median TTFT per turn, per engine: turn 1 is the agents queueing behind one
+    another's prompts, later turns one prompt at long context; the overall p50 mixes the two."""
+    lines = []
+    for engine in (*PEERS, SWARMSERVE):
+        by_turn = (row["engines"].get(engine) or {}).get("ttft_p50_s_by_turn")
+        if by_turn:
+            cells = " / ".join(MISSING if t is None else f"{t:.2f}" for t in by_turn)
+            lines.append(f"  TTFT p50 by turn, {ENGINE_LABELS[engine]}: {cells} s")
+    return lines
+
+
 def workload_checks(rows: Sequence[dict]) -> list[str]:
     """Where an engine counted a different prompt than the ids sent, or generated fewer tokens
     than asked: the comparison is then not like for like."""
@@ -105,6 +117,7 @@ def format_prompt_bound(rows: Sequence[dict]) -> list[str]:
                 swarm_label,
             ),
         ]
+        lines += ttft_by_turn_lines(row)
         for engine, summary in row["engines"].items():
             if summary and summary.get("prompt_tokens") is not None:
                 cached = summary.get("cached_tokens")

@@ -153,6 +153,7 @@ def test_swarm_summary_takes_the_makespan_and_ttft_over_all_turns():
     assert (summary["output_tokens"], summary["prompt_tokens"], summary["cached_tokens"]) == (80, 8000, 6000)
     assert summary["output_tokens_per_s"] == pytest.approx(80 / 14)
     assert [(t["agent"], t["turn"]) for t in summary["turns"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert summary["ttft_p50_s_by_turn"] == [2.0, 1.25]  # turn 0: 1.0 and 3.0; turn 1: 0.5 and 2.0
     turns[0] = prompt_bound.SwarmTurn(0, 0, _request(0.0, 1.0, 5.0, 20, None, None))
     summary = swarm_summary(turns, t0, 14.0)
     assert summary["prompt_tokens"] is None and summary["cached_tokens"] is None  # not reported by every turn
@@ -399,3 +400,19 @@ def test_an_engine_that_cannot_be_reached_fails_its_cells_not_the_run():
     assert set(row["errors"]) == {"vllm", "swarmserve"} and "ConnectError" in row["errors"]["vllm"]
     assert row["advantage"] == {}
     assert "vLLM-CPU failed in prefill: ConnectError" in "\n".join(prompt_bound_report.format_prompt_bound([row]))
+
+
+def test_a_swarm_row_reports_the_median_ttft_of_each_turn():
+    """Turn 1 (every agent queued behind the others' prompts) and later turns (one prompt at long
+    context) are different problems: the report splits the overall p50 by turn, per engine."""
+    turns = [
+        prompt_bound.SwarmTurn(agent, turn, _request(start, start + ttft, start + 5, 20, 2000, 1500))
+        for agent, turn, start, ttft in [(0, 0, 0.0, 4.0), (1, 0, 0.0, 8.0), (0, 1, 9.0, 2.5), (1, 1, 13.0, 3.5)]
+    ]
+    ours = swarm_summary(turns, 0.0, 18.0)
+    theirs = {**ours, "ttft_p50_s_by_turn": [6.0, None]}  # a peer whose second turns never streamed a token
+    row = {"kind": "swarm", "engines": {"vllm": theirs, "swarmserve": ours, "llama.cpp": None}}
+    assert prompt_bound_report.ttft_by_turn_lines(row) == [
+        "  TTFT p50 by turn, vLLM-CPU: 6.00 / – s",
+        "  TTFT p50 by turn, swarmserve: 6.00 / 3.00 s",
+    ]

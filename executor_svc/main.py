@@ -52,7 +52,7 @@ async def run(args: argparse.Namespace) -> None:
     calibration_s = time.monotonic() - t0 - listen_s - engine_s
     log.debug(
         "calibration_samples",
-        samples=[(c.num_tokens, c.num_kv_tokens, round(c.forward_s * 1e3, 2)) for c in calibration],
+        samples=[(c.num_tokens, c.num_attention_pairs, round(c.forward_s * 1e3, 2)) for c in calibration],
     )
     await starting.ready(engine, calibration)
     freeze_startup_heap()

@@ -7,10 +7,11 @@ executor measured: calibration steps at start-up, then every real step.
 
 The model is
 
-    t = a + b·T + c·K + e·L + f·R + d·max(0, T − knee)
+    t = a + b·T + c·P + e·L + f·R + d·max(0, T − knee)
 
-with T = tokens computed, K = KV tokens read (the executor reports the sum of
-the scheduled requests' context lengths), L = logits rows (the LM head and the
+with T = tokens computed, P = attention pairs (Σ over the step's query rows of
+the keys each attends: a decode row its context, a chunk of n tokens after c
+cached ones n·c + n(n + 1)/2; see service_common/attention_pairs.py), L = logits rows (the LM head and the
 sampler run once per row that needs logits: one per sampling request plus its
 drafts), R = requests in the step (per-request work: slicing, block tables,
 drafting, verification), and every coefficient ≥ 0. t is the executor's whole
@@ -58,12 +59,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from service_common.attention_pairs import attention_pairs
+
 MIN_SAMPLES_TO_FIT = 3
 NUM_ROBUST_PASSES = 3
 HUBER_K = 1.345  # residuals beyond k robust standard deviations are down-weighted (95% efficiency)
 HINGE_MAX_LOSS_RATIO = 0.5  # the hinge must halve the line's weighted squared residual to be used
 MAX_NUM_KNEES = 32  # knee candidates per fit: ~10% steps over the calibrated range of T
-_NUM_COLUMNS = 6  # [1, T, K, L, R, max(0, T − knee)] → a, b, c, e, f, d
+_NUM_COLUMNS = 6  # [1, T, P, L, R, max(0, T − knee)] → a, b, c, e, f, d
 _HINGE = _NUM_COLUMNS - 1
 # Refit after this many online samples while the window fills, then every `refit_every`:
 # the first real steps (batched, unlike calibration) correct the model within a few steps.
@@ -81,11 +84,11 @@ _ACTIVE_SETS = np.array(
 
 @dataclass(frozen=True)
 class StepTimeSample:
-    """One measured step: tokens computed, KV tokens read, seconds, logits rows, requests."""
+    """One measured step: tokens computed, attention pairs, seconds, logits rows, requests."""
 
     # Counts are floats: a step whose plan ran several times is observed as its mean run.
     num_tokens: float
-    num_kv_tokens: float
+    num_attention_pairs: float
     step_s: float
     num_logits_rows: float = 1
     num_requests: float = 1
@@ -93,8 +96,8 @@ class StepTimeSample:
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be at least 1, got {self.num_tokens}")
-        if self.num_kv_tokens < 0:
-            raise ValueError(f"num_kv_tokens must be non-negative, got {self.num_kv_tokens}")
+        if self.num_attention_pairs < 0:
+            raise ValueError(f"num_attention_pairs must be non-negative, got {self.num_attention_pairs}")
         if not 0 <= self.num_logits_rows <= self.num_tokens:
             raise ValueError(
                 f"num_logits_rows must be in [0, num_tokens={self.num_tokens}], got {self.num_logits_rows}"
@@ -107,11 +110,11 @@ class StepTimeSample:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Fitted coefficients of t = a + b·T + c·K + e·L + f·R + d·max(0, T − knee), in seconds."""
+    """Fitted coefficients of t = a + b·T + c·P + e·L + f·R + d·max(0, T − knee), in seconds."""
 
     fixed_s: float  # a: weight stream + launch overhead, paid by every step
     per_token_s: float  # b
-    per_kv_token_s: float  # c
+    per_attention_pair_s: float  # c
     per_token_past_knee_s: float = 0.0  # d: the extra slope once arithmetic outgrows the weight stream
     knee_tokens: float = 0.0
     per_logits_row_s: float = 0.0  # e: LM head + sampling/verification per row that needs logits
@@ -119,7 +122,7 @@ class StepCost:
 
     def __post_init__(self) -> None:
         for name in (
-            "fixed_s", "per_token_s", "per_kv_token_s", "per_token_past_knee_s", "knee_tokens", "per_logits_row_s",
+            "fixed_s", "per_token_s", "per_attention_pair_s", "per_token_past_knee_s", "knee_tokens", "per_logits_row_s",
             "per_request_s",
         ):  # fmt: skip
             value = getattr(self, name)
@@ -127,13 +130,13 @@ class StepCost:
                 raise ValueError(f"{name} must be non-negative and finite, got {value}")
 
     def predict(
-        self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1
+        self, num_tokens: float, num_attention_pairs: float, num_logits_rows: float = 1, num_requests: float = 1
     ) -> float:
         past_knee = num_tokens - self.knee_tokens
         return (
             self.fixed_s
             + self.per_token_s * num_tokens
-            + self.per_kv_token_s * num_kv_tokens
+            + self.per_attention_pair_s * num_attention_pairs
             + self.per_logits_row_s * num_logits_rows
             + self.per_request_s * num_requests
             + (self.per_token_past_knee_s * past_knee if past_knee > 0 else 0.0)
@@ -154,8 +157,8 @@ class CostModelConfig:
     min_level_samples: int = 3  # ... once there are this many
     max_num_tokens: int = 8192  # the largest step any query is answered for (bounds the searches)
     # Used before there is data, and for a coefficient the data cannot determine (all samples at one T,
-    # or one K). Pessimistic on purpose: with no evidence, extra tokens are not assumed free.
-    prior: StepCost = field(default_factory=lambda: StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=0.0))
+    # or one P). Pessimistic on purpose: with no evidence, extra tokens are not assumed free.
+    prior: StepCost = field(default_factory=lambda: StepCost(fixed_s=0.02, per_token_s=0.001, per_attention_pair_s=0.0))
 
     def __post_init__(self) -> None:
         for name in (
@@ -216,14 +219,14 @@ class CostModel:
     def observe(
         self,
         num_tokens: float,
-        num_kv_tokens: float,
+        num_attention_pairs: float,
         step_s: float,
         num_logits_rows: float = 1,
         num_requests: float = 1,
     ) -> None:
         """Add one step's measurement; refits on the early schedule, then as the class docstring says."""
-        sample = StepTimeSample(num_tokens, num_kv_tokens, step_s, num_logits_rows, num_requests)
-        predicted = self.predict(num_tokens, num_kv_tokens, num_logits_rows, num_requests)
+        sample = StepTimeSample(num_tokens, num_attention_pairs, step_s, num_logits_rows, num_requests)
+        predicted = self.predict(num_tokens, num_attention_pairs, num_logits_rows, num_requests)
         self.errors.append(abs(predicted - step_s) / step_s)
         self._online.append(sample)
         self._num_unfitted += 1
@@ -247,7 +250,9 @@ class CostModel:
         if len(recent) >= self.config.min_level_samples:
             ratios = [
                 s.step_s
-                / max(self.fitted.predict(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests), 1e-12)
+                / max(
+                    self.fitted.predict(s.num_tokens, s.num_attention_pairs, s.num_logits_rows, s.num_requests), 1e-12
+                )
                 for s in recent
             ]
             self.level = float(np.median(ratios))
@@ -258,7 +263,7 @@ class CostModel:
             f,
             fixed_s=f.fixed_s * self.level,
             per_token_s=f.per_token_s * self.level,
-            per_kv_token_s=f.per_kv_token_s * self.level,
+            per_attention_pair_s=f.per_attention_pair_s * self.level,
             per_token_past_knee_s=f.per_token_past_knee_s * self.level,
             per_logits_row_s=f.per_logits_row_s * self.level,
             per_request_s=f.per_request_s * self.level,
@@ -277,8 +282,9 @@ class CostModel:
             self._update_level()
             return self.coefficients
         columns = np.array(
-            [(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests) for s in samples], dtype=np.float64
-        )  # [num_samples, 4]: T, K, L, R
+            [(s.num_tokens, s.num_attention_pairs, s.num_logits_rows, s.num_requests) for s in samples],
+            dtype=np.float64,
+        )  # [num_samples, 4]: T, P, L, R
         step_s = np.array([s.step_s for s in samples], dtype=np.float64)
         # Newest online sample weighs 1; calibration keeps a constant weight.
         ages = np.arange(len(self._online) - 1, -1, -1, dtype=np.float64)
@@ -297,46 +303,54 @@ class CostModel:
     # ----------------------------------------------------------------- queries
 
     def predict(
-        self, num_tokens: float, num_kv_tokens: float, num_logits_rows: float = 1, num_requests: float = 1
+        self, num_tokens: float, num_attention_pairs: float, num_logits_rows: float = 1, num_requests: float = 1
     ) -> float:
-        """Predicted seconds for a step computing `num_tokens` over `num_kv_tokens` cached tokens,
-        with `num_logits_rows` rows of logits, for `num_requests` requests."""
-        return self.coefficients.predict(num_tokens, num_kv_tokens, num_logits_rows, num_requests)
+        """Predicted seconds for a step computing `num_tokens` tokens whose query rows attend
+        `num_attention_pairs` (query, key) pairs, with `num_logits_rows` rows of logits, for
+        `num_requests` requests."""
+        return self.coefficients.predict(num_tokens, num_attention_pairs, num_logits_rows, num_requests)
 
-    def free_token_budget(self, num_kv_tokens: int, tolerance: float = 0.05) -> int:
+    def free_token_budget(
+        self, num_attention_pairs: int, tolerance: float = 0.05, num_pairs_per_token: float = 0.0
+    ) -> int:
         """S: the most tokens a step can compute within (1 + tolerance) of a one-token step.
 
         This is the compute slack batching and speculation share. Each extra
-        token is priced as a token that needs logits (a decode or a draft row),
-        which is what the slack is spent on. It is never claimed beyond the
-        largest step actually measured (the fit says nothing about what lies
-        past it), and is at least 1.
+        token is priced as a token that needs logits (a decode or a draft row)
+        and attends `num_pairs_per_token` keys (its request's context), which is
+        what the slack is spent on. It is never claimed beyond the largest step
+        actually measured (the fit says nothing about what lies past it), and is
+        at least 1.
         """
         if not tolerance >= 0:
             raise ValueError(f"tolerance must be non-negative, got {tolerance}")
-        limit = (1.0 + tolerance) * self.predict(1, num_kv_tokens)
+        limit = (1.0 + tolerance) * self.predict(1, num_attention_pairs)
         limit *= 1.0 + 1e-12  # a flat model must not lose tokens to rounding
         cap = min(max(1, self.max_observed_tokens), self.config.max_num_tokens)
-        return _largest_within(lambda n: self.predict(n, num_kv_tokens, n) <= limit, 1, cap)
+
+        def fits(n: int) -> bool:
+            return self.predict(n, num_attention_pairs + (n - 1) * num_pairs_per_token, n) <= limit
+
+        return _largest_within(fits, 1, cap)
 
     def max_chunk_tokens(
         self,
         num_other_tokens: int,
-        num_kv_tokens: int,
+        num_attention_pairs: int,
         target_step_s: float,
         min_chunk: int,
         num_logits_rows: int | None = None,
         num_requests: int | None = None,
+        num_cached_tokens: int = 0,
     ) -> int:
         """The largest prefill chunk keeping the predicted step within `target_step_s`, at least `min_chunk`.
 
-        `num_other_tokens`, `num_kv_tokens`, `num_logits_rows` and
+        `num_other_tokens`, `num_attention_pairs`, `num_logits_rows` and
         `num_requests` describe the rest of the step (None: one per other
-        token, the decodes), including the chunk's own request's
-        already-cached context; the chunk adds its tokens to both T and K, one
-        request, and one logits row (it may end its prompt). The floor means a
-        prefill always progresses, even when the decodes alone already miss
-        the target.
+        token, the decodes); the chunk adds its tokens to T, the pairs its rows
+        attend after its request's `num_cached_tokens` to P, one request, and
+        one logits row (it may end its prompt). The floor means a prefill
+        always progresses, even when the decodes alone already miss the target.
         """
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be at least 1, got {min_chunk}")
@@ -348,7 +362,12 @@ class CostModel:
 
         def fits(n: int) -> bool:
             return (
-                self.predict(num_other_tokens + n, num_kv_tokens + n, min(rows, num_other_tokens + n), requests)
+                self.predict(
+                    num_other_tokens + n,
+                    num_attention_pairs + attention_pairs(num_cached_tokens, n),
+                    min(rows, num_other_tokens + n),
+                    requests,
+                )
                 <= target_step_s
             )
 
@@ -397,7 +416,7 @@ def _largest_within(fits, low: int, high: int) -> int:
 
 def fit_step_cost(
     num_tokens: np.ndarray,
-    num_kv_tokens: np.ndarray,
+    num_attention_pairs: np.ndarray,
     step_s: np.ndarray,
     weights: np.ndarray,
     prior: StepCost,
@@ -409,15 +428,17 @@ def fit_step_cost(
     Arrays are [num_samples]; logits rows and requests default to one per
     sample. Fewer than MIN_SAMPLES_TO_FIT samples give the prior's slopes with
     the intercept matched to the data. A column with a single distinct value
-    (all samples at one T, one K, ...) cannot be told apart from the intercept:
+    (all samples at one T, one P, ...) cannot be told apart from the intercept:
     its coefficient is held at the prior's.
     """
     ones = np.ones_like(step_s)
     num_logits_rows = ones if num_logits_rows is None else num_logits_rows
     num_requests = ones if num_requests is None else num_requests
-    # [num_samples, 4]: the slope columns T, K, L, R, and the prior's slope for each.
-    features = np.stack([num_tokens, num_kv_tokens, num_logits_rows, num_requests], axis=1)
-    prior_slopes = np.array([prior.per_token_s, prior.per_kv_token_s, prior.per_logits_row_s, prior.per_request_s])
+    # [num_samples, 4]: the slope columns T, P, L, R, and the prior's slope for each.
+    features = np.stack([num_tokens, num_attention_pairs, num_logits_rows, num_requests], axis=1)
+    prior_slopes = np.array(
+        [prior.per_token_s, prior.per_attention_pair_s, prior.per_logits_row_s, prior.per_request_s]
+    )
     distinct_tokens = np.unique(num_tokens)
     has_spread = np.array([len(np.unique(features[:, j])) >= 2 for j in range(features.shape[1])])
     enough = len(step_s) >= MIN_SAMPLES_TO_FIT
@@ -474,7 +495,7 @@ def _weighted_nnls(
 ) -> tuple[np.ndarray, float]:
     """Best (coefficients [a, b, c, e, f, d], knee) over every knee and every active set with all coefficients ≥ 0.
 
-    `features` is [num_samples, 4] (T, K, L, R). With 6 coefficients the exact
+    `features` is [num_samples, 4] (T, P, L, R). With 6 coefficients the exact
     NNLS optimum is the best feasible unconstrained solution over the 63
     active sets; all knees are solved at once as a batch of small
     normal-equation systems.

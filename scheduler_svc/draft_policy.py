@@ -42,13 +42,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from scheduler_svc.cost_model import CostModel
+from service_common.attention_pairs import attention_pairs
 
 DRAFT_POLICY_CHOICES = "off|fixed:K|even|goodput"
 DEFAULT_DRAFT_POLICY = "goodput"
 FREE_TOKEN_TOLERANCE = 0.05  # S counts a step as free within 5% of a one-token step
-# The executor's paged attention reads a request's KV once per tile of this many query tokens
-# (executor_svc/kernels/paged_attention.py), so drafts riding in the decode token's tile read no extra KV.
-DEFAULT_QUERY_TILE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class DraftCandidate:
     request_id: str
     num_draftable_tokens: int  # d_i: what the executor's index can propose next step (0 = none)
     acceptance: float  # α_i: probability a draft token is accepted given the previous one was
-    num_context_tokens: int  # KV tokens the request reads this step
+    num_context_tokens: int  # the keys its decode row attends: computed tokens + the decode token
     num_decodes_since_draft: int = 0  # its decode steps in a row that verified no draft (goodput's probe)
     # E_i(n) at [n - 1]: the expected accepted tokens of its best n-node draft tree; () = price as a chain by α_i.
     expected_accepted_tokens_by_nodes: tuple[float, ...] = ()
@@ -109,20 +107,17 @@ class DraftStep:
     """The rest of the step the drafts join."""
 
     num_other_tokens: int  # one committed token per decoding request (B) + the step's prefill chunk tokens
-    num_kv_tokens: int  # KV tokens the step reads without drafts (the executor's definition: Σ context lengths)
+    num_attention_pairs: int  # the pairs the step's rows attend without drafts (service_common/attention_pairs.py)
     num_prefill_output_tokens: int = 0  # tokens the prefill chunks emit (1 per chunk that ends its prompt)
     max_num_draft_tokens: int | None = None  # what the step's token/KV budget leaves for drafts; None = no cap
-    query_tile_tokens: int = DEFAULT_QUERY_TILE_TOKENS  # 1 = the attention reads KV once per query token
     num_requests: int = 0  # requests in the step, decoding or prefilling (0: the decoding candidates alone)
 
     def __post_init__(self) -> None:
-        for name in ("num_other_tokens", "num_kv_tokens", "num_prefill_output_tokens", "num_requests"):
+        for name in ("num_other_tokens", "num_attention_pairs", "num_prefill_output_tokens", "num_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_draft_tokens is not None and self.max_num_draft_tokens < 0:
             raise ValueError(f"max_num_draft_tokens must be >= 0 or None, got {self.max_num_draft_tokens}")
-        if self.query_tile_tokens < 1:
-            raise ValueError(f"query_tile_tokens must be >= 1, got {self.query_tile_tokens}")
 
 
 @dataclass(frozen=True)
@@ -140,23 +135,33 @@ class DraftAllocation:
 
 
 def _step_time(
-    cost_model: CostModel, step: DraftStep, num_candidates: int, num_tokens: int, num_kv_tokens: int, num_drafts: int
+    cost_model: CostModel,
+    step: DraftStep,
+    num_candidates: int,
+    num_tokens: int,
+    num_attention_pairs: int,
+    num_drafts: int,
 ) -> float:
     """The cost model's time for the step with `num_drafts` drafts in all: each draft is a token and a logits row."""
     num_logits_rows = num_candidates + step.num_prefill_output_tokens + num_drafts
-    return cost_model.predict(num_tokens, num_kv_tokens, num_logits_rows, max(step.num_requests, num_candidates, 1))
+    return cost_model.predict(
+        num_tokens, num_attention_pairs, num_logits_rows, max(step.num_requests, num_candidates, 1)
+    )
 
 
-def draft_kv_tokens(num_context_tokens: int, num_draft_tokens: int, query_tile_tokens: int) -> int:
-    """Extra KV tokens a request's drafts add to the step's KV read.
+def draft_attention_pairs(num_context_tokens: int, num_draft_tokens: int) -> int:
+    """The pairs a request's drafts add to the step: draft j (1-based) attends the request's
+    context, its decode token included, and the j drafts up to itself. Example: context 1000,
+    3 drafts: 1001 + 1002 + 1003 = 3006. At thousands of tokens of context a draft row's
+    attention outweighs its share of the matmuls, so a draft is priced by where it attends."""
+    return attention_pairs(num_context_tokens, num_draft_tokens)
 
-    Each draft writes its own slot (+1). A request's query rows are attended in
-    tiles of `query_tile_tokens`; each tile beyond the first reads the
-    request's context again. Example: context 1000, tiles of 16: 15 drafts add
-    15; a 16th starts a second tile and adds 1000 + 16.
-    """
-    num_tiles = -(-(1 + num_draft_tokens) // query_tile_tokens)
-    return num_draft_tokens + (num_tiles - 1) * num_context_tokens
+
+def free_token_budget(cost_model: CostModel, step: DraftStep, candidates: Sequence[DraftCandidate]) -> int:
+    """S at this step: the tokens it computes within FREE_TOKEN_TOLERANCE of a one-token step,
+    each extra token a row attending the decoding requests' mean context."""
+    mean_context = sum(c.num_context_tokens for c in candidates) / len(candidates) if candidates else 0.0
+    return cost_model.free_token_budget(step.num_attention_pairs, FREE_TOKEN_TOLERANCE, mean_context)
 
 
 class DraftPolicy(ABC):
@@ -177,19 +182,19 @@ class DraftPolicy(ABC):
                 f"{len(candidates)} decoding requests"
             )
         budgets = self.budgets(candidates, step, cost_model) if candidates else {}
-        num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+        num_tokens, num_attention_pairs = step.num_other_tokens, step.num_attention_pairs
         expected = float(len(candidates) + step.num_prefill_output_tokens)
         for c in candidates:
             k = budgets[c.request_id]
             num_tokens += k
-            num_kv_tokens += draft_kv_tokens(c.num_context_tokens, k, step.query_tile_tokens)
+            num_attention_pairs += draft_attention_pairs(c.num_context_tokens, k)
             expected += _expected_accepted(c, k)
         return DraftAllocation(
             draft_budgets=budgets,
-            num_free_tokens=cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE),
+            num_free_tokens=free_token_budget(cost_model, step, candidates),
             num_expected_tokens=expected,
             predicted_step_s=_step_time(
-                cost_model, step, len(candidates), num_tokens, num_kv_tokens, sum(budgets.values())
+                cost_model, step, len(candidates), num_tokens, num_attention_pairs, sum(budgets.values())
             ),
         )
 
@@ -273,7 +278,7 @@ class EvenSplitPolicy(DraftPolicy):
     name: ClassVar[str] = "even"
 
     def budgets(self, candidates: Sequence[DraftCandidate], step: DraftStep, cost_model: CostModel) -> dict[str, int]:
-        num_free_tokens = cost_model.free_token_budget(step.num_kv_tokens, FREE_TOKEN_TOLERANCE)
+        num_free_tokens = free_token_budget(cost_model, step, candidates)
         room = max(0, num_free_tokens - step.num_other_tokens)
         if step.max_num_draft_tokens is not None:
             room = min(room, step.max_num_draft_tokens)
@@ -290,11 +295,11 @@ class GoodputPolicy(DraftPolicy):
     only fall as a request's draft grows; a tree's next node gains what the
     request's curve says (`DraftCandidate.draft_gains`), falling too. The step's
     expected output is E = B + prefill outputs + Σ_i Σ_{j≤k_i} gain_ij and its time
-    t = cost_model.predict(T, K, L, R), where each draft adds 1 to T and to
-    the logits rows L, and `draft_kv_tokens` to K. The best candidate (gain g) is taken iff
-    (E + g) / t(T + 1, K + ΔK) > E / t(T, K), i.e. it raises expected tokens
-    per second; a candidate that does not is dropped and the next is tried
-    (its KV cost may be lower). Ties go to the smaller request id.
+    t = cost_model.predict(T, P, L, R), where each draft adds 1 to T and to
+    the logits rows L, and the pairs it attends (`draft_attention_pairs`) to P. The best
+    candidate (gain g) is taken iff (E + g) / t(T + 1, P + ΔP) > E / t(T, P), i.e. it raises
+    expected tokens per second; a candidate that does not is dropped and the next is tried
+    (its context may be shorter, its draft cheaper). Ties go to the smaller request id.
 
     Two guards against trusting the model where it has no evidence: the step
     never grows past the largest step the cost model has measured (it would
@@ -329,26 +334,24 @@ class GoodputPolicy(DraftPolicy):
         # Max-heap on the next draft token's gain: (-gain, request_id, candidate).
         heap = [(-g[0], c.request_id, c) for c in candidates if (g := gains[c.request_id]) and g[0] > 0]
         heapq.heapify(heap)
-        num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+        num_tokens, num_attention_pairs = step.num_other_tokens, step.num_attention_pairs
         expected = float(len(candidates) + step.num_prefill_output_tokens)
         num_drafts = 0
-        step_s = _step_time(cost_model, step, len(candidates), num_tokens, num_kv_tokens, num_drafts)
+        step_s = _step_time(cost_model, step, len(candidates), num_tokens, num_attention_pairs, num_drafts)
         while heap and room > 0:
             negative_gain, request_id, c = heapq.heappop(heap)
             gain = -negative_gain
             if gain < self.min_gain:
                 break  # every later candidate gains less
             k = budgets[request_id]
-            kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
-                c.num_context_tokens, k, step.query_tile_tokens
-            )
+            pairs = c.num_context_tokens + k + 1  # the next draft's row
             next_step_s = _step_time(
-                cost_model, step, len(candidates), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1
+                cost_model, step, len(candidates), num_tokens + 1, num_attention_pairs + pairs, num_drafts + 1
             )
             if not (expected + gain) * step_s > expected * next_step_s:
                 continue
             budgets[request_id] = k + 1
-            num_tokens, num_kv_tokens, step_s = num_tokens + 1, num_kv_tokens + kv_step, next_step_s
+            num_tokens, num_attention_pairs, step_s = num_tokens + 1, num_attention_pairs + pairs, next_step_s
             num_drafts += 1
             expected += gain
             room -= 1

@@ -56,8 +56,10 @@ def reconnect_backoff_s(attempt: int) -> float:
 def _calibration_sample(c: epb.CostSample) -> StepTimeSample:
     """A start-up measurement in the terms of real steps (an older executor reports forward time only)."""
     if not c.num_requests:
-        return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.forward_s)
-    return StepTimeSample(c.num_tokens, c.num_kv_tokens, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests)
+        return StepTimeSample(c.num_tokens, c.num_attention_pairs, c.forward_s)
+    return StepTimeSample(
+        c.num_tokens, c.num_attention_pairs, c.step_s or c.forward_s, c.num_logits_rows, c.num_requests
+    )
 
 
 class ExecutorRecovery:

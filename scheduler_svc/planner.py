@@ -64,6 +64,7 @@ report, and one more block per running request covers accepted drafts.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,8 +74,21 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel
 from scheduler_svc.draft_policy import DraftAllocation, DraftCandidate, DraftStep, parse_draft_policy
 from scheduler_svc.request import Request, RequestStatus
+from service_common.attention_pairs import attention_pairs
 from service_common.finish_reason import FinishReason
 from swarmserve.executor.v1 import executor_pb2 as epb
+
+RECENT_ENDED_REQUESTS = 64  # ended requests whose tokens the planner keeps to guess a newcomer's prefix hits
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b (compared 256 tokens at a time)."""
+    n, i = min(len(a), len(b)), 0
+    while i + 256 <= n and a[i : i + 256] == b[i : i + 256]:
+        i += 256
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass(frozen=True)
@@ -255,6 +269,8 @@ class Planner:
         self._static_batch: set[str] = set()
         self._step_id = 0
         self.in_flight: deque[Plan] = deque()  # sent, not answered yet, oldest first (overlapped scheduling)
+        # The tokens of the last requests that ended: a newcomer's likely prefix hits (an agent's next turn).
+        self._ended_tokens: deque[list[int]] = deque(maxlen=RECENT_ENDED_REQUESTS)
 
     # ------------------------------------------------------------------ queue
 
@@ -296,6 +312,7 @@ class Planner:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        self._ended_tokens.append(request.prompt_token_ids + request.output_token_ids)
         self.acceptance.forget(request.executor_request_id)
         if request.is_known_to_executor:
             self._to_release.append(request.executor_request_id)
@@ -454,13 +471,17 @@ class Planner:
         if not target or not scheduled:  # None or 0: no cap
             return num_tokens
         num_decodes = len(scheduled)
-        decode_kv = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
-        decodes_alone_s = self.cost_model.predict(num_decodes, decode_kv, num_decodes, num_decodes)
-        # The chunk's own request attends to what it has cached: price the oldest prefill's context.
+        decode_pairs = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
+        decodes_alone_s = self.cost_model.predict(num_decodes, decode_pairs, num_decodes, num_decodes)
+        # The chunk's rows attend what its request has cached: price the oldest prefill's context.
         prefilling = next((r for r in self.running if r.num_pending_tokens > 1), None)
-        context = prefilling.num_expected_computed_tokens if prefilling is not None else 0
+        context = self._expected_context(prefilling) if prefilling is not None else 0
         cap = self.cost_model.max_chunk_tokens(
-            num_decodes, decode_kv + context, max(target, 2 * decodes_alone_s), self.config.min_prefill_chunk
+            num_decodes,
+            decode_pairs,
+            max(target, 2 * decodes_alone_s),
+            self.config.min_prefill_chunk,
+            num_cached_tokens=context,
         )
         return min(num_tokens, cap)
 
@@ -508,6 +529,7 @@ class Planner:
             if not request.is_known_to_executor:
                 plan.new_requests.append(request)
                 request.is_known_to_executor = True
+                request.expected_prefix_hit = self._expected_prefix_hit(request)
             n = min(request.num_pending_tokens, room.num_prefill_tokens)
             scheduled[request.executor_request_id] = n
             # Reserve the whole prompt: cached prefix blocks the executor reuses may come out of the free pool too.
@@ -517,17 +539,34 @@ class Planner:
 
     def _predict(self, plan: Plan) -> float:
         """The cost model's executor time for `plan`, in the executor's own terms (see cost_model.py):
-        tokens computed, KV tokens read (Σ context lengths), logits rows, requests."""
-        num_tokens = num_kv_tokens = num_logits_rows = 0
+        tokens computed, attention pairs, logits rows, requests."""
+        num_tokens = num_attention_pairs = num_logits_rows = 0
         for s in plan.scheduled:
             request = self.requests[s.request_id]
             num_tokens += s.num_tokens + s.draft_budget
-            num_kv_tokens += request.num_expected_computed_tokens + s.num_tokens + s.draft_budget
+            num_attention_pairs += attention_pairs(self._expected_context(request), s.num_tokens + s.draft_budget)
             if s.num_tokens == request.num_pending_tokens:  # computes its last known token: samples (and verifies)
                 num_logits_rows += 1 + s.draft_budget
         if not num_tokens:
             return 0.0
-        return self.cost_model.predict(num_tokens, num_kv_tokens, num_logits_rows, len(plan.scheduled))
+        return self.cost_model.predict(num_tokens, num_attention_pairs, num_logits_rows, len(plan.scheduled))
+
+    def _expected_prefix_hit(self, request: Request) -> int:
+        """The prompt tokens the executor's prefix cache likely holds for a newcomer: its longest
+        common prefix with a running request's tokens or a recently ended one's (an agent's next
+        turn extends its last; agents share a system prompt), in whole blocks, short of the whole
+        prompt. A guess for pricing steps only: its first chunk attends that context."""
+        prompt = request.prompt_token_ids
+        running = (r.prompt_token_ids + r.output_token_ids for r in self.running if r is not request)
+        known = itertools.chain(running, self._ended_tokens)
+        longest = max((_common_prefix_length(prompt, tokens) for tokens in known), default=0)
+        return min(longest, len(prompt) - 1) // self.block_size * self.block_size
+
+    def _expected_context(self, request: Request) -> int:
+        """The keys before a request's next scheduled token: its KV once the steps in flight are done,
+        plus, until the executor has reported any, the prefix hit it is expected to find."""
+        guess = request.expected_prefix_hit if request.num_computed_tokens == 0 else 0
+        return request.num_expected_computed_tokens + guess
 
     def _draft_budgets(self, scheduled: dict[str, int], budget: int, free: int) -> tuple[dict[str, int], int]:
         """Draft budgets by request id, and the free blocks they leave."""
@@ -556,13 +595,15 @@ class Planner:
             )
             for r in decoding
         ]
-        num_kv_tokens = sum(self.requests[rid].num_expected_computed_tokens + n for rid, n in scheduled.items())
+        num_attention_pairs = sum(
+            attention_pairs(self._expected_context(self.requests[rid]), n) for rid, n in scheduled.items()
+        )
         num_prefill_outputs = sum(
             1 for rid, n in scheduled.items() if n > 1 and self.requests[rid].num_pending_tokens == n
         )
         step = DraftStep(
             num_other_tokens=sum(scheduled.values()),
-            num_kv_tokens=num_kv_tokens,
+            num_attention_pairs=num_attention_pairs,
             num_prefill_output_tokens=num_prefill_outputs,
             max_num_draft_tokens=budget,
             num_requests=len(scheduled),

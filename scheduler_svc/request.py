@@ -48,6 +48,9 @@ class Request:
     is_known_to_executor: bool = False  # sent in a plan's new_requests (and not released since)
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Before the executor reports: the prompt tokens its prefix cache likely holds (the planner's guess at
+    # admission). It only prices steps (the cost model); KV accounting never counts on it.
+    expected_prefix_hit: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draftable_tokens: int = 0  # what the executor's index could draft next step (from the last result)

@@ -311,7 +311,7 @@ class StepLoop:
                 runs = max(1, response.num_runs)  # the counts and times are sums over the runs: observe their mean run
                 self.planner.cost_model.observe(
                     response.num_computed_tokens / runs,
-                    response.num_kv_tokens / runs,
+                    response.num_attention_pairs / runs,
                     (t.prepare_s + t.forward_s + t.sample_s) / runs,
                     response.num_logits_rows / runs
                     if response.num_requests

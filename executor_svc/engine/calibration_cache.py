@@ -36,7 +36,9 @@ from executor_svc.engine.step_messages import CostSample
 
 log = structlog.get_logger()
 
-FORMAT_VERSION = 1  # of the file and of the grid Engine.calibrate measures: bump when either changes
+# Of the file and of the grid Engine.calibrate measures: bump when either changes (2: samples count
+# attention pairs, not KV tokens).
+FORMAT_VERSION = 2
 MAX_FILES = 64
 MAX_DRIFT = 3.0  # a cached lone decode this many times slower or faster than one timed now: measured again
 DRIFT_SLACK_S = 0.002  # differences below this are timer and scheduling noise, whatever the ratio
@@ -138,7 +140,7 @@ def calibrate(runner, cache_dir: Path | None, reuse: bool = True) -> tuple[list[
 def still_holds(runner, samples: list[CostSample]) -> bool:
     """Whether a cached calibration prices a lone decode (one request, one token, no context) as
     the fastest of three timed now does, within MAX_DRIFT; True when it has no such point."""
-    cached = next((s for s in samples if (s.num_tokens, s.num_kv_tokens, s.num_requests) == (1, 1, 1)), None)
+    cached = next((s for s in samples if (s.num_tokens, s.num_attention_pairs, s.num_requests) == (1, 1, 1)), None)
     if cached is None:
         return True
     now = runner.time_step(0, 1, 1, 1, reps=3)

@@ -206,7 +206,7 @@ class Engine:
         outputs, grammar_s = self._postprocess(parts, logits)
         t3 = time.perf_counter()
         timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, grammar_s)
-        return self._step_response(outputs, batch.num_tokens, sum(batch.context_lens), timings, batch.num_logits)
+        return self._step_response(outputs, batch.num_tokens, batch.num_attention_pairs, timings, batch.num_logits)
 
     # ---------------------------------------------------------- step: the plan
 
@@ -585,7 +585,7 @@ class Engine:
         self,
         outputs: list[RequestResult],
         num_tokens: int,
-        num_kv_tokens: int,
+        num_attention_pairs: int,
         timings: StepTimings,
         num_logits_rows: int,
     ) -> StepResponse:
@@ -594,7 +594,7 @@ class Engine:
             num_requests=len(outputs),
             outputs=outputs,
             num_computed_tokens=num_tokens,
-            num_kv_tokens=num_kv_tokens,
+            num_attention_pairs=num_attention_pairs,
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_usable_blocks,
             timings=timings,

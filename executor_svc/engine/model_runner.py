@@ -29,6 +29,7 @@ from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import ModelWeights, load_weights
 from executor_svc.weights.tokenizer import load_tokenizer
+from service_common.attention_pairs import attention_pairs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_DTYPES = {**DTYPES, "float16": torch.float16}
@@ -252,7 +253,7 @@ class ModelRunner:
             forward_s, step_s = self._time_forward(pieces, reps)
         return CostSample(
             num_tokens * num_requests,
-            (context_len + num_tokens) * num_requests,
+            attention_pairs(context_len, num_tokens) * num_requests,
             forward_s,
             num_logits * num_requests,
             num_requests,

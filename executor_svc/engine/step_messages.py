@@ -113,7 +113,7 @@ class RequestResult:
 @dataclass(frozen=True)
 class CostSample:
     num_tokens: int  # tokens computed
-    num_kv_tokens: int  # KV tokens read
+    num_attention_pairs: int  # Σ over the query rows of the keys each attends (service_common/attention_pairs.py)
     forward_s: float
     num_logits_rows: int = 1  # rows the LM head and the sampler ran on
     num_requests: int = 1
@@ -122,7 +122,7 @@ class CostSample:
     def to_pb(self) -> pb.CostSample:
         return pb.CostSample(
             num_tokens=self.num_tokens,
-            num_kv_tokens=self.num_kv_tokens,
+            num_attention_pairs=self.num_attention_pairs,
             forward_s=self.forward_s,
             num_logits_rows=self.num_logits_rows,
             num_requests=self.num_requests,
@@ -153,7 +153,7 @@ class StepTimings:
 class StepResponse:
     outputs: list[RequestResult]
     num_computed_tokens: int
-    num_kv_tokens: int  # KV tokens the step's attention read (sum of context lengths): for the cost model
+    num_attention_pairs: int  # Σ over the query rows of the keys each attends: for the cost model
     num_free_blocks: int
     num_total_blocks: int
     timings: StepTimings
@@ -168,7 +168,7 @@ class StepResponse:
             later,
             outputs=[r.then(later_outputs[r.request_id]) if r.request_id in later_outputs else r for r in self.outputs],
             num_computed_tokens=self.num_computed_tokens + later.num_computed_tokens,
-            num_kv_tokens=self.num_kv_tokens + later.num_kv_tokens,
+            num_attention_pairs=self.num_attention_pairs + later.num_attention_pairs,
             timings=self.timings + later.timings,
             num_logits_rows=self.num_logits_rows + later.num_logits_rows,
             num_requests=self.num_requests + later.num_requests,
@@ -182,7 +182,7 @@ class StepResponse:
             num_free_kv_blocks=self.num_free_blocks,
             num_total_kv_blocks=self.num_total_blocks,
             num_computed_tokens=self.num_computed_tokens,
-            num_kv_tokens=self.num_kv_tokens,
+            num_attention_pairs=self.num_attention_pairs,
             num_logits_rows=self.num_logits_rows,
             num_requests=self.num_requests,
             timings=self.timings.to_pb(),

@@ -87,6 +87,9 @@ class RaggedBatch:
     logits_counts: tuple[int, ...] = ()  # [num_requests]: logits rows of each request (its verify window)
     state_slots: tuple[int, ...] = ()  # [num_requests]: recurrent-state slots (hybrid models), else empty
     tree_parents: tuple[tuple[int, ...] | None, ...] = ()  # [num_requests] when any slice is a tree, else empty
+    # Σ over the query rows of the keys each attends (its context and ancestors, itself included): the
+    # step's attention work, as the scheduler's cost model counts it (service_common/attention_pairs.py).
+    num_attention_pairs: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -105,6 +108,7 @@ class RaggedBatch:
         slots: list[int] = []
         logits_indices: list[int] = []
         query_starts, query_lens, context_lens = [], [], []
+        num_attention_pairs = 0
         for s in slices:
             start = len(token_ids)
             n = len(s.token_ids)
@@ -118,7 +122,9 @@ class RaggedBatch:
             token_ids.extend(s.token_ids)
             for position in range(s.start_position, end_position):
                 slots.append(s.block_ids[position // block_size] * block_size + position % block_size)
-            positions.extend(s.start_position + depth for depth in s.depths())
+            depths = s.depths()
+            positions.extend(s.start_position + depth for depth in depths)
+            num_attention_pairs += n * (s.start_position + 1) + sum(depths)
             logits_indices.extend(range(start + n - s.num_logits, start + n))
             query_starts.append(start)
             query_lens.append(n)
@@ -152,6 +158,7 @@ class RaggedBatch:
             logits_counts=tuple(s.num_logits for s in slices),
             state_slots=tuple(s.state_slot for s in slices) if any(s.state_slot >= 0 for s in slices) else (),
             tree_parents=tuple(s.tree_parents for s in slices) if any(s.tree_parents for s in slices) else (),
+            num_attention_pairs=num_attention_pairs,
         )
 
 

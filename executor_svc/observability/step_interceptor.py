@@ -54,7 +54,7 @@ def _step_attributes(request, response) -> dict:
         "swarmserve.num_released": len(request.released),
         "swarmserve.num_preempted": len(request.preempted),
         "swarmserve.num_computed_tokens": response.num_computed_tokens,
-        "swarmserve.num_kv_tokens": response.num_kv_tokens,
+        "swarmserve.num_attention_pairs": response.num_attention_pairs,
         "swarmserve.num_generated_tokens": generated,
         "swarmserve.draft_tokens.allocated": sum(s.draft_budget for s in request.scheduled),
         "swarmserve.draft_tokens.drafted": drafted,

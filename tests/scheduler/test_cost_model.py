@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost, StepTimeSample
+from service_common.attention_pairs import attention_pairs
 
 MS = 1e-3
 CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -51,7 +52,7 @@ def test_recovers_known_coefficients_from_noisy_samples():
     fit = model.coefficients
     assert fit.fixed_s == pytest.approx(a, rel=0.05)
     assert fit.per_token_s + fit.per_token_past_knee_s == pytest.approx(b, rel=0.05)
-    assert fit.per_kv_token_s == pytest.approx(c, rel=0.1)
+    assert fit.per_attention_pair_s == pytest.approx(c, rel=0.1)
     for t in CALIBRATION_TOKENS:
         assert model.predict(t, 4096) == pytest.approx(linear(a, b, c)(t, 4096), rel=0.02)
 
@@ -59,7 +60,7 @@ def test_recovers_known_coefficients_from_noisy_samples():
 def test_exact_linear_data_is_fitted_exactly_with_no_knee():
     a, b, c = 25 * MS, 1.04 * MS, 1e-7
     fit = CostModel(calibration=samples(linear(a, b, c))).coefficients
-    assert (fit.fixed_s, fit.per_token_s, fit.per_kv_token_s) == pytest.approx((a, b, c), rel=1e-4)
+    assert (fit.fixed_s, fit.per_token_s, fit.per_attention_pair_s) == pytest.approx((a, b, c), rel=1e-4)
     assert fit.per_token_past_knee_s == 0.0
 
 
@@ -67,8 +68,8 @@ def test_coefficients_are_never_negative():
     # Step time that falls with KV (noise, caching effects): c is clamped at 0, the others refit around it.
     model = CostModel(calibration=samples(lambda t, k: 20 * MS + 0.5 * MS * t - 1e-8 * k))
     fit = model.coefficients
-    assert min(fit.fixed_s, fit.per_token_s, fit.per_kv_token_s, fit.per_token_past_knee_s) >= 0
-    assert fit.per_kv_token_s == 0.0
+    assert min(fit.fixed_s, fit.per_token_s, fit.per_attention_pair_s, fit.per_token_past_knee_s) >= 0
+    assert fit.per_attention_pair_s == 0.0
     assert model.predict(8, 4096) == pytest.approx(24 * MS, rel=0.02)
 
 
@@ -145,11 +146,11 @@ def test_a_few_outliers_do_not_drag_the_fit():
     a, b, c = 25 * MS, 1.04 * MS, 2e-7
     data = samples(linear(a, b, c), noise=0.005, repeats=2)  # 42 samples
     for i in (3, 17, 30):  # a GC pause, a recompile, a noisy neighbour: 10× slower
-        data[i] = StepTimeSample(data[i].num_tokens, data[i].num_kv_tokens, 10 * data[i].step_s)
+        data[i] = StepTimeSample(data[i].num_tokens, data[i].num_attention_pairs, 10 * data[i].step_s)
     fit = CostModel(calibration=data).coefficients
     assert fit.fixed_s == pytest.approx(a, rel=0.05)
     assert fit.per_token_s + fit.per_token_past_knee_s == pytest.approx(b, rel=0.05)
-    assert fit.per_kv_token_s == pytest.approx(c, rel=0.1)
+    assert fit.per_attention_pair_s == pytest.approx(c, rel=0.1)
 
 
 def test_recent_steps_outweigh_old_ones():
@@ -230,13 +231,13 @@ def test_no_samples_gives_the_prior():
 
 @pytest.mark.parametrize("num_samples", [1, 2])
 def test_fewer_than_three_samples_keep_the_prior_slopes(num_samples):
-    prior = StepCost(fixed_s=0.02, per_token_s=0.001, per_kv_token_s=1e-7)
+    prior = StepCost(fixed_s=0.02, per_token_s=0.001, per_attention_pair_s=1e-7)
     model = CostModel(CostModelConfig(prior=prior))
     for _ in range(num_samples):
         model.observe(4, 1000, 0.05)
     model.refit()
     fit = model.coefficients
-    assert (fit.per_token_s, fit.per_kv_token_s) == (prior.per_token_s, prior.per_kv_token_s)
+    assert (fit.per_token_s, fit.per_attention_pair_s) == (prior.per_token_s, prior.per_attention_pair_s)
     assert model.predict(4, 1000) == pytest.approx(0.05)
 
 
@@ -245,14 +246,14 @@ def test_all_samples_at_one_token_count_hold_b_at_the_prior():
     fit = model.coefficients
     assert fit.per_token_s == model.config.prior.per_token_s
     assert fit.per_token_past_knee_s == 0.0
-    assert fit.per_kv_token_s == pytest.approx(1e-7, rel=1e-3)
+    assert fit.per_attention_pair_s == pytest.approx(1e-7, rel=1e-3)
     assert model.free_token_budget(1000) == 1
 
 
 def test_all_samples_at_one_kv_size_hold_c_at_the_prior():
     model = CostModel(calibration=samples(linear(25 * MS, 1 * MS, 0.0), kv=(777,)))
     fit = model.coefficients
-    assert fit.per_kv_token_s == model.config.prior.per_kv_token_s
+    assert fit.per_attention_pair_s == model.config.prior.per_attention_pair_s
     assert fit.per_token_s == pytest.approx(1 * MS, rel=1e-4)
 
 
@@ -266,10 +267,10 @@ def test_identical_samples_do_not_crash():
 @pytest.mark.parametrize(
     "sample",
     [
-        dict(num_tokens=0, num_kv_tokens=0, step_s=0.01),
-        dict(num_tokens=1, num_kv_tokens=-1, step_s=0.01),
-        dict(num_tokens=1, num_kv_tokens=0, step_s=0.0),
-        dict(num_tokens=1, num_kv_tokens=0, step_s=math.nan),
+        dict(num_tokens=0, num_attention_pairs=0, step_s=0.01),
+        dict(num_tokens=1, num_attention_pairs=-1, step_s=0.01),
+        dict(num_tokens=1, num_attention_pairs=0, step_s=0.0),
+        dict(num_tokens=1, num_attention_pairs=0, step_s=math.nan),
     ],
 )
 def test_invalid_samples_are_refused(sample):
@@ -281,7 +282,7 @@ def test_invalid_config_is_refused():
     with pytest.raises(ValueError, match="refit_every"):
         CostModelConfig(refit_every=0)
     with pytest.raises(ValueError, match="fixed_s"):
-        StepCost(fixed_s=-1.0, per_token_s=0.0, per_kv_token_s=0.0)
+        StepCost(fixed_s=-1.0, per_token_s=0.0, per_attention_pair_s=0.0)
 
 
 # ------------------------------------------------------------------- prefill chunk size
@@ -289,12 +290,14 @@ def test_invalid_config_is_refused():
 
 def test_max_chunk_tokens_is_the_largest_chunk_within_the_target():
     model = CostModel(calibration=samples(linear(20 * MS, 0.5 * MS, 1e-7)))
-    other, kv, target = 8, 8 * 2000, 40 * MS
-    chunk = model.max_chunk_tokens(other, kv, target, min_chunk=16)
-    assert model.predict(other + chunk, kv + chunk) <= target
-    assert model.predict(other + chunk + 1, kv + chunk + 1) > target
-    # (40 − 20 − 8·0.5 − 1.6) ms / (0.5 ms + 1e-4 ms) per chunk token → 28
-    assert chunk == 28
+    other, pairs, target = 8, 8 * 2000, 40 * MS  # 8 decodes at 2,000 tokens of context
+    chunk = model.max_chunk_tokens(other, pairs, target, min_chunk=16, num_cached_tokens=2000)
+    assert model.predict(other + chunk, pairs + attention_pairs(2000, chunk)) <= target
+    assert model.predict(other + chunk + 1, pairs + attention_pairs(2000, chunk + 1)) > target
+    # 14.4 ms left after the intercept, the decodes and their pairs: 0.5 ms + 2,000 pairs (0.2 ms) a chunk token
+    assert chunk == 20
+    # The same chunk starting a prompt attends a few pairs, not 2,000 per row: 0.5 ms a token
+    assert model.max_chunk_tokens(other, pairs, target, min_chunk=16) == 28
 
 
 def test_max_chunk_tokens_never_goes_below_the_floor():
@@ -341,7 +344,7 @@ def test_recovers_known_per_row_and_per_request_coefficients():
     fit = model.coefficients
     assert fit.fixed_s == pytest.approx(8 * MS, rel=0.05)
     assert fit.per_token_s + fit.per_token_past_knee_s == pytest.approx(0.05 * MS, rel=0.15)
-    assert fit.per_kv_token_s == pytest.approx(4e-7, rel=0.15)
+    assert fit.per_attention_pair_s == pytest.approx(4e-7, rel=0.15)
     assert fit.per_logits_row_s == pytest.approx(0.4 * MS, rel=0.05)
     assert fit.per_request_s == pytest.approx(0.6 * MS, rel=0.05)
 
@@ -374,7 +377,7 @@ def test_old_three_term_shape_is_still_fitted_exactly():
     a, b, c = 25 * MS, 1.04 * MS, 1e-7
     fit = CostModel(calibration=samples(linear(a, b, c))).coefficients
     assert (fit.per_logits_row_s, fit.per_request_s) == (0.0, 0.0)
-    assert (fit.fixed_s, fit.per_token_s, fit.per_kv_token_s) == pytest.approx((a, b, c), rel=1e-4)
+    assert (fit.fixed_s, fit.per_token_s, fit.per_attention_pair_s) == pytest.approx((a, b, c), rel=1e-4)
 
 
 def test_a_calibration_taken_under_another_load_is_caught_up_within_a_few_steps():

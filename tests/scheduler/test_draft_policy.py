@@ -21,17 +21,19 @@ from scheduler_svc.draft_policy import (
     FixedPolicy,
     GoodputPolicy,
     OffPolicy,
-    draft_kv_tokens,
+    draft_attention_pairs,
+    free_token_budget,
     parse_draft_policy,
 )
+from service_common.attention_pairs import attention_pairs
 
 MS = 1e-3
-CONTEXT = 1000  # KV tokens per request
+CONTEXT = 1000  # the keys each request's decode row attends
 
 
 def fitted(step_time) -> CostModel:
-    tokens, kv_sizes = (1, 2, 4, 8, 16, 32, 64), (512, 4096, 16384)
-    return CostModel(calibration=[StepTimeSample(t, k, step_time(t, k)) for t in tokens for k in kv_sizes])
+    tokens, pair_counts = (1, 2, 4, 8, 16, 32, 64), (512, 4096, 16384)
+    return CostModel(calibration=[StepTimeSample(t, p, step_time(t, p)) for t in tokens for p in pair_counts])
 
 
 # A wide slack: a 25.2 ms weight stream hides ~24 tokens of 1.04 ms arithmetic (S = 25 at 5%), as a 9B Q4_K_M
@@ -50,9 +52,9 @@ def candidates(num_requests, draftable=32, acceptance=0.8, context=CONTEXT):
 
 
 def decode_step(cands, num_prefill_tokens=0, **kwargs):
-    """A step of len(cands) decodes (one committed token each) plus a prefill chunk."""
-    num_kv = sum(c.num_context_tokens for c in cands) + num_prefill_tokens
-    return DraftStep(num_other_tokens=len(cands) + num_prefill_tokens, num_kv_tokens=num_kv, **kwargs)
+    """A step of len(cands) decodes (one committed token each) plus a prefill chunk (a prompt's first)."""
+    num_pairs = sum(c.num_context_tokens for c in cands) + attention_pairs(0, num_prefill_tokens)
+    return DraftStep(num_other_tokens=len(cands) + num_prefill_tokens, num_attention_pairs=num_pairs, **kwargs)
 
 
 def allocate(policy, cands, cost_model, **step_kwargs):
@@ -95,7 +97,7 @@ def test_budgets_stay_within_draftable_tokens_the_step_cap_and_S(
     if max_num_draft_tokens is not None:
         assert allocation.num_draft_tokens <= max_num_draft_tokens
     if isinstance(policy, EvenSplitPolicy):
-        S = cost_model.free_token_budget(step.num_kv_tokens)
+        S = free_token_budget(cost_model, step, cands)
         if S >= step.num_other_tokens:
             assert sum(1 + k for k in allocation.draft_budgets.values()) + num_prefill_tokens <= S
         else:
@@ -104,32 +106,33 @@ def test_budgets_stay_within_draftable_tokens_the_step_cap_and_S(
 
 def test_allocation_reports_S_expected_tokens_and_predicted_time():
     cands = [DraftCandidate("a", 4, 0.5, 100), DraftCandidate("b", 4, 0.9, 300)]
-    step = DraftStep(num_other_tokens=2 + 16, num_kv_tokens=400 + 16, num_prefill_output_tokens=1)
+    step = DraftStep(num_other_tokens=2 + 16, num_attention_pairs=400 + 136, num_prefill_output_tokens=1)
     allocation = FixedPolicy(3).allocate(cands, step, LINEAR)
     assert allocation.draft_budgets == {"a": 3, "b": 3}
-    assert allocation.num_free_tokens == LINEAR.free_token_budget(416)
+    assert allocation.num_free_tokens == LINEAR.free_token_budget(536, 0.05, num_pairs_per_token=200)
     assert allocation.num_expected_tokens == pytest.approx(2 + 1 + (0.5 + 0.25 + 0.125) + (0.9 + 0.81 + 0.729))
-    assert allocation.predicted_step_s == pytest.approx(LINEAR.predict(18 + 6, 416 + 6))
+    # a's 3 drafts attend 101 + 102 + 103 keys, b's 301 + 302 + 303
+    assert allocation.predicted_step_s == pytest.approx(LINEAR.predict(18 + 6, 536 + 306 + 906))
 
 
 def test_an_empty_batch_gets_an_empty_allocation():
     for policy in ALL_POLICIES:
-        allocation = policy.allocate([], DraftStep(num_other_tokens=32, num_kv_tokens=32), WIDE_SLACK)
+        allocation = policy.allocate([], DraftStep(num_other_tokens=32, num_attention_pairs=32), WIDE_SLACK)
         assert allocation.draft_budgets == {} and allocation.num_expected_tokens == 0
 
 
 def test_inconsistent_steps_are_refused():
     cands = candidates(4)
     with pytest.raises(ValueError, match="one committed token"):
-        EvenSplitPolicy().allocate(cands, DraftStep(num_other_tokens=3, num_kv_tokens=0), WIDE_SLACK)
+        EvenSplitPolicy().allocate(cands, DraftStep(num_other_tokens=3, num_attention_pairs=0), WIDE_SLACK)
     with pytest.raises(ValueError, match="duplicate"):
         EvenSplitPolicy().allocate(cands + cands[:1], decode_step(cands + cands[:1]), WIDE_SLACK)
     with pytest.raises(ValueError, match="acceptance"):
         DraftCandidate("x", 4, 1.5, 0)
     with pytest.raises(ValueError, match="num_draftable_tokens"):
         DraftCandidate("x", -1, 0.5, 0)
-    with pytest.raises(ValueError, match="query_tile_tokens"):
-        DraftStep(num_other_tokens=1, num_kv_tokens=0, query_tile_tokens=0)
+    with pytest.raises(ValueError, match="num_attention_pairs"):
+        DraftStep(num_other_tokens=1, num_attention_pairs=-1)
 
 
 # ------------------------------------------------------------------- off and fixed
@@ -200,11 +203,11 @@ def test_goodput_never_drafts_what_is_never_accepted(cost_model):
 
 def expected_tokens_per_second(cands, budgets, step, cost_model):
     num_tokens = step.num_other_tokens + sum(budgets.values())
-    num_kv = step.num_kv_tokens + sum(
-        draft_kv_tokens(c.num_context_tokens, budgets[c.request_id], step.query_tile_tokens) for c in cands
+    num_pairs = step.num_attention_pairs + sum(
+        draft_attention_pairs(c.num_context_tokens, budgets[c.request_id]) for c in cands
     )
     expected = len(cands) + sum(c.acceptance**j for c in cands for j in range(1, budgets[c.request_id] + 1))
-    return expected / cost_model.predict(num_tokens, num_kv)
+    return expected / cost_model.predict(num_tokens, num_pairs)
 
 
 @settings(max_examples=100, deadline=None)
@@ -241,22 +244,21 @@ def test_goodput_is_deterministic_and_independent_of_candidate_order():
     assert list(ties.values()) == sorted(ties.values(), reverse=True)
 
 
-def test_goodput_charges_a_reread_of_the_context_when_drafts_start_a_new_query_tile():
-    kv_priced = fitted(lambda t, k: 20 * MS + 0.1 * MS * t + 1e-6 * k)
+def test_goodput_prices_a_draft_by_the_keys_it_attends():
+    """A draft row of a request at 20k tokens of context attends 20k keys: where attention is
+    priced (a CPU at long context), the long request's drafts must earn more to be proposed."""
+    pairs_priced = fitted(lambda t, p: 20 * MS + 0.1 * MS * t + 1e-6 * p)
     cands = [DraftCandidate("short", 12, 0.8, 100), DraftCandidate("long", 12, 0.8, 20_000)]
-    # Attention reading KV once per query token: every draft of the long request re-reads 20k tokens.
-    per_token = allocate(GoodputPolicy(), cands, kv_priced, query_tile_tokens=1).draft_budgets
-    assert per_token["short"] > per_token["long"]
-    # Tiles of 16 query tokens: drafts share their decode token's KV read, so context no longer matters.
-    per_tile = allocate(GoodputPolicy(), cands, kv_priced, query_tile_tokens=16).draft_budgets
-    assert per_tile["short"] == per_tile["long"] > per_token["long"]
+    budgets = allocate(GoodputPolicy(), cands, pairs_priced).draft_budgets
+    assert budgets["short"] > budgets["long"]
+    unpriced = fitted(lambda t, p: 20 * MS + 0.1 * MS * t)  # attention free: context no longer matters
+    budgets = allocate(GoodputPolicy(), cands, unpriced).draft_budgets
+    assert budgets["short"] == budgets["long"]
 
 
-def test_draft_kv_tokens():
-    assert draft_kv_tokens(1000, 0, 16) == 0
-    assert draft_kv_tokens(1000, 15, 16) == 15  # one tile: 1 decode + 15 drafts
-    assert draft_kv_tokens(1000, 16, 16) == 16 + 1000  # a second tile re-reads the context
-    assert draft_kv_tokens(1000, 3, 1) == 3 + 3 * 1000
+def test_draft_attention_pairs():
+    assert draft_attention_pairs(1000, 0) == 0
+    assert draft_attention_pairs(1000, 3) == 1001 + 1002 + 1003  # each draft also attends the drafts before it
 
 
 def test_goodput_never_grows_the_step_past_what_was_measured():
@@ -455,24 +457,22 @@ def todays_goodput_budgets(policy, cands, step, cost_model):
         room = min(room, step.max_num_draft_tokens)
     heap = [(-c.acceptance, c.request_id, c) for c in cands if c.num_draftable_tokens > 0 and c.acceptance > 0]
     heapq.heapify(heap)
-    num_tokens, num_kv_tokens = step.num_other_tokens, step.num_kv_tokens
+    num_tokens, num_pairs = step.num_other_tokens, step.num_attention_pairs
     expected = float(len(cands) + step.num_prefill_output_tokens)
     num_drafts = 0
-    step_s = _step_time(cost_model, step, len(cands), num_tokens, num_kv_tokens, num_drafts)
+    step_s = _step_time(cost_model, step, len(cands), num_tokens, num_pairs, num_drafts)
     while heap and room > 0:
         negative_gain, request_id, c = heapq.heappop(heap)
         gain = -negative_gain
         if gain < policy.min_gain:
             break
         k = budgets[request_id]
-        kv_step = draft_kv_tokens(c.num_context_tokens, k + 1, step.query_tile_tokens) - draft_kv_tokens(
-            c.num_context_tokens, k, step.query_tile_tokens
-        )
-        next_step_s = _step_time(cost_model, step, len(cands), num_tokens + 1, num_kv_tokens + kv_step, num_drafts + 1)
+        pairs = draft_attention_pairs(c.num_context_tokens, k + 1) - draft_attention_pairs(c.num_context_tokens, k)
+        next_step_s = _step_time(cost_model, step, len(cands), num_tokens + 1, num_pairs + pairs, num_drafts + 1)
         if not (expected + gain) * step_s > expected * next_step_s:
             continue
         budgets[request_id] = k + 1
-        num_tokens, num_kv_tokens, step_s = num_tokens + 1, num_kv_tokens + kv_step, next_step_s
+        num_tokens, num_pairs, step_s = num_tokens + 1, num_pairs + pairs, next_step_s
         num_drafts += 1
         expected += gain
         room -= 1
@@ -495,18 +495,13 @@ def todays_goodput_budgets(policy, cands, step, cost_model):
     cost_model=st.sampled_from([WIDE_SLACK, SMALL_SLACK, LINEAR]),
     num_prefill_tokens=st.integers(0, 40),
     max_num_draft_tokens=st.one_of(st.none(), st.integers(0, 40)),
-    query_tile_tokens=st.sampled_from([1, 16]),
 )
-def test_goodput_without_a_curve_is_todays_policy_exactly(
-    shapes, cost_model, num_prefill_tokens, max_num_draft_tokens, query_tile_tokens
-):
+def test_goodput_without_a_curve_is_todays_policy_exactly(shapes, cost_model, num_prefill_tokens, max_num_draft_tokens):
     cands = [
         DraftCandidate(f"r{i}", d, alpha, context, num_decodes_since_draft=since)
         for i, (d, alpha, context, since) in enumerate(shapes)
     ]
-    step = decode_step(
-        cands, num_prefill_tokens, max_num_draft_tokens=max_num_draft_tokens, query_tile_tokens=query_tile_tokens
-    )
+    step = decode_step(cands, num_prefill_tokens, max_num_draft_tokens=max_num_draft_tokens)
     policy = GoodputPolicy()
     allocation = policy.allocate(cands, step, cost_model)
     assert allocation.draft_budgets == todays_goodput_budgets(policy, cands, step, cost_model)

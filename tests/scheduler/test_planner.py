@@ -12,6 +12,7 @@ from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost
 from scheduler_svc.draft_policy import FixedPolicy
 from scheduler_svc.planner import Plan, Planner, RequestResult
 from scheduler_svc.request import Request
+from service_common.attention_pairs import attention_pairs
 from service_common.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -130,7 +131,7 @@ def latency_planner(target_s, budget=256, min_chunk=16):
         decode_latency_target_s=target_s,
         min_prefill_chunk=min_chunk,
     )
-    line = StepCost(fixed_s=0.010, per_token_s=0.001, per_kv_token_s=0.0)
+    line = StepCost(fixed_s=0.010, per_token_s=0.001, per_attention_pair_s=0.0)
     cost_model = CostModel(CostModelConfig(prior=line))
     return Planner(config, block_size=BLOCK, num_kv_blocks=100_000, max_num_batched_tokens=8192, cost_model=cost_model)
 
@@ -382,3 +383,29 @@ def test_a_tree_result_feeds_the_next_candidate_its_curve_and_the_acceptance_its
     assert candidate.expected_accepted_tokens_by_nodes == curve
     assert candidate.tree_correction == p.acceptance.tree_correction("a")
     assert candidate.num_draftable_tokens == 3
+
+
+def test_an_agents_next_turn_is_priced_at_the_context_its_prefix_hit_leaves():
+    """The executor finds an agent's last turn in its prefix cache, so the next turn's first chunk
+    attends thousands of keys per row. The planner guesses that hit (the longest common prefix with
+    an ended or running request, whole blocks) to price the step; a fresh prompt starts at 0."""
+    pairs_only = StepCost(fixed_s=0.010, per_token_s=0.0, per_attention_pair_s=1e-6)
+    config = SchedulerConfig(max_running_requests=4, max_num_batched_tokens=64, kv_watermark=0.0)
+    p = Planner(
+        config, block_size=BLOCK, num_kv_blocks=10_000, max_num_batched_tokens=8192,
+        cost_model=CostModel(CostModelConfig(prior=pairs_only)),
+    )  # fmt: skip
+    ex = FakeExecutor(p, lengths={"turn1": 3})
+    first = req("turn1", 1000, max_new_tokens=3)
+    p.add(first)
+    while not first.is_finished:
+        ex.run_step()
+    history = first.prompt_token_ids + first.output_token_ids  # 1,003 tokens
+    p.add(Request("turn2", history + list(range(5000, 5100)), SamplingParams(), 10))
+    plan = p.schedule(now=0.0)
+    assert p.requests["turn2"].expected_prefix_hit == 1000  # whole blocks of the 1,003
+    assert scheduled(plan) == {"turn2": 64}
+    assert plan.predicted_step_s == pytest.approx(0.010 + 1e-6 * attention_pairs(1000, 64))
+    ex.step(plan)  # the fake executor has no prefix cache: from now on its report counts, not the guess
+    assert p.requests["turn2"].num_computed_tokens == 64
+    assert p.schedule(now=0.0).predicted_step_s == pytest.approx(0.010 + 1e-6 * attention_pairs(64, 64))

@@ -65,7 +65,9 @@ def test_recalibrate_measures_again_and_keeps_the_new_one(tiny_runner, tmp_path)
     again, source = calibrate(tiny_runner, tmp_path, reuse=False)
     assert source == "measured"
     assert load_calibration(tmp_path, runner_setup(tiny_runner)) == again
-    assert [(s.num_tokens, s.num_kv_tokens) for s in again] == [(s.num_tokens, s.num_kv_tokens) for s in first]
+    assert [(s.num_tokens, s.num_attention_pairs) for s in again] == [
+        (s.num_tokens, s.num_attention_pairs) for s in first
+    ]
 
 
 def test_another_setup_is_measured(make_tiny_engine, tiny_runner, tmp_path):

@@ -131,7 +131,13 @@ def test_forward_reads_back_the_kv_it_wrote(runner):
 def test_time_step_times_scratch_requests_and_gives_their_kv_back(runner):
     num_free = runner.kv.num_free_blocks
     sample = runner.time_step(context_len=16, num_tokens=4, num_logits=4, num_requests=2, reps=2)
-    assert (sample.num_tokens, sample.num_kv_tokens, sample.num_logits_rows, sample.num_requests) == (8, 40, 8, 2)
+    # Each request's 4 rows after 16 cached tokens attend 17 + 18 + 19 + 20 = 74 keys.
+    assert (sample.num_tokens, sample.num_attention_pairs, sample.num_logits_rows, sample.num_requests) == (
+        8,
+        148,
+        8,
+        2,
+    )
     assert 0 < sample.forward_s <= sample.step_s
     assert runner.kv.num_free_blocks == num_free
 
@@ -142,10 +148,11 @@ def test_time_step_is_none_when_the_scratch_requests_do_not_fit(runner):
 
 def test_calibration_samples_every_shape_of_the_grid(runner):
     samples = runner.calibrate(token_counts=(1, 4), context_lens=(0, 32), batch_sizes=(2,))
-    shapes = [(s.num_tokens, s.num_kv_tokens, s.num_logits_rows, s.num_requests) for s in samples]
-    # per context: T tokens with one logits row, B decodes, one request verifying T − 1 drafts
+    shapes = [(s.num_tokens, s.num_attention_pairs, s.num_logits_rows, s.num_requests) for s in samples]
+    # per context: T tokens with one logits row, B decodes, one request verifying T − 1 drafts;
+    # the attention pairs of 4 rows after 32 cached tokens: 33 + 34 + 35 + 36 = 138
     assert shapes == [
-        (1, 1, 1, 1), (4, 4, 1, 1), (2, 2, 2, 2), (4, 4, 4, 1),
-        (1, 33, 1, 1), (4, 36, 1, 1), (2, 66, 2, 2), (4, 36, 4, 1),
+        (1, 1, 1, 1), (4, 10, 1, 1), (2, 2, 2, 2), (4, 10, 4, 1),
+        (1, 33, 1, 1), (4, 138, 1, 1), (2, 66, 2, 2), (4, 138, 4, 1),
     ]  # fmt: skip
     assert all(s.forward_s > 0 for s in samples)

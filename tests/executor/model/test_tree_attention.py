@@ -13,6 +13,7 @@ import torch
 from executor_svc.kv.kv_cache import to_key_layout
 from executor_svc.model.attention import build_attention_plan, paged_attention, write_kv
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice, tree_paths
+from service_common.attention_pairs import attention_pairs
 
 BLOCK_SIZE = 16
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 32
@@ -161,3 +162,14 @@ def test_malformed_tree_slices_are_refused():
         RequestSlice([0, 0], 3, [1], num_logits=1, tree_parents=(-1, 0))
     with pytest.raises(ValueError, match="hybrid"):
         RequestSlice([0, 0], 3, [1], num_logits=2, state_slot=0, tree_parents=(-1, 0))
+
+
+def test_a_batch_counts_the_keys_its_rows_attend():
+    """The step's attention pairs, as the scheduler's cost model counts them: a chunk's rows attend
+    the context and the rows before them, a tree row its context and its ancestors."""
+    chunk = RequestSlice([0] * 4, 40, list(range(3)), num_logits=1)  # rows at 40..43: 41 + 42 + 43 + 44
+    decode = RequestSlice([0], 7, [3], num_logits=1)  # 8 keys
+    tree = RequestSlice([0] * 4, 16, [4, 5], num_logits=4, tree_parents=(-1, 0, 0, 1))  # depths 0, 1, 1, 2
+    batch = RaggedBatch.build([chunk, decode, tree], BLOCK_SIZE, CPU)
+    assert batch.num_attention_pairs == (41 + 42 + 43 + 44) + 8 + (17 + 18 + 18 + 19)
+    assert batch.num_attention_pairs == attention_pairs(40, 4) + attention_pairs(7, 1) + 17 + 18 + 18 + 19

@@ -341,7 +341,8 @@ class CostModel:
         min_chunk: int,
         num_logits_rows: int | None = None,
         num_requests: int | None = None,
-        num_cached_tokens: int = 0,
+        *,
+        num_cached_tokens: int,
     ) -> int:
         """The largest prefill chunk keeping the predicted step within `target_step_s`, at least `min_chunk`.
 

@@ -344,7 +344,7 @@ class GoodputPolicy(DraftPolicy):
             if gain < self.min_gain:
                 break  # every later candidate gains less
             k = budgets[request_id]
-            pairs = c.num_context_tokens + k + 1  # the next draft's row
+            pairs = draft_attention_pairs(c.num_context_tokens, k + 1) - draft_attention_pairs(c.num_context_tokens, k)
             next_step_s = _step_time(
                 cost_model, step, len(candidates), num_tokens + 1, num_attention_pairs + pairs, num_drafts + 1
             )

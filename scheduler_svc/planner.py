@@ -471,7 +471,7 @@ class Planner:
         if not target or not scheduled:  # None or 0: no cap
             return num_tokens
         num_decodes = len(scheduled)
-        decode_pairs = sum(self.requests[rid].num_expected_computed_tokens + 1 for rid in scheduled)
+        decode_pairs = sum(attention_pairs(self._expected_context(self.requests[rid]), 1) for rid in scheduled)
         decodes_alone_s = self.cost_model.predict(num_decodes, decode_pairs, num_decodes, num_decodes)
         # The chunk's rows attend what its request has cached: price the oldest prefill's context.
         prefilling = next((r for r in self.running if r.num_pending_tokens > 1), None)

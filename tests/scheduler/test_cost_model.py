@@ -261,7 +261,7 @@ def test_identical_samples_do_not_crash():
     model = CostModel(calibration=[StepTimeSample(1, 0, 0.01)] * 5)
     assert model.predict(1, 0) == pytest.approx(0.01)
     assert model.free_token_budget(0) == 1
-    assert model.max_chunk_tokens(1, 0, 0.02, min_chunk=8) >= 8
+    assert model.max_chunk_tokens(1, 0, 0.02, min_chunk=8, num_cached_tokens=0) >= 8
 
 
 @pytest.mark.parametrize(
@@ -297,20 +297,22 @@ def test_max_chunk_tokens_is_the_largest_chunk_within_the_target():
     # 14.4 ms left after the intercept, the decodes and their pairs: 0.5 ms + 2,000 pairs (0.2 ms) a chunk token
     assert chunk == 20
     # The same chunk starting a prompt attends a few pairs, not 2,000 per row: 0.5 ms a token
-    assert model.max_chunk_tokens(other, pairs, target, min_chunk=16) == 28
+    assert model.max_chunk_tokens(other, pairs, target, min_chunk=16, num_cached_tokens=0) == 28
 
 
 def test_max_chunk_tokens_never_goes_below_the_floor():
     model = CostModel(calibration=samples(linear(20 * MS, 0.5 * MS, 0.0)))
-    assert model.max_chunk_tokens(16, 0, target_step_s=5 * MS, min_chunk=32) == 32  # decodes alone miss it
-    assert model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=1) == 2
+    assert (
+        model.max_chunk_tokens(16, 0, target_step_s=5 * MS, min_chunk=32, num_cached_tokens=0) == 32
+    )  # decodes alone miss it
+    assert model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=1, num_cached_tokens=0) == 2
     with pytest.raises(ValueError, match="min_chunk"):
-        model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=0)
+        model.max_chunk_tokens(16, 0, target_step_s=29 * MS, min_chunk=0, num_cached_tokens=0)
 
 
 def test_max_chunk_tokens_is_bounded_when_tokens_look_free():
     model = CostModel(CostModelConfig(max_num_tokens=512), calibration=samples(linear(20 * MS, 0.0, 0.0)))
-    assert model.max_chunk_tokens(16, 0, target_step_s=30 * MS, min_chunk=8) == 512 - 16
+    assert model.max_chunk_tokens(16, 0, target_step_s=30 * MS, min_chunk=8, num_cached_tokens=0) == 512 - 16
 
 
 # ------------------------------------------------------------------- logits rows and requests

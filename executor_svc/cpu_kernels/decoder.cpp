@@ -21,7 +21,7 @@ namespace {
 enum LinearKind : int64_t {
   DENSE = 0,  // a float tensor [N, K]: at::linear
   EXACT = 1,  // GGUF rows [N, row_bytes]: qlinear (dequantize, float32 dot products)
-  INT16 = 2,  // Q4_0/Q4_1/Q8_0 rows interleaved by repack_x4: qlinear_int16
+  INT16 = 2,  // Q4_0/Q4_1/Q8_0 rows in 16-row panels (repack_panels): qlinear_int16
 };
 
 struct LinearPart {

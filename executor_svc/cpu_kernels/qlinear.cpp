@@ -469,56 +469,70 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
 
 // ------------------------------------------------------------------ the integer matmul's weight layout
 //
-// Weights of the integer matmul are repacked once at load, four rows interleaved by
-// block (as llama.cpp's q4_0x4 repacks): group g holds rows 4g .. 4g + 3, and block b of
-// the group, at g · 4 · row_bytes + b · 4 · block_bytes, is the four rows' fp16 scales d,
-// then (Q4_1) their fp16 mins m, then each row's codes (16 bytes of nibbles, or Q8_0's 32
-// signed bytes). The same bytes as the rows (rows past N in the last group are zero), but
-// one sequential stream for the kernel, whose four rows' scales are one conversion.
-struct X4Layout {
-  int64_t block_bytes, header_bytes, code_bytes, code_offset;  // code_offset: where codes start in a GGUF block
+// Weights of the integer matmul are repacked once at load into panels of 16 rows, the
+// shape the kernel multiplies: panel p holds rows 16p .. 16p + 15 (rows past N are zero),
+// and its block b, at p · 16 · row_bytes + b · 16 · block_bytes, is
+//   - the 16 rows' fp16 scales d (32 bytes), then (Q4_1) their fp16 mins m (32 bytes),
+//   - then the 16 rows' codes transposed in 16-bit units: unit u (a row's code bytes 2u and
+//     2u + 1) of rows 0 .. 15, 32 bytes per unit (8 units of Q4 nibbles, 16 of Q8_0 bytes).
+// One unit widened to int16 is the pair vector the kernel multiplies: lane 2j + e holds row j's
+// code byte 2u + e; for Q4 its low nibble is element 2u + e and its high nibble element
+// 16 + 2u + e (GGUF packs element i and 16 + i in byte i), for Q8_0 it is element 2u + e.
+// So no step of the matmul rearranges weights: a block is read once, sequentially, by every
+// row count, where the four-row interleave before it had to be transposed into 16-row panels
+// for every prompt matmul (about a third of a verify step's matmul time at 17 rows).
+// The same bytes as the rows (plus zero rows up to a multiple of 16).
+constexpr int64_t PANEL_ROWS = 16;  // weight rows per panel: one 512-bit vector of int32 sums
+
+struct PanelLayout {
+  int64_t block_bytes;  // a GGUF block
+  int64_t header_bytes;  // a panel block's scales (and mins): 16 fp16 each
+  int64_t code_bytes;  // one row's codes in a block
+  int64_t code_offset;  // where the codes start in a GGUF block
 };
 
-X4Layout x4_layout(int64_t type) {
+PanelLayout panel_layout(int64_t type) {
   switch (type) {
-    case Q4_0: return {18, 8, 16, 2};
-    case Q4_1: return {20, 16, 16, 4};
-    case Q8_0: return {34, 8, 32, 2};
+    case Q4_0: return {18, 32, 16, 2};
+    case Q4_1: return {20, 64, 16, 4};
+    case Q8_0: return {34, 32, 32, 2};
     default: TORCH_CHECK(false, "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
   }
   return {0, 0, 0, 0};
 }
 
-// Row j of a group's block ↔ its GGUF block: `to_x4` copies blk into the group, else back.
-void x4_block_copy(const X4Layout& l, uint8_t* group_block, int j, uint8_t* blk, bool to_x4) {
-  auto copy = [&](uint8_t* x4, uint8_t* gguf, int64_t n) { to_x4 ? std::memcpy(x4, gguf, n) : std::memcpy(gguf, x4, n); };
-  copy(group_block + 2 * j, blk, 2);                                     // d
-  if (l.code_offset == 4) copy(group_block + 8 + 2 * j, blk + 2, 2);      // Q4_1's m
-  copy(group_block + l.header_bytes + j * l.code_bytes, blk + l.code_offset, l.code_bytes);
+// Row j of a panel's block ↔ its GGUF block: `to_panel` copies blk into the panel, else back.
+void panel_block_copy(const PanelLayout& l, uint8_t* panel_block, int j, uint8_t* blk, bool to_panel) {
+  auto copy = [&](uint8_t* panel, uint8_t* gguf) { to_panel ? std::memcpy(panel, gguf, 2) : std::memcpy(gguf, panel, 2); };
+  copy(panel_block + 2 * j, blk);                                      // d
+  if (l.code_offset == 4) copy(panel_block + 2 * PANEL_ROWS + 2 * j, blk + 2);  // Q4_1's m
+  for (int64_t u = 0; u < l.code_bytes / 2; u++)
+    copy(panel_block + l.header_bytes + 2 * PANEL_ROWS * u + 2 * j, blk + l.code_offset + 2 * u);
 }
 
-// W [N, row_bytes] in GGUF rows → [ceil(N / 4), 4 · row_bytes] interleaved.
-at::Tensor repack_x4(const at::Tensor& w, int64_t type, int64_t K) {
+// W [N, row_bytes] in GGUF rows → [ceil(N / 16), 16 · row_bytes] panels.
+at::Tensor repack_panels(const at::Tensor& w, int64_t type, int64_t K) {
   check_weight(w, type, K);
-  const X4Layout l = x4_layout(type);
-  const int64_t N = w.size(0), row_bytes = w.size(1), nb = K / 32, groups = (N + 3) / 4;
-  at::Tensor out = at::zeros({groups, 4 * row_bytes}, w.options());
+  const PanelLayout l = panel_layout(type);
+  const int64_t N = w.size(0), row_bytes = w.size(1), nb = K / 32, panels = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+  at::Tensor out = at::zeros({panels, PANEL_ROWS * row_bytes}, w.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t b = 0; b < nb; b++)
-      x4_block_copy(l, op + (n / 4) * 4 * row_bytes + b * 4 * l.block_bytes, n % 4,
-                    const_cast<uint8_t*>(wp + n * row_bytes + b * l.block_bytes), true);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t b = 0; b < nb; b++)
+        panel_block_copy(l, op + (n / PANEL_ROWS) * PANEL_ROWS * row_bytes + b * PANEL_ROWS * l.block_bytes,
+                         n % PANEL_ROWS, const_cast<uint8_t*>(wp + n * row_bytes + b * l.block_bytes), true);
+  });
   return out;
 }
 
-// Row n of an interleaved weight back in GGUF layout (row_bytes bytes into `row`).
-void x4_row(const uint8_t* wp, const X4Layout& l, int64_t row_bytes, int64_t nb, int64_t n, uint8_t* row) {
+// Row n of a repacked weight back in GGUF layout (row_bytes bytes into `row`).
+void panel_row(const uint8_t* wp, const PanelLayout& l, int64_t row_bytes, int64_t nb, int64_t n, uint8_t* row) {
   for (int64_t b = 0; b < nb; b++)
-    x4_block_copy(l, const_cast<uint8_t*>(wp + (n / 4) * 4 * row_bytes + b * 4 * l.block_bytes), n % 4,
-                  row + b * l.block_bytes, false);
+    panel_block_copy(l, const_cast<uint8_t*>(wp + (n / PANEL_ROWS) * PANEL_ROWS * row_bytes + b * PANEL_ROWS * l.block_bytes),
+                     n % PANEL_ROWS, row + b * l.block_bytes, false);
 }
-
 
 // ------------------------------------------------------------------ integer dot products
 //
@@ -537,11 +551,19 @@ void x4_row(const uint8_t* wp, const X4Layout& l, int64_t row_bytes, int64_t nb,
 // (row, weight row)'s float operations never depend on M, the tile or the thread: one
 // float32 accumulator, and per block, in block order, acc = fma(float(S) · d_w, dx, acc)
 // then (Q4_0 / Q4_1) acc = fma(m_w, dx · Σ xq, acc), where S is the block's whole integer
-// sum. Batch-invariant like the exact path, but not bit-equal to it (`--matmul exact`
-// keeps that one). The block's two terms meet in the accumulator every block, so their
-// cancellation (Q4's m_w is about −8 · d_w) costs no precision at the end, and a block
-// costs each output 4 float operations: the prompt kernel's epilogue, against 16-32
-// integer dot products.
+// sum (exact, so the order its products are added in, and how many partial sums carry them,
+// changes no bit). Batch-invariant like the exact path, but not bit-equal to it (`--matmul
+// exact` keeps that one). The block's two terms meet in the accumulator every block, so
+// their cancellation (Q4's m_w is about −8 · d_w) costs no precision at the end.
+//
+// One kernel serves every row count, as a matrix product over a panel: a unit of 16 weight
+// rows' codes is widened once into int16 pairs, lane = weight row, and each activation row's
+// int16 pair is broadcast against it, so one 512-bit vpdpwssd (two 256-bit ones) serves the
+// 16 weight rows. A register tile is MR activation rows × the panel's 16 weight rows over a
+// block: MR · units dot products against units widenings, then per row one float epilogue of
+// four operations. A decode step is the 1-row tile; a verify run or a batch of decodes a few
+// 8-row tiles and one of the rest; a prompt chunk many 8-row tiles, K sliced so that the
+// panel's slice stays in L1 while every tile passes it.
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_INT16_DOT = true;
@@ -602,142 +624,130 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
   });
 }
 
-// 8 int32 lanes: lane l = w_lo[2l]·x_lo[2l] + w_lo[2l+1]·x_lo[2l+1] + the same of the hi halves. Exact.
-SS_INLINE __m256i dot_s16(__m256i w_lo, __m256i w_hi, __m256i x_lo, __m256i x_hi) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w_lo, x_lo), w_hi, x_hi);
+// A panel block's byte sizes by type (the layout above).
+template <int TYPE>
+struct PanelBlock {
+  static constexpr int64_t bytes = PANEL_ROWS * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
+  static constexpr int64_t header = TYPE == Q4_1 ? 4 * PANEL_ROWS : 2 * PANEL_ROWS;
+  static constexpr int units = TYPE == Q8_0 ? 16 : 8;  // 32-byte code units
+  static constexpr bool has_min = TYPE != Q8_0;
+};
+constexpr int BLOCK_PAIRS = 16;                              // int16 pairs in a 32-value block
+constexpr int64_t WIDE_BLOCK = BLOCK_PAIRS * 2 * PANEL_ROWS;  // int16 values of a widened panel block
+
+// The activation pair (elements 2p, 2p + 1 of a row's block) as one int32, for broadcasting.
+SS_INLINE int32_t x_pair(const int16_t* xb, int p) { return *reinterpret_cast<const int32_t*>(xb + 2 * p); }
+
+// Integer partial sums per row: a few rows are too few independent chains to hide the dot
+// product's latency, so they split each block's sum in two (added at the end: exact).
+template <int MR>
+constexpr int partial_sums() { return MR < 4 ? 2 : 1; }
+
+// Many rows take a panel widened once to int16 pairs (`wide`: WIDE_BLOCK values a block, pair p
+// of the 16 weight rows at p · 32, lane 2j + e = row j's element 2p + e) and then one load per
+// pair for every tile; few rows widen each code unit in registers as they go (one widening
+// serves one tile). Both compute the same exact integer sums. Measured on Zen 4, one thread,
+// Q4_1 960×576, best of 2 s: widening in registers ran 1.45x the transposed panels before this
+// layout at 8-9 rows but 0.92x at 256; a widened panel ran as fast at 256 and within noise of
+// widening in registers at 17-33 rows.
+constexpr int64_t WIDEN_PANEL_MIN_ROWS = 32;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int TILE_MR = 8;  // activation rows per register tile (MR = 8 beat 4 by 3-6% on Zen 4)
+
+SS_INLINE __m512i add_dot_pairs_512(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
 #else
-  return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
 }
 
-// A weight block's 32 integer codes as int16: elements 0..15 and 16..31.
+// The panel's blocks [b0, b1) widened into wide (WIDE_BLOCK values each, from block b0).
 template <int TYPE>
-SS_INLINE void block_codes(const uint8_t* codes, __m256i& lo, __m256i& hi) {
-  const __m128i a = _mm_loadu_si128((const __m128i*)codes);
-  if constexpr (TYPE == Q8_0) {
-    lo = _mm256_cvtepi8_epi16(a);
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(codes + 16)));
-  } else {  // low nibbles are elements 0..15, high nibbles 16..31: widen the bytes once, then split
-    const __m256i bytes = _mm256_cvtepu8_epi16(a);
-    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
-    hi = _mm256_srli_epi16(bytes, 4);
+void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, int16_t* wide) {
+  using B = PanelBlock<TYPE>;
+  for (int64_t b = b0; b < b1; b++) {
+    const uint8_t* codes = panel + b * B::bytes + B::header;
+    int16_t* out = wide + (b - b0) * WIDE_BLOCK;
+    for (int u = 0; u < B::units; u++) {
+      const __m256i unit = _mm256_loadu_si256((const __m256i*)(codes + 2 * PANEL_ROWS * u));
+      if constexpr (TYPE == Q8_0) {
+        _mm512_storeu_si512(out + 2 * PANEL_ROWS * u, _mm512_cvtepi8_epi16(unit));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi16(unit);
+        _mm512_storeu_si512(out + 2 * PANEL_ROWS * u, _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)));
+        _mm512_storeu_si512(out + 2 * PANEL_ROWS * (8 + u), _mm512_srli_epi16(bytes, 4));
+      }
+    }
   }
 }
 
-// Weight rows per task of the integer matmul: 64 rows (~23 KiB of Q4_1 at K = 576) keep each
-// thread on one sequential stream long enough for the hardware prefetchers, which stop at
-// 4 KiB pages; with 16-row tasks two threads streaming a decode step's weights from DRAM were
-// slower than one (M = 1, all 121 matmuls of the embedded model: 11.7 ms on 2 threads vs
-// 8.9 ms on 1; 7.3 ms with 64-row tasks).
-constexpr int64_t INT_ROWS_PER_TASK = 64;
-
-// One interleaved group (four weight rows) × activation rows [r0, r1). A row's arithmetic,
-// whatever the rows beside it (see "integer dot products"): per block, the exact integer
-// sum S over its 32 elements (dot_s16's 8 lanes, reduced by three hadds and one add of the
-// halves), then acc = fma(float(S) · d_w, dx, acc) and the min term acc = fma(m_w, s_x,
-// acc). One 4-lane vector carries the four weight rows, so the float work is shared four
-// ways; a block's codes are widened once for all the rows. The accumulators live in `acc`
-// (registers for a few rows; with more, L1 memory — the same values either way).
-// NR > 0: exactly NR rows (r1 = r0 + NR), known at compile time; 0: any number.
-template <int TYPE, int NR>
-SS_INLINE void dot_int_rows(const uint8_t* group, int64_t num_valid, const QuantizedRows& xq, int64_t r0, int64_t r1,
-                            float* out, int64_t out_stride, __m128* acc) {
-  constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
-  constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
-  constexpr bool has_min = TYPE != Q8_0;
-  const int64_t nb = xq.nb, rows = NR > 0 ? NR : r1 - r0;
-  for (int64_t r = 0; r < rows; r++) acc[r] = _mm_setzero_ps();
-  __m256i codes[4][2];
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* blk = group + group_block_bytes * b;
-    __m128 d;  // d_w of rows 0..3
-    __m128 m;  // the min term's m_w of rows 0..3 (Q4_1: m; Q4_0: −8 · d)
-    if constexpr (TYPE == Q4_1) {
-      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));  // [d0 d1 d2 d3 m0 m1 m2 m3]
-      d = _mm256_castps256_ps128(dm);
-      m = _mm256_extractf128_ps(dm, 1);
+// Activation rows [r0, r0 + MR) × one panel's 16 weight rows over blocks [b0, b1) (WIDE: read
+// from `wide`, which holds them from b0). The float accumulators start from `in` (rows in_stride
+// apart; null: zeros) and end in `out` (rows out_stride apart, the lanes of out_mask): a K
+// slice's partial sums, or y itself.
+template <int TYPE, int MR, bool WIDE>
+SS_INLINE void panel_tile(const uint8_t* panel, const int16_t* wide, const QuantizedRows& xq, int64_t r0, int64_t b0,
+                          int64_t b1, const float* in, int64_t in_stride, float* out, int64_t out_stride,
+                          __mmask16 out_mask) {
+  using B = PanelBlock<TYPE>;
+  constexpr int P = partial_sums<MR>();
+  const int64_t K = xq.K, nb = xq.nb;
+  const int16_t* xq_q = xq.q.data();
+  const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
+  __m512 sum[MR];
+  for (int r = 0; r < MR; r++) sum[r] = in ? _mm512_loadu_ps(in + r * in_stride) : _mm512_setzero_ps();
+  for (int64_t b = b0; b < b1; b++) {
+    const uint8_t* pb = panel + b * B::bytes;
+    const int16_t* xb = xq_q + r0 * K + 32 * b;
+    __m512i S[MR][P];
+    for (int r = 0; r < MR; r++)
+      for (int i = 0; i < P; i++) S[r][i] = _mm512_setzero_si512();
+    // acc[r] += w · (row r's pair p), one asm operand per sum: GCC would otherwise reassociate
+    // the running sums into many live products (and naming one variable twice makes it copy).
+    auto dot_rows = [&](__m512i w, int p, int i) SS_INLINE_LAMBDA {
+      asm("" : "+v"(w));  // one load or widening for the MR rows
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; r++) {
+        S[r][i] = add_dot_pairs_512(S[r][i], w, _mm512_set1_epi32(x_pair(xb + r * K, p)));
+        asm("" : "+v"(S[r][i]));
+      }
+    };
+    if constexpr (WIDE) {
+      const int16_t* wb = wide + (b - b0) * WIDE_BLOCK;
+#pragma GCC unroll 16
+      for (int p = 0; p < BLOCK_PAIRS; p++) dot_rows(_mm512_loadu_si512(wb + 2 * PANEL_ROWS * p), p, p % P);
     } else {
-      d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
-      m = _mm_mul_ps(d, _mm_set1_ps(-8.f));
+      const uint8_t* codes = pb + B::header;
+#pragma GCC unroll 16
+      for (int u = 0; u < B::units; u++) {
+        const __m256i unit = _mm256_loadu_si256((const __m256i*)(codes + 2 * PANEL_ROWS * u));
+        if constexpr (TYPE == Q8_0) {
+          dot_rows(_mm512_cvtepi8_epi16(unit), u, u % P);
+        } else {
+          const __m512i bytes = _mm512_cvtepu8_epi16(unit);
+          dot_rows(_mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)), u, 0);
+          dot_rows(_mm512_srli_epi16(bytes, 4), 8 + u, P - 1);
+        }
+      }
     }
-    for (int j = 0; j < 4; j++) block_codes<TYPE>(blk + header_bytes + j * code_bytes, codes[j][0], codes[j][1]);
-    for (int64_t r = 0; r < rows; r++) {
-      const int64_t xb = (r0 + r) * nb + b;
-      const int16_t* x = xq.q.data() + xb * 32;
-      const __m256i x_lo = _mm256_loadu_si256((const __m256i*)x), x_hi = _mm256_loadu_si256((const __m256i*)(x + 16));
-      const __m256i p01 = _mm256_hadd_epi32(dot_s16(codes[0][0], codes[0][1], x_lo, x_hi),
-                                            dot_s16(codes[1][0], codes[1][1], x_lo, x_hi));
-      const __m256i p23 = _mm256_hadd_epi32(dot_s16(codes[2][0], codes[2][1], x_lo, x_hi),
-                                            dot_s16(codes[3][0], codes[3][1], x_lo, x_hi));
-      const __m256i halves = _mm256_hadd_epi32(p01, p23);  // rows 0..3 over lanes 0..3 and 4..7
-      const __m128 sums = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
-      acc[r] = _mm_fmadd_ps(_mm_mul_ps(sums, d), _mm_broadcast_ss(&xq.d[xb]), acc[r]);
-      if constexpr (has_min) acc[r] = _mm_fmadd_ps(m, _mm_broadcast_ss(&xq.s[xb]), acc[r]);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)pb));
+    __m512 m = _mm512_setzero_ps();  // the min term's m_w (Q4_1: m; Q4_0: −8 · d)
+    if constexpr (TYPE == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pb + 2 * PANEL_ROWS)));
+    if constexpr (TYPE == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    for (int r = 0; r < MR; r++) {
+      const int64_t xb_index = (r0 + r) * nb + b;
+      const __m512i block_sum = P == 2 ? _mm512_add_epi32(S[r][0], S[r][P - 1]) : S[r][0];
+      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(block_sum), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);
+      if constexpr (B::has_min) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
     }
   }
-  for (int64_t r = 0; r < rows; r++) {
-    alignas(16) float lanes[4];
-    _mm_store_ps(lanes, acc[r]);
-    for (int j = 0; j < num_valid; j++) out[r * out_stride + j] = lanes[j];
-  }
+  for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * out_stride, out_mask, sum[r]);
 }
-
-constexpr int INT_TILE_NR = simd16::kAvx512 ? 4 : 2;  // rows whose accumulators stay in registers
-constexpr int64_t INT_PANEL = 32;                      // rows per pass over a group (their x blocks stay in L2)
-
-// Groups [g0, g1) (weight rows 4 · g0 .. min(N, 4 · g1)) against every activation row.
-template <int TYPE>
-void groups_int(const uint8_t* wp, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N, const QuantizedRows& xq,
-                float* y) {
-  for (int64_t g = g0; g < g1; g++) {
-    const uint8_t* group = wp + g * group_bytes;
-    const int64_t n = 4 * g, num_valid = std::min<int64_t>(4, N - n);
-    if (xq.M == 1) {
-      __m128 acc[1];
-      dot_int_rows<TYPE, 1>(group, num_valid, xq, 0, 1, y + n, N, acc);
-      continue;
-    }
-    if (xq.M == INT_TILE_NR) {
-      __m128 acc[INT_TILE_NR];
-      dot_int_rows<TYPE, INT_TILE_NR>(group, num_valid, xq, 0, INT_TILE_NR, y + n, N, acc);
-      continue;
-    }
-    alignas(16) __m128 acc[INT_PANEL];
-    for (int64_t r0 = 0; r0 < xq.M; r0 += INT_PANEL) {
-      const int64_t r1 = std::min(xq.M, r0 + INT_PANEL);
-      dot_int_rows<TYPE, 0>(group, num_valid, xq, r0, r1, y + r0 * N + n, N, acc);
-    }
-  }
-}
-
-// ------------------------------------------------------------------ the integer matmul for many rows
-//
-// A prompt's rows (a prefill chunk: tens to thousands of them) through the same arithmetic as
-// dot_int_rows, organised as a matrix product instead of a dot product per (row, weight row):
-// the weight codes of 16 weight rows are widened once into int16 pairs, lane = weight row
-// (`unpack_panel16`), and each activation row's int16 pair is broadcast against them, so one
-// pmaddwd serves 8 weight rows (a 512-bit vpdpwssd 16) and the weights stay in L1 for every
-// activation row of the call. Per (row, weight row, block) it computes the very same exact
-// integer sum S and then the very same float32 operations in the same order: acc =
-// fma(float(S) · d_w, dx, acc), acc = fma(m_w, s_x, acc). So its results are bit-identical
-// to the row kernel's (tested), and which of the two runs a matmul is only a question of
-// speed: a prompt token's bits never depend on the chunk, the batch or the path.
-//
-// The per-row kernel re-reads every weight block for each group of up to 32 activation rows
-// and reduces across lanes (hadd) per block; here there is no reduction (a lane is a weight
-// row) and the widened codes are reused across all rows. 256-bit register tile: 6 activation
-// rows × 16 weight rows (12 integer accumulators, 2 weight vectors, one broadcast); the float
-// accumulators live in memory (a row's 64 bytes), touched once per block.
-
-constexpr int PANEL_ROWS = 16;  // weight rows per unpacked panel (two 8-lane vectors)
-constexpr int PANEL_PAIRS = 16;  // int16 pairs per 32-value block
-constexpr int PANEL_MR = 6;      // activation rows per register tile
-// From this many activation rows the panels are faster (measured: Zen 3, Q4_1 576×1536; on Zen 4,
-// one layer's four matmuls on 2 threads, the panels took 1.03-1.48x the rows' time at M = 2-6 and
-// 0.57-0.79x at M = 8-16; below it the per-row kernel reads each weight block once for all rows anyway).
-constexpr int64_t PANEL_MIN_ROWS = 8;
-constexpr int64_t PANEL_SLICE_BLOCKS = 12;  // blocks of K per pass over the rows (12 KB of unpacked panel)
+using TileMask = __mmask16;
+#else
+constexpr int TILE_MR = 4;  // 16 ymm registers: 4 rows × 2 partial sums at most, the float sums in memory
 
 // acc + the pairwise products of w and x summed into 8 int32 lanes (exact).
 SS_INLINE __m256i add_dot_pairs(__m256i acc, __m256i w, __m256i x) {
@@ -750,237 +760,167 @@ SS_INLINE __m256i add_dot_pairs(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-// The 8 weight rows of groups blk0, blk1 (blk1 may be null: zero rows) for one block: out[p] holds,
-// at lanes 0..7 of a 32-int16 row of `out`, each weight row's elements 2p and 2p + 1; d[8], m[8]
-// their scale and min term (m = −8 · d for Q4_0, as dot_int_rows computes it).
+// widen_panel in 128-bit halves of each unit (weight rows 0..7, then 8..15).
 template <int TYPE>
-void unpack_block8(const uint8_t* blk0, const uint8_t* blk1, int16_t* out, float* d, float* m) {
-  constexpr int64_t header_bytes = TYPE == Q4_1 ? 16 : 8, code_bytes = TYPE == Q8_0 ? 32 : 16;
-  static const uint8_t zeros[32] = {0};
-  const __m128 d0 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk0));
-  const __m128 d1 = blk1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk1)) : _mm_setzero_ps();
-  _mm_storeu_ps(d, d0);
-  _mm_storeu_ps(d + 4, d1);
-  if constexpr (TYPE == Q4_1) {
-    _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(blk0 + 8))));
-    _mm_storeu_ps(m + 4, blk1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(blk1 + 8))) : _mm_setzero_ps());
-  } else if constexpr (TYPE == Q4_0) {
-    _mm_storeu_ps(m, _mm_mul_ps(d0, _mm_set1_ps(-8.f)));
-    _mm_storeu_ps(m + 4, _mm_mul_ps(d1, _mm_set1_ps(-8.f)));
-  }
-  const uint8_t* rows[8];
-  for (int j = 0; j < 4; j++) {
-    rows[j] = blk0 + header_bytes + j * code_bytes;
-    rows[4 + j] = blk1 ? blk1 + header_bytes + j * code_bytes : zeros;
-  }
-  // Each row's code bytes as 8 uint16 (byte pairs); an 8×8 transpose gives T[q] = the 8 rows'
-  // bytes 2q, 2q + 1: Q4 elements 2q, 2q + 1 in the low nibbles and 16 + 2q, 17 + 2q in the high
-  // ones; Q8_0 elements 2q, 2q + 1 (and, from its second 16 bytes, 16 + 2q, 17 + 2q).
-  for (int half = 0; half < (TYPE == Q8_0 ? 2 : 1); half++) {
-    __m128i r[8];
-    for (int j = 0; j < 8; j++) r[j] = _mm_loadu_si128((const __m128i*)(rows[j] + 16 * half));
-    const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
-    const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
-    const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
-    const __m128i t6 = _mm_unpacklo_epi16(r[6], r[7]), t7 = _mm_unpackhi_epi16(r[6], r[7]);
-    const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
-    const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
-    const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
-    const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
-    const __m128i T[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4), _mm_unpacklo_epi64(u1, u5),
-                          _mm_unpackhi_epi64(u1, u5), _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
-                          _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
-    for (int q = 0; q < 8; q++) {
-      if constexpr (TYPE == Q8_0) {
-        _mm256_storeu_si256((__m256i*)(out + (8 * half + q) * 2 * PANEL_ROWS), _mm256_cvtepi8_epi16(T[q]));
-      } else {
-        const __m256i bytes = _mm256_cvtepu8_epi16(T[q]);
-        _mm256_storeu_si256((__m256i*)(out + q * 2 * PANEL_ROWS), _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)));
-        _mm256_storeu_si256((__m256i*)(out + (q + 8) * 2 * PANEL_ROWS), _mm256_srli_epi16(bytes, 4));
+void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, int16_t* wide) {
+  using B = PanelBlock<TYPE>;
+  for (int64_t b = b0; b < b1; b++) {
+    const uint8_t* codes = panel + b * B::bytes + B::header;
+    int16_t* out = wide + (b - b0) * WIDE_BLOCK;
+    for (int u = 0; u < B::units; u++)
+      for (int h = 0; h < 2; h++) {
+        const __m128i unit = _mm_loadu_si128((const __m128i*)(codes + 2 * PANEL_ROWS * u + 16 * h));
+        if constexpr (TYPE == Q8_0) {
+          _mm256_storeu_si256((__m256i*)(out + 2 * PANEL_ROWS * u + 16 * h), _mm256_cvtepi8_epi16(unit));
+        } else {
+          const __m256i bytes = _mm256_cvtepu8_epi16(unit);
+          _mm256_storeu_si256((__m256i*)(out + 2 * PANEL_ROWS * u + 16 * h), _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)));
+          _mm256_storeu_si256((__m256i*)(out + 2 * PANEL_ROWS * (8 + u) + 16 * h), _mm256_srli_epi16(bytes, 4));
+        }
       }
-    }
   }
 }
 
-// Groups [g, g + 4) (weight rows 4g .. 4g + 15; groups past the last are zero rows), all nb blocks:
-// pairs [nb][PANEL_PAIRS][2 · PANEL_ROWS] int16, d and m [nb][PANEL_ROWS] float.
-struct Panel {
-  std::vector<int16_t> pairs;
-  std::vector<float> d, m;
-};
-
-// A panel's arrays as plain pointers: what the tiles read (a thread_local Panel behind a
-// reference costs a TLS lookup on every access in the inner loops).
-struct PanelView {
-  const int16_t* pairs;
-  const float* d;
-  const float* m;
-};
-
-template <int TYPE>
-void unpack_panel16(const uint8_t* wp, int64_t group_bytes, int64_t groups, int64_t g, int64_t nb, Panel& panel) {
-  constexpr int64_t group_block_bytes = 4 * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
-  constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
-  // Every value is written below (weight rows past the last group as zeros): no fill first.
-  panel.pairs.resize(nb * block_pairs);
-  panel.d.resize(nb * PANEL_ROWS);
-  panel.m.resize(nb * PANEL_ROWS);
-  static const uint8_t zero_block[4 * 34] = {0};  // a group's block of zero rows, any type
-  for (int64_t b = 0; b < nb; b++)
-    for (int h = 0; h < 2; h++) {  // weight rows 8h .. 8h + 7: groups g + 2h, g + 2h + 1
-      const int64_t g0 = g + 2 * h;
-      const uint8_t* blk0 = g0 < groups ? wp + g0 * group_bytes + b * group_block_bytes : zero_block;
-      const uint8_t* blk1 = g0 + 1 < groups ? blk0 + group_bytes : nullptr;
-      unpack_block8<TYPE>(blk0, blk1, panel.pairs.data() + b * block_pairs + 8 * h * 2,
-                          panel.d.data() + b * PANEL_ROWS + 8 * h, panel.m.data() + b * PANEL_ROWS + 8 * h);
-    }
-}
-
-// Activation rows [r0, r0 + MR) × a panel's 16 weight rows over blocks [b0, b1): the float
-// accumulators acc[MR][PANEL_ROWS] carry on from the blocks before b0.
-template <int MR, bool HAS_MIN>
-SS_INLINE void panel_tile(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1, float* acc) {
-  constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
+// panel_tile on 256-bit vectors, one half of the panel (8 weight rows, lanes j: weight row 8h + j)
+// at a time: the same integer sums and the same float operations per weight row, so the same
+// bits. The float accumulators live in memory (16 per row; `in`/`out` as above).
+template <int TYPE, int MR, bool WIDE>
+SS_INLINE void panel_tile(const uint8_t* panel, const int16_t* wide, const QuantizedRows& xq, int64_t r0, int64_t b0,
+                          int64_t b1, const float* in, int64_t in_stride, float* out, int64_t out_stride,
+                          uint32_t out_mask) {
+  using B = PanelBlock<TYPE>;
+  constexpr int P = partial_sums<MR>();
   const int64_t K = xq.K, nb = xq.nb;
   const int16_t* xq_q = xq.q.data();
   const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
+  alignas(32) float acc[MR][PANEL_ROWS];
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < PANEL_ROWS; j++) acc[r][j] = in ? in[r * in_stride + j] : 0.f;
   for (int64_t b = b0; b < b1; b++) {
-    __m256i S[MR][2];
-    for (int r = 0; r < MR; r++) S[r][0] = S[r][1] = _mm256_setzero_si256();
-    const int16_t* pb = panel.pairs + b * block_pairs;
+    const uint8_t* pb = panel + b * B::bytes;
     const int16_t* xb = xq_q + r0 * K + 32 * b;
-#pragma GCC unroll 16
-    for (int p = 0; p < PANEL_PAIRS; p++) {
-      __m256i w0 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS));
-      __m256i w1 = _mm256_loadu_si256((const __m256i*)(pb + p * 2 * PANEL_ROWS + PANEL_ROWS));
-      asm("" : "+x"(w0), "+x"(w1));  // one load for the MR rows (GCC would fold one into each multiply)
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; r++) {
-        const __m256i xv = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(xb + r * K + 2 * p)));
-        S[r][0] = add_dot_pairs(S[r][0], w0, xv);
-        S[r][1] = add_dot_pairs(S[r][1], w1, xv);
-        asm("" : "+x"(S[r][0]), "+x"(S[r][1]));  // keep the running sums (GCC would reassociate them into 16 live products)
-      }
-    }
     for (int h = 0; h < 2; h++) {
-      const __m256 d = _mm256_loadu_ps(panel.d + b * PANEL_ROWS + 8 * h);
-      const __m256 m = HAS_MIN ? _mm256_loadu_ps(panel.m + b * PANEL_ROWS + 8 * h) : _mm256_setzero_ps();
+      __m256i S[MR][P];
+      for (int r = 0; r < MR; r++)
+        for (int i = 0; i < P; i++) S[r][i] = _mm256_setzero_si256();
+      auto dot_rows = [&](__m256i w, int p, int i) SS_INLINE_LAMBDA {
+        asm("" : "+x"(w));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+          S[r][i] = add_dot_pairs(S[r][i], w, _mm256_set1_epi32(x_pair(xb + r * K, p)));
+          asm("" : "+x"(S[r][i]));
+        }
+      };
+      if constexpr (WIDE) {
+        const int16_t* wb = wide + (b - b0) * WIDE_BLOCK + 16 * h;
+#pragma GCC unroll 16
+        for (int p = 0; p < BLOCK_PAIRS; p++) dot_rows(_mm256_loadu_si256((const __m256i*)(wb + 2 * PANEL_ROWS * p)), p, p % P);
+      } else {
+        const uint8_t* codes = pb + B::header + 16 * h;
+#pragma GCC unroll 16
+        for (int u = 0; u < B::units; u++) {
+          const __m128i unit = _mm_loadu_si128((const __m128i*)(codes + 2 * PANEL_ROWS * u));
+          if constexpr (TYPE == Q8_0) {
+            dot_rows(_mm256_cvtepi8_epi16(unit), u, u % P);
+          } else {
+            const __m256i bytes = _mm256_cvtepu8_epi16(unit);
+            dot_rows(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), u, 0);
+            dot_rows(_mm256_srli_epi16(bytes, 4), 8 + u, P - 1);
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 16 * h)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (TYPE == Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 2 * PANEL_ROWS + 16 * h)));
+      if constexpr (TYPE == Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
       for (int r = 0; r < MR; r++) {
         const int64_t xb_index = (r0 + r) * nb + b;
-        float* a = acc + r * PANEL_ROWS + 8 * h;
-        __m256 sum = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S[r][h]), d), _mm256_broadcast_ss(xq_d + xb_index),
-                                     _mm256_loadu_ps(a));
-        if constexpr (HAS_MIN) sum = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xq_s + xb_index), sum);
-        _mm256_storeu_ps(a, sum);
+        const __m256i block_sum = P == 2 ? _mm256_add_epi32(S[r][0], S[r][P - 1]) : S[r][0];
+        float* a = acc[r] + 8 * h;
+        __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(block_sum), d), _mm256_broadcast_ss(xq_d + xb_index),
+                                   _mm256_load_ps(a));
+        if constexpr (B::has_min) s = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xq_s + xb_index), s);
+        _mm256_store_ps(a, s);
       }
     }
   }
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < PANEL_ROWS; j++)
+      if (out_mask >> j & 1) out[r * out_stride + j] = acc[r][j];
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// panel_tile on 512-bit vectors: a panel's 16 weight rows fill one vector's 16 int32 lanes, so a
-// block takes half the instructions of the 256-bit tile (one weight load, one dot product per row
-// and pair, one float epilogue per row), and registers hold the float accumulators of MR rows
-// across the whole slice instead of reloading them from memory every block. Lane j computes what
-// lane j mod 8 of vector j / 8 computes in panel_tile, operation for operation: the same bits.
-// Measured on Zen 4 (one thread, thread CPU time, best of 7 in each of 3 alternating processes,
-// the embedded model's four layer shapes at M = 64..1024): 76-88 GMAC/s, 65-75% of the thread's
-// int16 peak, against 67-78 for the two-sum arithmetic before it (1.08-1.15x); MR = 8 rows beat
-// MR = 4 by 3-6%. The 256-bit tile, built for Zen 3 (-march=znver3) and run on the same machine:
-// 55-67 GMAC/s against the two-sum tile's 34-52.
-constexpr int PANEL_MR_512 = 8;
-
-SS_INLINE __m512i add_dot_pairs_512(__m512i acc, __m512i w, __m512i x) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+using TileMask = uint32_t;
 #endif
+
+// Slices of K: blocks per pass of the row tiles over a panel (12 blocks: 4-7 KB of panel, or
+// 12 KB widened, in L1).
+constexpr int64_t PANEL_SLICE_BLOCKS = 12;
+// Panels per parallel task when a matmul has few rows (a decode step streams its weights from
+// DRAM: 64 weight rows, ~23 KiB of Q4_1 at K = 576, keep each thread on one sequential stream
+// long enough for the hardware prefetchers, which stop at 4 KiB pages; with 16-row tasks two
+// threads streaming a decode step's weights were slower than one). Many rows: one panel a task.
+constexpr int64_t FEW_ROWS_PANELS_PER_TASK = 4;
+
+// One K slice [b0, b1) of a panel against rows [r, r + MR): the tile's sums start from the slice
+// before (`acc`, unless first) and end in `acc` or, in the last slice, in y's columns n0 ...
+template <int TYPE, int MR, bool WIDE>
+SS_INLINE void tile_slice(const uint8_t* panel, const int16_t* wide, const QuantizedRows& xq, int64_t r, int64_t b0,
+                          int64_t b1, bool first, bool last, float* acc, float* y, int64_t N, int64_t n0,
+                          int64_t num_valid) {
+  const float* in = first ? nullptr : acc + r * PANEL_ROWS;
+  float* out = last ? y + r * N + n0 : acc + r * PANEL_ROWS;
+  const TileMask mask = last ? TileMask((1u << num_valid) - 1) : TileMask(0xFFFF);
+  panel_tile<TYPE, MR, WIDE>(panel, wide, xq, r, b0, b1, in, PANEL_ROWS, out, last ? N : PANEL_ROWS, mask);
 }
 
-// The float accumulators of the MR rows start from `in` (rows in_stride apart; null: zeros) and end
-// in `out` (rows out_stride apart, the lanes of out_mask): a slice's partial sums, or y itself.
-template <int MR, bool HAS_MIN>
-SS_INLINE void panel_tile_512(PanelView panel, const QuantizedRows& xq, int64_t r0, int64_t b0, int64_t b1,
-                              const float* in, int64_t in_stride, float* out, int64_t out_stride, __mmask16 out_mask) {
-  constexpr int64_t block_pairs = PANEL_PAIRS * 2 * PANEL_ROWS;
-  const int64_t K = xq.K, nb = xq.nb;
-  const int16_t* xq_q = xq.q.data();
-  const float *xq_d = xq.d.data(), *xq_s = xq.s.data();
-  __m512 sum[MR];
-  for (int r = 0; r < MR; r++) sum[r] = in ? _mm512_loadu_ps(in + r * in_stride) : _mm512_setzero_ps();
-  for (int64_t b = b0; b < b1; b++) {
-    __m512i S[MR];
-    for (int r = 0; r < MR; r++) S[r] = _mm512_setzero_si512();
-    const int16_t* pb = panel.pairs + b * block_pairs;
-    const int16_t* xb = xq_q + r0 * K + 32 * b;
-#pragma GCC unroll 16
-    for (int p = 0; p < PANEL_PAIRS; p++) {
-      __m512i w = _mm512_loadu_si512(pb + p * 2 * PANEL_ROWS);
-      asm("" : "+v"(w));  // one load for the MR rows
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; r++) {
-        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * K + 2 * p));
-        S[r] = add_dot_pairs_512(S[r], w, xv);
-        asm("" : "+v"(S[r]));  // keep the running sums in order (as panel_tile does)
-      }
-    }
-    const __m512 d = _mm512_loadu_ps(panel.d + b * PANEL_ROWS);
-    const __m512 m = HAS_MIN ? _mm512_loadu_ps(panel.m + b * PANEL_ROWS) : _mm512_setzero_ps();  // Q8_0: never written
-    for (int r = 0; r < MR; r++) {
-      const int64_t xb_index = (r0 + r) * nb + b;
-      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);
-      if constexpr (HAS_MIN) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
-    }
+// tile_slice for the `rows` (< TILE_MR) rows left after the full tiles.
+template <int TYPE, bool WIDE, int MR = 1>
+SS_INLINE void rest_slice(int rows, const uint8_t* panel, const int16_t* wide, const QuantizedRows& xq, int64_t r,
+                          int64_t b0, int64_t b1, bool first, bool last, float* acc, float* y, int64_t N, int64_t n0,
+                          int64_t num_valid) {
+  if constexpr (MR < TILE_MR) {
+    if (rows == MR) return tile_slice<TYPE, MR, WIDE>(panel, wide, xq, r, b0, b1, first, last, acc, y, N, n0, num_valid);
+    rest_slice<TYPE, WIDE, MR + 1>(rows, panel, wide, xq, r, b0, b1, first, last, acc, y, N, n0, num_valid);
   }
-  for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * out_stride, out_mask, sum[r]);
 }
-#endif
 
-// Panel p (weight rows 16p .. 16p + 15) against every activation row, a slice of K at a time:
-// a slice of the unpacked panel (1 KB a block) stays in L1 while every row passes it, where the
-// whole panel (32 bytes per value of K) would not at K = 1536. Each (row, weight row) still
-// sees its blocks in order, so the float sums are the same.
+// Every activation row over one K slice of a panel: tiles of `tile_rows` (TILE_MR, or 1 when
+// forced) and one tile of the rest.
+template <int TYPE, bool WIDE>
+void rows_slice(const uint8_t* panel, const int16_t* wide, const QuantizedRows& xq, int64_t tile_rows, int64_t b0,
+                int64_t b1, bool first, bool last, float* acc, float* y, int64_t N, int64_t n0, int64_t num_valid) {
+  int64_t r = 0;
+  if (tile_rows == TILE_MR)
+    for (; r + TILE_MR <= xq.M; r += TILE_MR)
+      tile_slice<TYPE, TILE_MR, WIDE>(panel, wide, xq, r, b0, b1, first, last, acc, y, N, n0, num_valid);
+  else
+    for (; r < xq.M; r++) tile_slice<TYPE, 1, WIDE>(panel, wide, xq, r, b0, b1, first, last, acc, y, N, n0, num_valid);
+  if (r < xq.M) rest_slice<TYPE, WIDE>(int(xq.M - r), panel, wide, xq, r, b0, b1, first, last, acc, y, N, n0, num_valid);
+}
+
+// One panel (weight rows 16p .. 16p + 15) against every activation row, a slice of K at a time
+// when there is more than one tile (a slice of the panel stays in L1 while every tile passes it).
 template <int TYPE>
-void panel_int(const uint8_t* wp, int64_t group_bytes, int64_t p, int64_t N, const QuantizedRows& xq, float* y) {
-  constexpr bool has_min = TYPE != Q8_0;
-  constexpr int64_t acc_per_row = PANEL_ROWS;
-  thread_local Panel panel;
+void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, const QuantizedRows& xq, float* y,
+               int64_t tile_rows) {
   thread_local std::vector<float> acc;
-  unpack_panel16<TYPE>(wp, group_bytes, (N + 3) / 4, 4 * p, xq.nb, panel);
-  const PanelView view{panel.pairs.data(), panel.d.data(), panel.m.data()};
-  const int64_t num_slices = (xq.nb + PANEL_SLICE_BLOCKS - 1) / PANEL_SLICE_BLOCKS;
-  const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
+  thread_local std::vector<int16_t> wide;
+  const uint8_t* panel = wp + p * panel_bytes;
   const int64_t n0 = PANEL_ROWS * p, num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  // A slice's partial sums go to `acc` and the next slice starts from them; the first starts from
-  // zeros and the last writes y's num_valid columns directly.
-  if (num_slices > 1) acc.resize(xq.M * acc_per_row);
-  const __mmask16 y_mask = (__mmask16)((1u << num_valid) - 1);
+  const int64_t num_slices = xq.M <= tile_rows ? 1 : (xq.nb + PANEL_SLICE_BLOCKS - 1) / PANEL_SLICE_BLOCKS;
+  const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
+  const bool widen = xq.M >= WIDEN_PANEL_MIN_ROWS;
+  if (num_slices > 1) acc.resize(xq.M * PANEL_ROWS);
+  if (widen) wide.resize(slice * WIDE_BLOCK);
   for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
     const int64_t b1 = std::min(xq.nb, b0 + slice);
     const bool first = b0 == 0, last = b1 == xq.nb;
-    auto tile = [&](auto mr, int64_t r) {
-      const float* in = first ? nullptr : acc.data() + r * acc_per_row;
-      float* out = last ? y + r * N + n0 : acc.data() + r * acc_per_row;
-      panel_tile_512<decltype(mr)::value, has_min>(view, xq, r, b0, b1, in, acc_per_row, out, last ? N : acc_per_row,
-                                                   last ? y_mask : (__mmask16)0xFFFF);
-    };
-    int64_t r = 0;
-    for (; r + PANEL_MR_512 <= xq.M; r += PANEL_MR_512) tile(std::integral_constant<int, PANEL_MR_512>{}, r);
-    for (; r < xq.M; r++) tile(std::integral_constant<int, 1>{}, r);
+    if (widen) {
+      widen_panel<TYPE>(panel, b0, b1, wide.data());
+      rows_slice<TYPE, true>(panel, wide.data(), xq, tile_rows, b0, b1, first, last, acc.data(), y, N, n0, num_valid);
+    } else {
+      rows_slice<TYPE, false>(panel, nullptr, xq, tile_rows, b0, b1, first, last, acc.data(), y, N, n0, num_valid);
+    }
   }
-#else
-  acc.assign(xq.M * acc_per_row, 0.f);
-  float* acc_rows = acc.data();
-  for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
-    const int64_t b1 = std::min(xq.nb, b0 + slice);
-    int64_t r = 0;
-    for (; r + PANEL_MR <= xq.M; r += PANEL_MR) panel_tile<PANEL_MR, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
-    for (; r < xq.M; r++) panel_tile<1, has_min>(view, xq, r, b0, b1, acc_rows + r * acc_per_row);
-  }
-  for (int64_t r = 0; r < xq.M; r++) std::memcpy(y + r * N + n0, acc_rows + r * acc_per_row, num_valid * sizeof(float));
-#endif
 }
 #else
 constexpr bool HAS_INT16_DOT = false;
@@ -1027,18 +967,17 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
 }
 
 // y[M, N] = x[M, K] · W[N, K]ᵀ with x quantized to int16 per 32-value block (see "integer
-// dot products"); W is Q4_0, Q4_1 or Q8_0, interleaved by repack_x4. y has x's dtype.
-// `path`: which of the two bit-identical kernels runs it: INT16_AUTO takes the panels ("the
-// integer matmul for many rows") from PANEL_MIN_ROWS rows and the per-row kernel below that;
-// INT16_ROWS and INT16_PANELS force one (the tests compare them).
+// dot products"); W is Q4_0, Q4_1 or Q8_0 in panels (repack_panels). y has x's dtype.
+// `path`: the register tiles, which never change a bit: INT16_AUTO and INT16_PANELS take tiles
+// of TILE_MR rows and one of the rest, INT16_ROWS one row per tile (the tests compare them).
 at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t path) {
   TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
   TORCH_CHECK(path >= INT16_AUTO && path <= INT16_PANELS, "path must be 0 (auto), 1 (rows) or 2 (panels), got ", path);
-  const X4Layout l = x4_layout(type);
+  const PanelLayout l = panel_layout(type);
   TORCH_CHECK(K % 32 == 0, "K=", K, " is not a multiple of 32");
-  const int64_t groups = (N + 3) / 4, group_bytes = 4 * (K / 32) * l.block_bytes;
-  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == groups && w.size(1) == group_bytes,
-              "weight must be a contiguous uint8 [", groups, ", ", group_bytes, "] tensor (repack_x4 of [", N, ", ", K, "])");
+  const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS, panel_bytes = PANEL_ROWS * (K / 32) * l.block_bytes;
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels && w.size(1) == panel_bytes,
+              "weight must be a contiguous uint8 [", panels, ", ", panel_bytes, "] tensor (repack_panels of [", N, ", ", K, "])");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -1050,24 +989,15 @@ at::Tensor qlinear_int16(const at::Tensor& x_in, const at::Tensor& w, int64_t ty
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (path == INT16_PANELS || (path == INT16_AUTO && M >= PANEL_MIN_ROWS)) {
-    parallel_tasks((N + PANEL_ROWS - 1) / PANEL_ROWS, [&](int64_t p) {
+  const int64_t tile_rows = path == INT16_ROWS ? 1 : TILE_MR;
+  const int64_t panels_per_task = M < TILE_MR ? FEW_ROWS_PANELS_PER_TASK : 1;
+  parallel_tasks((panels + panels_per_task - 1) / panels_per_task, [&](int64_t task) {
+    for (int64_t p = task * panels_per_task; p < std::min(panels, (task + 1) * panels_per_task); p++) {
       switch (type) {
-        case Q4_0: panel_int<Q4_0>(wp, group_bytes, p, N, xq, yp); break;
-        case Q4_1: panel_int<Q4_1>(wp, group_bytes, p, N, xq, yp); break;
-        default: panel_int<Q8_0>(wp, group_bytes, p, N, xq, yp); break;
+        case Q4_0: panel_int<Q4_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
+        case Q4_1: panel_int<Q4_1>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
+        default: panel_int<Q8_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
       }
-    });
-    return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
-  }
-  constexpr int64_t groups_per_task = INT_ROWS_PER_TASK / 4;
-  const int64_t num_tasks = (groups + groups_per_task - 1) / groups_per_task;
-  parallel_tasks(num_tasks, [&](int64_t task) {
-    const int64_t g0 = task * groups_per_task, g1 = std::min(groups, g0 + groups_per_task);
-    switch (type) {
-      case Q4_0: groups_int<Q4_0>(wp, group_bytes, g0, g1, N, xq, yp); break;
-      case Q4_1: groups_int<Q4_1>(wp, group_bytes, g0, g1, N, xq, yp); break;
-      default: groups_int<Q8_0>(wp, group_bytes, g0, g1, N, xq, yp); break;
     }
   });
 #endif
@@ -1141,14 +1071,14 @@ std::tuple<double, double> measure_peak_macs(int64_t iterations) {
 }
 
 // Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup). `N` > 0: W is
-// interleaved by repack_x4 and holds N rows.
-at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t interleaved_rows) {
-  const bool interleaved = interleaved_rows > 0;
+// in panels (repack_panels) and holds N rows.
+at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t panel_rows) {
+  const bool in_panels = panel_rows > 0;
   const TypeInfo info = type_info(type);
   const int64_t row_bytes = K / info.block_elems * info.block_bytes;
-  const int64_t N = interleaved ? interleaved_rows : w.size(0);
-  if (interleaved) {
-    TORCH_CHECK(w.dim() == 2 && w.size(0) == (N + 3) / 4 && w.size(1) == 4 * row_bytes, "not an interleaved [", N, ", ", K, "] weight");
+  const int64_t N = in_panels ? panel_rows : w.size(0);
+  if (in_panels) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == (N + PANEL_ROWS - 1) / PANEL_ROWS && w.size(1) == PANEL_ROWS * row_bytes, "not a [", N, ", ", K, "] weight in panels");
   } else {
     check_weight(w, type, K);
   }
@@ -1160,13 +1090,13 @@ at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> row(interleaved ? row_bytes : 0);
+    std::vector<uint8_t> row(in_panels ? row_bytes : 0);
     for (int64_t i = begin; i < end; i++) {
-      if (!interleaved) {
+      if (!in_panels) {
         dequant_row(type, wp + idp[i] * row_bytes, K, op + i * K);
         continue;
       }
-      x4_row(wp, x4_layout(type), row_bytes, K / 32, idp[i], row.data());
+      panel_row(wp, panel_layout(type), row_bytes, K / 32, idp[i], row.data());
       dequant_row(type, row.data(), K, op + i * K);
     }
   });
@@ -1179,12 +1109,12 @@ void register_qlinear(pybind11::module_& m) {
   m.def("qlinear_int16", &qlinear_int16,
         "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"), py::arg("path") = 0);
-  m.def("repack_x4", &repack_x4, "a Q4_0/Q4_1/Q8_0 weight's rows interleaved four by four for the integer matmul",
+  m.def("repack_panels", &repack_panels, "a Q4_0/Q4_1/Q8_0 weight's rows repacked in 16-row panels for the integer matmul",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("measure_peak_macs", &measure_peak_macs,
         "this thread's measured peak MACs/s: (int16 pairs as the integer matmul issues them, float32 FMA)",
         py::arg("iterations") = 20000000);
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
-        py::arg("k"), py::arg("ids"), py::arg("interleaved_rows") = 0);
+        py::arg("k"), py::arg("ids"), py::arg("panel_rows") = 0);
 }

@@ -23,6 +23,7 @@
 #endif
 
 #define SS_INLINE inline __attribute__((always_inline))
+#define SS_INLINE_LAMBDA __attribute__((always_inline))  // after a lambda's parameters
 
 #if SS_SIMD16
 namespace simd16 {

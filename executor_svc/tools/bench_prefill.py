@@ -9,8 +9,9 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
    issues (int16-pair dot products at its vector width, 512-bit on AVX-512 and 256-bit on AVX2:
    pmaddwd + paddd, or vpdpwssd with VNNI) and of float32 FMA, one thread, times the threads;
 2. the integer matmul (`--matmul int16`, the CPU default) on each of the model's layer shapes at
-   M rows: the per-row kernel a decode step takes and the 16-row panels a prompt takes (the two
-   are bit-identical, qlinear.cpp), in GMAC/s and as a fraction of the int16 peak;
+   M rows: one-row register tiles forced ("rows") and the tiles the engine takes ("panels": 8 rows,
+   4 on AVX2, and one of the rest; the two are bit-identical, qlinear.cpp), in GMAC/s and as a
+   fraction of the int16 peak;
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
@@ -247,7 +248,7 @@ def print_report(r: dict) -> None:
         f"float32 FMA {peak['fp32_macs_per_thread'] / 1e9:.1f} GMAC/s; "
         f"machine int16 peak {peak['int16_macs'] / 1e9:.1f} GMAC/s"
     )
-    print("\nthe integer matmul, GMAC/s (rows: the decode kernel; panels: the prompt kernel; bit-identical):")
+    print("\nthe integer matmul, GMAC/s (rows: one-row tiles; panels: the engine's tiles; bit-identical):")
     print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}")
     for m in r["matmuls"]:
         print(

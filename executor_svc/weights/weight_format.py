@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 # Types the integer matmul runs (activations quantized to int16 per 32-value block).
 INT16_DOT_TYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0
+PANEL_ROWS = 16  # weight rows per panel of the integer matmul's layout (qlinear.cpp)
 
 _qlinear_module = None
 
@@ -69,8 +70,8 @@ class Kernel(IntEnum):
     # GGUF rows [rows, row_bytes] dequantized in float32 on the CPU (qlinear.cpp): the exact path.
     EXACT = 1
     # Activations quantized to int16 per 32-value block (qlinear.cpp, "integer dot products").
-    # Only INT16_DOT_TYPES; `data` is uint8 [ceil(rows / 4), 4 · row_bytes] (qlinear.cpp, "the
-    # integer matmul's weight layout"; with_int16_dot repacks).
+    # Only INT16_DOT_TYPES; `data` is uint8 [ceil(rows / 16), 16 · row_bytes]: 16-row panels
+    # (qlinear.cpp, "the integer matmul's weight layout"; with_int16_dot repacks).
     INT16 = 2
     # The Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
     TRITON = 3
@@ -79,7 +80,7 @@ class Kernel(IntEnum):
 @dataclass(frozen=True)
 class PackedWeight:
     """A [rows, cols] matmul weight as its GGUF blocks: `data` is uint8 [rows, row_bytes],
-    or, for the integer matmul, the same blocks with rows interleaved four by four."""
+    or, for the integer matmul, the same blocks repacked in panels of 16 rows."""
 
     data: torch.Tensor
     tensor_type: int
@@ -96,7 +97,7 @@ class PackedWeight:
         if self.kernel == Kernel.INT16 and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
         row_bytes = cols // block_elems * block_bytes
-        expected = ((rows + 3) // 4, 4 * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
+        expected = (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
 
@@ -120,7 +121,7 @@ class PackedWeight:
     @classmethod
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
         """Rows of several weights stacked into one matmul when they share a type; else kept apart.
-        (Stack before with_int16_dot: interleaved weights do not stack.)"""
+        (Stack before with_int16_dot: weights in panels do not stack.)"""
         if any(p.kernel == Kernel.INT16 for p in parts):
             raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
@@ -132,7 +133,7 @@ class PackedWeight:
         """This weight repacked for the integer matmul where its type allows, else unchanged."""
         if self.tensor_type not in INT16_DOT_TYPES or self.kernel == Kernel.INT16:
             return self
-        data = _kernels().repack_x4(self.data, self.tensor_type, self.shape[1])
+        data = _kernels().repack_panels(self.data, self.tensor_type, self.shape[1])
         return PackedWeight(data, self.tensor_type, self.shape, Kernel.INT16)
 
     def on_triton(self, device: torch.device) -> "PackedWeight":
@@ -157,8 +158,8 @@ class PackedWeight:
             from executor_svc.kernels.qmatmul import dequantize
 
             return dequantize(self.data[ids], self.tensor_type, self.shape[1])
-        interleaved_rows = self.shape[0] if self.kernel == Kernel.INT16 else 0
-        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, interleaved_rows)
+        panel_rows = self.shape[0] if self.kernel == Kernel.INT16 else 0
+        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, panel_rows)
 
 
 # A weight as the model holds it: packed, dense, or packed parts whose outputs are concatenated.

@@ -126,12 +126,15 @@ def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
 
 @needs_int16
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
-@pytest.mark.parametrize(("num_weight_rows", "num_rows"), [(37, 1), (37, 2), (16, 3), (53, 7), (20, 8), (129, 70)])
-def test_the_integer_matmuls_row_and_panel_kernels_are_bit_identical(qtype, num_weight_rows, num_rows):
-    """A decode row and a prompt row take different kernels (per row for few rows, 16-row panels
-    for many), which compute the same integer sums and the same float operations in the same
-    order: forced either way, every output is bit-identical (odd weight rows: a partial panel and
-    a padded group; odd row counts: a partial register tile; an outlier and an all-zero block)."""
+@pytest.mark.parametrize(
+    ("num_weight_rows", "num_rows"), [(37, 1), (37, 2), (16, 3), (53, 7), (20, 8), (37, 15), (53, 40), (129, 70)]
+)
+def test_the_integer_matmuls_register_tiles_are_bit_identical(qtype, num_weight_rows, num_rows):
+    """A decode row and a prompt row take different register tiles (one row; tiles of 8 rows, or 4
+    on AVX2, and one of the rest; from 32 rows a panel widened once instead of in registers), which
+    compute the same integer sums and the same float operations in the same order: forced either
+    way, every output is bit-identical (odd weight rows: a partial, zero-padded panel; odd row
+    counts: a tile of the rest, 1 to 7 rows; an outlier and an all-zero block)."""
     kernels = load()
     w, _ = packed(qtype, rows=num_weight_rows, seed=num_rows)
     w16 = w.with_int16_dot()
@@ -146,14 +149,14 @@ def test_the_integer_matmuls_row_and_panel_kernels_are_bit_identical(qtype, num_
 
 @needs_int16
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
-def test_the_integer_matmuls_interleaved_layout_holds_the_same_values(qtype):
-    """with_int16_dot repacks rows four by four (37 rows: a padded last group) without
+def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):
+    """with_int16_dot repacks rows in panels of 16 (37 rows: a zero-padded last panel) without
     changing a value or growing the memory beyond the padding: dequantizing and embedding
-    lookups read the interleaved bytes back exactly."""
+    lookups read the panels' bytes back exactly."""
     w, _ = packed(qtype, rows=37)
     w16 = w.with_int16_dot()
-    assert w16.data.shape == (10, 4 * w.data.shape[1]) and w16.with_int16_dot() is w16
-    assert w16.nbytes == w.nbytes + 3 * w.data.shape[1]
+    assert w16.data.shape == (3, 16 * w.data.shape[1]) and w16.with_int16_dot() is w16
+    assert w16.nbytes == w.nbytes + 11 * w.data.shape[1]
     assert torch.equal(w16.dequantize(), w.dequantize())
     ids = torch.tensor([36, 0, 5, 5, 33])
     assert torch.equal(embedding(ids, w16, torch.float32), embedding(ids, w, torch.float32))

@@ -169,6 +169,7 @@ class RequestResult:
     num_draft_leaves: int = 0
     expected_num_accepted_tokens: float = 0.0  # what the drafter expected of the verified trees (0: chains)
     expected_accepted_tokens_by_nodes: tuple[float, ...] = ()  # E(n) of next step's tree, if it branches
+    num_draft_misses: int = 0  # runs whose draft stopped short of its depth (one rejected token each)
 
     @classmethod
     def from_pb(cls, msg: epb.RequestResult) -> RequestResult:
@@ -188,6 +189,7 @@ class RequestResult:
             num_draft_leaves=msg.num_draft_leaves,
             expected_num_accepted_tokens=msg.expected_num_accepted_tokens,
             expected_accepted_tokens_by_nodes=tuple(msg.expected_accepted_tokens_by_nodes),
+            num_draft_misses=msg.num_draft_misses,
         )
 
 
@@ -684,7 +686,9 @@ class Planner:
                 # A tree is tested along its kept path: a miss only if it stopped short of its depth.
                 # (An executor that does not report depth drafted chains: depth = nodes.)
                 depth = result.draft_depth or result.num_drafted_tokens
-                self.acceptance.observe(request.executor_request_id, depth, result.num_accepted_tokens)
+                self.acceptance.observe(
+                    request.executor_request_id, depth, result.num_accepted_tokens, result.num_draft_misses
+                )
                 self.acceptance.observe_trees(
                     request.executor_request_id, result.expected_num_accepted_tokens, result.num_accepted_tokens
                 )

@@ -366,6 +366,7 @@ class Engine:
             num_draft_leaves=part.draft.num_leaves,
             expected_num_accepted_tokens=part.draft.expected_num_accepted_tokens,
             expected_accepted_tokens_by_nodes=expected_by_nodes,
+            num_draft_misses=int(num_accepted < part.draft.depth),
         )
         if state.finish_reason is not None:
             self.release(state.request_id)

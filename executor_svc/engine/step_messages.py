@@ -63,6 +63,7 @@ class RequestResult:
     draft_depth: int = 0  # deepest node's depth: a chain's length
     num_draft_leaves: int = 0  # 1 for a chain
     expected_num_accepted_tokens: float = 0.0  # the drafter's estimate for the verified trees (0 for chains)
+    num_draft_misses: int = 0  # runs whose draft was accepted short of its depth (one rejected token each)
     # [n - 1]: expected accepted tokens of the best n-node tree next step; empty unless it is a branching tree.
     expected_accepted_tokens_by_nodes: list[float] = field(default_factory=list)
 
@@ -79,6 +80,7 @@ class RequestResult:
             draft_depth=self.draft_depth + later.draft_depth,
             num_draft_leaves=self.num_draft_leaves + later.num_draft_leaves,
             expected_num_accepted_tokens=self.expected_num_accepted_tokens + later.expected_num_accepted_tokens,
+            num_draft_misses=self.num_draft_misses + later.num_draft_misses,
         )
 
     def to_pb(self) -> pb.RequestResult:
@@ -99,6 +101,7 @@ class RequestResult:
             num_draft_leaves=self.num_draft_leaves,
             expected_num_accepted_tokens=self.expected_num_accepted_tokens,
             expected_accepted_tokens_by_nodes=self.expected_accepted_tokens_by_nodes,
+            num_draft_misses=self.num_draft_misses,
             logprobs=[
                 pb.TokenLogprob(
                     token_id=t.token_id,

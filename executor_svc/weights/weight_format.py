@@ -97,7 +97,9 @@ class PackedWeight:
         if self.kernel == Kernel.INT16 and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
         row_bytes = cols // block_elems * block_bytes
-        expected = (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
+        expected = (
+            (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
+        )
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
 

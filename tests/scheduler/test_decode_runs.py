@@ -115,6 +115,32 @@ def test_a_plan_run_four_times_answers_for_all_four(engine):
     release_all(engine)
 
 
+def test_a_call_counts_every_run_whose_draft_missed(engine):
+    """Draft counts are sums over the runs, and each run whose draft was accepted short of its
+    depth is one miss: the scheduler's acceptance estimate needs them all (accepted < depth over
+    the sums says only that some run missed), as the same runs made one call each show."""
+    # The tiny model repeats its last token; its index says a run of 7s ends in a 6: each run misses.
+    prompts = {"a": [7] * 8 + [6, 9, 7], "b": [5, 6, 7, 8] * 4}
+    plan = [ScheduledRequest("a", 1, draft_budget=4), ScheduledRequest("b", 1, draft_budget=4)]
+    decoding(engine, prompts)
+    answer = engine.step(StepRequest(scheduled=plan, max_runs=4))
+    release_all(engine)
+    decoding(engine, prompts)
+    runs = {"a": [], "b": []}
+    for _ in range(answer.num_runs):
+        for o in engine.step(StepRequest(scheduled=plan)).outputs:
+            runs[o.request_id].append(o)
+    release_all(engine)
+    assert answer.num_runs == 4
+    for o in answer.outputs:
+        one_a_call = runs[o.request_id]
+        assert o.num_drafted_tokens == sum(r.num_drafted_tokens for r in one_a_call) > 0
+        assert o.num_accepted_tokens == sum(r.num_accepted_tokens for r in one_a_call)
+        assert o.num_draft_misses == sum(r.num_accepted_tokens < r.draft_depth for r in one_a_call)
+        assert o.to_pb().num_draft_misses == o.num_draft_misses
+    assert max(o.num_draft_misses for o in answer.outputs) > 1  # a call that missed more than once
+
+
 def test_a_request_that_finishes_stops_running_while_the_others_go_on(engine):
     decoding(engine, {"short": [5, 6, 7], "long": [8, 9, 10]}, max_new_tokens={"short": 3})
     answer = engine.step(StepRequest(scheduled=[ScheduledRequest("short", 1), ScheduledRequest("long", 1)], max_runs=5))

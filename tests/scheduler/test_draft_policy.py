@@ -366,6 +366,29 @@ def test_acceptance_converges_to_the_true_rate(true_acceptance):
     assert slow.estimate("r") == pytest.approx(true_acceptance, abs=0.04)
 
 
+@pytest.mark.parametrize("true_acceptance", [0.3, 0.6])
+def test_acceptance_counts_every_run_that_missed(true_acceptance):
+    """A call that ran its decodes 4 times reports sums over the runs and how many runs missed:
+    the estimate still converges to the true rate. Without the misses (one failure per call) it
+    would not: at 0.3 it drifts to about 0.6."""
+    rng = np.random.default_rng(4)
+    tracker = AcceptanceTracker()
+    one_miss_a_call = AcceptanceTracker()
+    estimates, overstated = [], []
+    for call in range(2000):
+        runs = [simulate_drafts(rng, true_acceptance, 3) for _ in range(4)]
+        num_accepted, num_misses = sum(runs), sum(a < 3 for a in runs)
+        tracker.observe("r", 12, num_accepted, num_misses)
+        one_miss_a_call.observe("r", 12, num_accepted)
+        if call >= 500:
+            estimates.append(tracker.estimate("r"))
+            overstated.append(one_miss_a_call.estimate("r"))
+    assert np.mean(estimates) == pytest.approx(true_acceptance, abs=0.04)
+    assert np.mean(overstated) > true_acceptance + 0.2
+    with pytest.raises(ValueError, match="num_misses"):
+        tracker.observe("r", 4, 2, 3)  # three misses need three rejected tokens
+
+
 def test_acceptance_follows_a_request_that_changes_phase():
     rng = np.random.default_rng(1)
     tracker = AcceptanceTracker()

@@ -183,6 +183,7 @@ def test_a_result_over_several_runs_sums_the_shapes_and_keeps_the_last_curve():
         num_draft_leaves=2,
         expected_num_accepted_tokens=1.5,
         expected_accepted_tokens_by_nodes=[0.9, 1.5],
+        num_draft_misses=1,
     )
     later = RequestResult(
         "r",
@@ -196,9 +197,11 @@ def test_a_result_over_several_runs_sums_the_shapes_and_keeps_the_last_curve():
         num_draft_leaves=1,
         expected_num_accepted_tokens=0.5,
         expected_accepted_tokens_by_nodes=[0.8],
+        num_draft_misses=1,
     )
     both = first.then(later)
     assert (both.num_drafted_tokens, both.draft_depth, both.num_draft_leaves) == (7, 6, 3)
+    assert both.num_draft_misses == 2 and both.to_pb().num_draft_misses == 2
     assert both.expected_num_accepted_tokens == 2.0
     assert both.expected_accepted_tokens_by_nodes == [0.8]  # about the next step: the last run's
     msg = both.to_pb()

@@ -32,14 +32,29 @@ Worked example, max_ngram=3, max_tokens=4:
 
 A draft *tree* bets on several continuations at once, for a context the history
 followed in different ways (an agent rewriting one of several near-identical
-functions). Every trie node also counts the tokens that followed its context.
-A tree node's context is the history plus the path down to it; its candidate
-children are the followers of that context's longest match (n tokens,
-n >= min_ngram), each with an estimated acceptance probability
+functions). It starts from the occurrences of the history's longest match (n
+tokens, n >= min_ngram; the most recent MAX_TREE_SOURCES of them) and follows
+them: a node's candidate children are the tokens that followed the occurrences
+that went on along the path down to it, each occurrence one vote, with an
+estimated acceptance probability
 
-    p(child) = count(child) / count(all followers) * (1 - 2**-n)
+    p(child) = votes(child) / votes(all children) * (1 - 2**-(n + depth))
 
-(a one-token match is weak evidence, an eight-token one strong). A node's *path
+where depth is the path's length: those occurrences matched n + depth tokens (a
+one-token match is weak evidence, an eight-token one strong). Following
+occurrences keeps a branch in its place in the copied text, as a chain's slice
+does: at the next point where the near-identical functions differ, a branch
+copying the third one votes for the third one's tokens. Re-matching the last
+max_ngram tokens instead forgets which function a branch copies once they fall
+out of the window, and splits its votes over all of them (on the branchy copy
+workload, simulated over the model's own greedy output: 3.27 accepted tokens per
+16-node tree against 3.04 re-matching and 2.80 for a 16-token chain). An
+occurrence never runs dry: one that reaches the end of the history goes on into
+the path itself, as a chain's slice runs into the suffix. Where the swarm's output
+matches the history longer than the request's own does, the tree follows no
+occurrences: every node's children are then the followers of the longest match of
+the history plus the path, counted by the tries below (the swarm's where it matches
+longer), with n that match's length. A node's *path
 probability* is the product of p down from the root: the chance that every token
 to it is accepted. The tree grows greedily: of all candidates, add the one with
 the highest path probability (a tie goes to the candidate found first; siblings
@@ -61,13 +76,13 @@ Worked tree example, max_ngram=3, max_nodes=4:
     token      x a b c y a b d z a b
 
     n=2: [a b] occurred at 1..2 followed by c and at 5..6 followed by d
-         ([z a b] nowhere earlier): followers {c: 1, d: 1}, p = 1/2 * 3/4 each
+         ([z a b] nowhere earlier): votes {d: 1, c: 1}, p = 1/2 * 3/4 each
 
-    node  token  parent  path p          matched context -> followers
-    0     d      root    0.375           [a b] -> d is the most recent
-    1     c      root    0.375
-    2     z      0       0.375 * 0.875   [a b d] -> {z: 1}
-    3     y      1       0.375 * 0.875   [a b c] -> {y: 1}
+    node  token  parent  path p          occurrences followed -> children
+    0     d      root    0.375           the one at 5..6 (the most recent first)
+    1     c      root    0.375           the one at 1..2
+    2     z      0       0.375 * 0.875   5..7 [a b d] -> {z: 1}
+    3     y      1       0.375 * 0.875   1..3 [a b c] -> {y: 1}
 
 The index is a trie of reversed contexts. Each position p (a token with tokens
 before it) is filed under its context read backwards, t[p-1], t[p-2], ...,
@@ -89,9 +104,14 @@ Follower counts live only on expanded nodes (a lazy leaf's one location is its
 one follower): appending a token adds one count on each of at most max_ngram
 nodes of its path, and at most max_ngram new (node, follower) entries, so memory
 and time per appended token stay O(max_ngram) whatever the history (code-like
-text, 32k tokens: ~65k counts on ~36k expanded nodes, ~2 counts a token). Proposing a
-tree of m nodes walks the trie once per node: O(m * max_ngram) lookups, plus
-sorting each added node's followers.
+text, 32k tokens: ~65k counts on ~36k expanded nodes, ~2 counts a token), plus 8
+bytes a token for the history's copy that occurrences are searched in. Proposing a
+tree of m nodes finds the root match's occurrences in one vectorised pass over the
+history, then groups at most MAX_TREE_SOURCES of them per node: O(history) numpy
+work once plus O(m * MAX_TREE_SOURCES); without occurrences to follow, it walks the
+trie once per node: O(m * max_ngram) lookups, plus sorting each added node's
+followers. Measured (Zen 4, a branchy history, next_tree then propose_tree at 16
+nodes): 72 µs at 1.3k tokens, 99 at 8k, 152 at 32k, against 130-135 re-matching.
 """
 
 from __future__ import annotations
@@ -103,6 +123,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
+# A tree follows at most this many occurrences of the history's longest match (the most recent):
+# enough for every near-identical block an agent's context holds, and a bound on the work per node.
+MAX_TREE_SOURCES = 32
 _ROOT_NODE_ID = 0
 # Trie keys pack (node id, token id) into one int, and a location packs
 # (document id, offset): both halves fit in 32 bits.
@@ -226,23 +251,57 @@ class _WithPath:
         return self._path_token_ids[index - self._num_history_tokens]
 
 
+class TreeSources(NamedTuple):
+    """Where the history's longest match occurred before: the continuations a tree follows."""
+
+    token_ids: Sequence[int]  # the history; read, never kept
+    num_matched_tokens: int  # n, the longest match's length
+    locations: list[int]  # each occurrence's follower position in token_ids, the most recent first
+
+
 def match_confidence(num_matched_tokens: int) -> float:
     """How much a match of n tokens is believed: 1/2 for one token, ~1 for eight."""
     return 1.0 - 0.5**num_matched_tokens
 
 
-def grow_tree(followers_of: Callable[[list[int]], tuple[int, list[tuple[int, int]]]], max_nodes: int) -> DraftTree:
+def grow_tree(
+    followers_of: Callable[[list[int]], tuple[int, list[tuple[int, int]]]],
+    max_nodes: int,
+    sources: TreeSources | None = None,
+) -> DraftTree:
     """Grow a draft tree greedily by path probability (see the module docstring).
 
-    followers_of(path) gives (n, [(token, count)]) for the history followed by
-    `path`, the preferred follower first; n = 0 means no match.
+    A node's children are voted by the `sources` occurrences followed down its path; without
+    sources they come from followers_of(path): (n, [(token, count)]) for the history followed
+    by `path`, the preferred follower first, n = 0 meaning no match.
     """
     tree = DraftTree([], [], [])
-    candidates: list[tuple[float, int, int, int]] = []  # (-path p, order found, parent, token)
+    # (-path p, order found, parent, token, the occurrences it follows or None)
+    candidates: list[tuple[float, int, int, int, list[int] | None]] = []
     num_found = 0
 
-    def add_candidates(parent: int, parent_probability: float, path: list[int]) -> None:
+    def push(parent: int, probability: float, token_id: int, locations: list[int] | None) -> None:
         nonlocal num_found
+        heapq.heappush(candidates, (-probability, num_found, parent, token_id, locations))
+        num_found += 1
+
+    def add_followed(parent: int, parent_probability: float, path: list[int], locations: list[int]) -> None:
+        """Children voted by the occurrences followed down `path` (each has a token after it:
+        one at the history's end goes on into the path)."""
+        sequence = _WithPath(sources.token_ids, path)
+        voters: dict[int, list[int]] = {}  # token -> the occurrences it continues, most recent first
+        for location in locations:
+            voters.setdefault(sequence[location], []).append(location + 1)
+        total = sum(map(len, voters.values()))
+        confidence = match_confidence(sources.num_matched_tokens + len(path))
+        ranked = sorted(voters.items(), key=lambda voted: -len(voted[1]))  # stable: a tie keeps the most recent first
+        for token_id, next_locations in ranked[: max_nodes - tree.num_nodes]:
+            push(parent, parent_probability * len(next_locations) / total * confidence, token_id, next_locations)
+
+    def add_candidates(parent: int, parent_probability: float, path: list[int], locations: list[int] | None) -> None:
+        if locations is not None:
+            add_followed(parent, parent_probability, path, locations)
+            return
         num_matched_tokens, counted = followers_of(path)
         if num_matched_tokens == 0 or not counted:
             return
@@ -250,19 +309,17 @@ def grow_tree(followers_of: Callable[[list[int]], tuple[int, list[tuple[int, int
         confidence = match_confidence(num_matched_tokens)
         # Only the best (max_nodes - size) children can ever be added.
         for token_id, count in counted[: max_nodes - tree.num_nodes]:
-            probability = parent_probability * count / total * confidence
-            heapq.heappush(candidates, (-probability, num_found, parent, token_id))
-            num_found += 1
+            push(parent, parent_probability * count / total * confidence, token_id, None)
 
     if max_nodes > 0:
-        add_candidates(-1, 1.0, [])
+        add_candidates(-1, 1.0, [], sources.locations if sources is not None else None)
     while candidates and tree.num_nodes < max_nodes:
-        negative_probability, _, parent, token_id = heapq.heappop(candidates)
+        negative_probability, _, parent, token_id, locations = heapq.heappop(candidates)
         tree.token_ids.append(token_id)
         tree.parent_indexes.append(parent)
         tree.path_probabilities.append(-negative_probability)
         node_index = tree.num_nodes - 1
-        add_candidates(node_index, -negative_probability, tree.path(node_index))
+        add_candidates(node_index, -negative_probability, tree.path(node_index), locations)
     return tree
 
 
@@ -449,6 +506,7 @@ class RequestIndex:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._token_ids: list[int] = []
+        self._token_array = array("q")  # the same tokens, for occurrences' vectorised search
         self._trie = _ContextTrie({0: self._token_ids}, max_ngram)
         self.extend(token_ids)
 
@@ -467,7 +525,9 @@ class RequestIndex:
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens; O(max_ngram) per token."""
-        for token_id in _as_token_ids(token_ids):
+        token_ids = _as_token_ids(token_ids)
+        self._token_array.extend(token_ids)
+        for token_id in token_ids:
             self._token_ids.append(token_id)
             self._trie.insert(0, len(self._token_ids) - 1)
 
@@ -488,9 +548,32 @@ class RequestIndex:
         num_matched_tokens, counted = self._trie.followers(_WithPath(self._token_ids, list(path_token_ids)))
         return (num_matched_tokens, counted) if num_matched_tokens >= self.min_ngram else (0, [])
 
+    def occurrences(self, num_tokens: int, limit: int) -> list[int]:
+        """Where the history's last `num_tokens` tokens occurred before with a token after them:
+        each occurrence's follower position, the most recent first, at most `limit`. One
+        vectorised pass over the history (tens of µs at 32k tokens)."""
+        end = len(self._token_ids)
+        if not 0 < num_tokens < end:
+            return []
+        history = np.frombuffer(self._token_array, dtype=np.int64)
+        # Occurrences ending at e = num_tokens - 1 .. end - 2 (the suffix itself ends at end - 1).
+        ends = np.flatnonzero(history[num_tokens - 1 : end - 1] == history[end - 1]) + (num_tokens - 1)
+        for back in range(1, num_tokens):
+            ends = ends[history[ends - back] == history[end - 1 - back]]
+        del history  # the array may grow again once no view of it is left
+        return (ends[::-1][:limit] + 1).tolist()
+
+    def tree_sources(self) -> TreeSources | None:
+        """The occurrences of the longest match a tree follows; None when nothing matches."""
+        match = self.match()
+        if match is None:
+            return None
+        n = match.num_matched_tokens
+        return TreeSources(self._token_ids, n, self.occurrences(n, MAX_TREE_SOURCES))
+
     def propose_tree(self, max_nodes: int) -> DraftTree:
         """A draft tree of at most `max_nodes` nodes (empty when nothing matches)."""
-        return grow_tree(self.followers, max_nodes)
+        return grow_tree(self.followers, max_nodes, self.tree_sources())
 
 
 class SwarmIndex:
@@ -697,7 +780,10 @@ class Drafter:
             swarm = self.swarm_index.followers(_WithPath(index.token_ids, path_token_ids))
             return swarm if swarm[0] > own[0] else own
 
-        return grow_tree(followers_of, max_nodes)
+        sources = index.tree_sources()
+        if sources is not None and followers_of([])[0] > sources.num_matched_tokens:
+            sources = None  # the swarm's output matches longer: its counts lead, as at every node
+        return grow_tree(followers_of, max_nodes, sources)
 
     def num_draftable(self, request_id: str) -> int:
         """len(propose(request_id, max_draft_tokens)), without building the draft."""

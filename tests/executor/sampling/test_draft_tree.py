@@ -41,6 +41,21 @@ def brute_force_followers(documents: list[list[int]], query: list[int], max_ngra
     return 0, {}
 
 
+def brute_force_votes(history: list[int], path: list[int], max_ngram: int) -> tuple[int, dict[int, int]]:
+    """(n + len(path), {token: votes}) straight from the rule: the occurrences of the history's
+    longest match (n tokens; the 32 most recent) that go on along `path` (read in the history
+    followed by the path), and the tokens that follow them there."""
+    n, _ = brute_force_followers([history], history, max_ngram)
+    suffix, sequence = history[len(history) - n :], history + path
+    starts = [end for end in range(len(history) - 1, n - 1, -1) if history[end - n : end] == suffix][:32]
+    votes: dict[int, int] = {}
+    for start in starts:
+        if sequence[start : start + len(path)] == path:
+            token = sequence[start + len(path)]
+            votes[token] = votes.get(token, 0) + 1
+    return n + len(path), votes
+
+
 def check_is_a_tree(tree: DraftTree, max_nodes: int) -> None:
     assert tree.num_nodes <= max_nodes
     assert len(tree.parent_indexes) == len(tree.path_probabilities) == tree.num_nodes
@@ -109,12 +124,30 @@ def test_propose_tree_takes_next_trees_first_nodes_only_while_the_indexes_are_un
 
 
 def test_counts_decide_before_recency():
-    # [a] was followed by x three times, by y once (the most recent): x is the likelier
-    # child, and x's own child a (after [x], always a) is likelier than y.
-    tree = RequestIndex(letters("a x a x a x a y a"), max_ngram=1).propose_tree(3)
-    assert as_letters(tree.token_ids) == "x a y"
-    assert tree.parent_indexes == [-1, 0, -1]
-    assert tree.path_probabilities == [0.75 * 0.5, 0.75 * 0.5 * 0.5, 0.25 * 0.5]
+    # [a] was followed by x three times, by y once (the most recent): x is the likelier child;
+    # the three occurrences that went on with x all went on with a ([a x] matched: confidence
+    # 3/4), two of those with x (2/3, at 7/8), and both of them with a (15/16): all likelier
+    # than the root's y.
+    tree = RequestIndex(letters("a x a x a x a y a"), max_ngram=1).propose_tree(5)
+    assert as_letters(tree.token_ids) == "x a x a y"
+    assert tree.parent_indexes == [-1, 0, 1, 2, -1]
+    x, xa = 0.75 * 0.5, 0.75 * 0.5 * 0.75
+    xax = xa * 2 / 3 * 0.875
+    assert tree.path_probabilities == pytest.approx([x, xa, xax, xax * 0.9375, 0.25 * 0.5])
+
+
+def test_a_branch_keeps_its_place_in_the_copied_text():
+    """Near-identical blocks that differ in two places, far apart (past max_ngram): a branch
+    that took a block's first difference takes its second one too, where re-matching the last
+    max_ngram tokens ([m m m]) would vote for every block there."""
+    blocks = [f"< {k} m m m m m m m {k} >" for k in "123"]
+    index = RequestIndex(letters(" ".join(blocks) + " <"), max_ngram=3)
+    tree = index.propose_tree(30)
+    # [> <] went on with 2 and with 3 (block 1 came first): a branch each, as far as the block's end.
+    assert sorted(chr(tree.token_ids[i]) for i, parent in enumerate(tree.parent_indexes) if parent < 0) == ["2", "3"]
+    for k in "23":
+        ends = [as_letters(tree.path(i)) for i in range(tree.num_nodes) if tree.path(i)[-1] == ord(">")]
+        assert [e for e in ends if e.startswith(k)] == [f"{k} m m m m m m m {k} >"]
 
 
 def test_nothing_matches_gives_an_empty_tree():
@@ -211,11 +244,12 @@ def test_every_tree_is_a_tree_of_followers(history, max_nodes, max_ngram, min_ng
     check_is_a_tree(tree, max_nodes)
     for i in range(tree.num_nodes):
         path = tree.path(i)
-        n, counts = brute_force_followers([history], history + path[:-1], max_ngram)
+        _, counts = brute_force_followers([history], history + path[:-1], max_ngram)
         assert counts.get(path[-1], 0) > 0  # each node followed its context somewhere in the history
+        matched, votes = brute_force_votes(history, path[:-1], max_ngram)
         parent = tree.parent_indexes[i]
         parent_probability = 1.0 if parent < 0 else tree.path_probabilities[parent]
-        expected = parent_probability * counts[path[-1]] / sum(counts.values()) * match_confidence(n)
+        expected = parent_probability * votes[path[-1]] / sum(votes.values()) * match_confidence(matched)
         assert tree.path_probabilities[i] == pytest.approx(expected)
 
 

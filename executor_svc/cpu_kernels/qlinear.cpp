@@ -491,14 +491,20 @@ struct PanelLayout {
   int64_t code_offset;  // where the codes start in a GGUF block
 };
 
-PanelLayout panel_layout(int64_t type) {
+// The layout of a type the integer matmul runs; all zeros for any other (panel_layout refuses those).
+constexpr PanelLayout known_panel_layout(int64_t type) {
   switch (type) {
-    case Q4_0: return {18, 32, 16, 2};
-    case Q4_1: return {20, 64, 16, 4};
-    case Q8_0: return {34, 32, 32, 2};
-    default: TORCH_CHECK(false, "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
+    case Q4_0: return {18, 2 * PANEL_ROWS, 16, 2};
+    case Q4_1: return {20, 4 * PANEL_ROWS, 16, 4};
+    case Q8_0: return {34, 2 * PANEL_ROWS, 32, 2};
+    default: return {0, 0, 0, 0};
   }
-  return {0, 0, 0, 0};
+}
+
+PanelLayout panel_layout(int64_t type) {
+  const PanelLayout l = known_panel_layout(type);
+  TORCH_CHECK(l.block_bytes > 0, "the integer matmul runs Q4_0, Q4_1 and Q8_0 weights, not GGML type ", type);
+  return l;
 }
 
 // Row j of a panel's block ↔ its GGUF block: `to_panel` copies blk into the panel, else back.
@@ -624,13 +630,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
   });
 }
 
-// A panel block's byte sizes by type (the layout above).
+// A panel block's sizes by type, at compile time: the layout above, as the kernels read it.
 template <int TYPE>
 struct PanelBlock {
-  static constexpr int64_t bytes = PANEL_ROWS * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
-  static constexpr int64_t header = TYPE == Q4_1 ? 4 * PANEL_ROWS : 2 * PANEL_ROWS;
-  static constexpr int units = TYPE == Q8_0 ? 16 : 8;  // 32-byte code units
-  static constexpr bool has_min = TYPE != Q8_0;
+  static constexpr PanelLayout layout = known_panel_layout(TYPE);
+  static constexpr int64_t bytes = PANEL_ROWS * layout.block_bytes;
+  static constexpr int64_t header = layout.header_bytes;
+  static constexpr int units = layout.code_bytes / 2;  // 32-byte code units
+  static constexpr bool has_min = TYPE != Q8_0;        // Q4_1's m, or Q4_0's −8 · d
 };
 constexpr int BLOCK_PAIRS = 16;                              // int16 pairs in a 32-value block
 constexpr int64_t WIDE_BLOCK = BLOCK_PAIRS * 2 * PANEL_ROWS;  // int16 values of a widened panel block
@@ -1072,11 +1079,11 @@ std::tuple<double, double> measure_peak_macs(int64_t iterations) {
 
 // Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup). `N` > 0: W is
 // in panels (repack_panels) and holds N rows.
-at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t panel_rows) {
-  const bool in_panels = panel_rows > 0;
+at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t rows_in_panels) {
+  const bool in_panels = rows_in_panels > 0;
   const TypeInfo info = type_info(type);
   const int64_t row_bytes = K / info.block_elems * info.block_bytes;
-  const int64_t N = in_panels ? panel_rows : w.size(0);
+  const int64_t N = in_panels ? rows_in_panels : w.size(0);
   if (in_panels) {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == (N + PANEL_ROWS - 1) / PANEL_ROWS && w.size(1) == PANEL_ROWS * row_bytes, "not a [", N, ", ", K, "] weight in panels");
   } else {
@@ -1116,5 +1123,5 @@ void register_qlinear(pybind11::module_& m) {
         py::arg("iterations") = 20000000);
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
-        py::arg("k"), py::arg("ids"), py::arg("panel_rows") = 0);
+        py::arg("k"), py::arg("ids"), py::arg("rows_in_panels") = 0);
 }

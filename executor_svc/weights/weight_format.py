@@ -160,8 +160,8 @@ class PackedWeight:
             from executor_svc.kernels.qmatmul import dequantize
 
             return dequantize(self.data[ids], self.tensor_type, self.shape[1])
-        panel_rows = self.shape[0] if self.kernel == Kernel.INT16 else 0
-        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, panel_rows)
+        rows_in_panels = self.shape[0] if self.kernel == Kernel.INT16 else 0
+        return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, rows_in_panels)
 
 
 # A weight as the model holds it: packed, dense, or packed parts whose outputs are concatenated.

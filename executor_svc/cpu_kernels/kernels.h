@@ -14,6 +14,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64
 enum Int16Path : int64_t { INT16_AUTO = 0, INT16_ROWS = 1, INT16_PANELS = 2 };
 at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N,
                          int64_t path = INT16_AUTO);
+// The same panels with int8 activations (AVX512-VNNI builds; `--matmul int8`), the same paths.
+at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N,
+                        int64_t path = INT16_AUTO);
 
 // layer_ops.cpp: everything in a decoder layer except the matmuls.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -1,22 +1,24 @@
 """Prefill on the CPU against this machine's compute peak: the integer matmul's two kernels, and prompts of T tokens.
 
     python -m executor_svc.tools.bench_prefill [--model default] [--tokens 64,128,...,2048] [--chunk 256]
+        [--matmul int16|int8]
 
 An agent's turn is mostly prompt, so prefill speed is what its time to first token is made of.
 This prints, on the machine it runs on (its CPU model and vector ISA first):
 
 1. the measured peak: multiply-accumulates per second of the instruction the prompt kernel
    issues (int16-pair dot products at its vector width, 512-bit on AVX-512 and 256-bit on AVX2:
-   pmaddwd + paddd, or vpdpwssd with VNNI) and of float32 FMA, one thread, times the threads;
-2. the integer matmul (`--matmul int16`, the CPU default) on each of the model's layer shapes at
-   M rows: one-row register tiles forced ("rows") and the tiles the engine takes ("panels": 8 rows,
-   4 on AVX2, and one of the rest; the two are bit-identical, qlinear.cpp), in GMAC/s and as a
-   fraction of the int16 peak;
+   pmaddwd + paddd, or vpdpwssd with VNNI; with `--matmul int8`, AVX512-VNNI's 512-bit vpdpbusd)
+   and of float32 FMA, one thread, times the threads;
+2. the integer matmul (`--matmul`: int16, the CPU default, or int8) on each of the model's layer
+   shapes at M rows: one-row register tiles forced ("rows") and the tiles the engine takes
+   ("panels": 8 rows, 4 on AVX2, and one of the rest; the two are bit-identical, qlinear.cpp), in
+   GMAC/s and as a fraction of the peak of its instruction;
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
-   machine's int16 peak the whole prefill reaches;
+   machine's peak for the matmul's instruction the whole prefill reaches;
 4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
    rows against its attention (the chunk's queries over the keys before and in it), at each
    context length of `--contexts`, with the attention of one decode row there for scale. An
@@ -45,10 +47,10 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import Kernel, PackedWeight
+from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, PackedWeight
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-ROWS_KERNEL, PANEL_KERNEL = 1, 2  # qlinear_int16's `path`
+ROWS_KERNEL, PANEL_KERNEL = 1, 2  # the integer matmul's `path`
 
 
 def cpu_description() -> dict:
@@ -77,18 +79,32 @@ def best_of(reps: int, run) -> float:
     return best
 
 
-def measured_peak(kernels) -> dict:
-    """MACs/s per thread of int16 pairs and float32 FMA (the best of three), and times the threads."""
+def measured_peak(kernels, matmul: str) -> dict:
+    """MACs/s per thread of int16 pairs and float32 FMA (the best of three), of int8 quads with
+    `matmul` int8, and the machine's (times the threads) for the matmul's instruction."""
     int16, fp32 = max(kernels.measure_peak_macs() for _ in range(3))
+    per_thread = int16 if matmul == "int16" else max(kernels.measure_int8_peak_macs() for _ in range(3))
     threads = torch.get_num_threads()
-    return {"int16_macs_per_thread": int16, "fp32_macs_per_thread": fp32, "int16_macs": int16 * threads}
+    return {
+        "matmul": matmul,
+        "int16_macs_per_thread": int16,
+        "fp32_macs_per_thread": fp32,
+        "matmul_macs_per_thread": per_thread,
+        "matmul_macs": per_thread * threads,
+    }
 
 
 def layer_shapes(weights) -> dict[str, PackedWeight]:
-    """The first layer's matmul weights by name (every layer has the same shapes)."""
+    """The first layer's integer-matmul weights by name (every layer has the same shapes)."""
     layer = weights.layers[0]
     named = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
-    return {name: w for name, w in named.items() if isinstance(w, PackedWeight) and w.kernel == Kernel.INT16}
+    return {name: w for name, w in named.items() if isinstance(w, PackedWeight) and w.kernel.in_panels}
+
+
+def integer_matmul(kernels, x: torch.Tensor, w: PackedWeight, path: int = 0) -> torch.Tensor:
+    """x · wᵀ by the integer matmul w is tagged for (int16 or int8 activations)."""
+    multiply = kernels.qlinear_int8 if w.kernel == INTEGER_DOT_KERNELS["int8"] else kernels.qlinear_int16
+    return multiply(x, w.data, w.tensor_type, w.shape[1], w.shape[0], path=path)
 
 
 def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict) -> list[dict]:
@@ -99,9 +115,9 @@ def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             point = {"weight": name, "n": n, "k": k, "m": m, "type": w.type_name}
             for label, path in (("rows", ROWS_KERNEL), ("panels", PANEL_KERNEL)):
-                seconds = best_of(reps, lambda: kernels.qlinear_int16(x, w.data, w.tensor_type, k, n, path=path))
+                seconds = best_of(reps, lambda: integer_matmul(kernels, x, w, path))
                 point[f"{label}_gmacs"] = m * n * k / seconds / 1e9
-            point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["int16_macs"]
+            point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["matmul_macs"]
             rows.append(point)
     return rows
 
@@ -159,7 +175,7 @@ def bench_prefill(
                 "tokens_per_s": t / seconds,
                 "matmul_gflops": 2 * matmul / seconds / 1e9,
                 "attention_gflops": 2 * attention / seconds / 1e9,
-                "share_of_int16_peak": (matmul + attention) / seconds / peak["int16_macs"],
+                "share_of_peak": (matmul + attention) / seconds / peak["matmul_macs"],
             }
         )
     return rows
@@ -189,8 +205,7 @@ def bench_chunk_costs(
     ending at each context length, and one decode row's attention there."""
     x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
     matmuls = sum(
-        best_of(reps, lambda w=w: kernels.qlinear_int16(x[w.shape[1]], w.data, w.tensor_type, w.shape[1], w.shape[0]))
-        for w in layer_shapes(weights).values()
+        best_of(reps, lambda w=w: integer_matmul(kernels, x[w.shape[1]], w)) for w in layer_shapes(weights).values()
     )
     rows = []
     for context in contexts:
@@ -216,6 +231,7 @@ def run(
     kv_cache_dtype: str,
     reps: int,
     contexts: list[int],
+    matmul: str = "int16",
 ):
     from executor_svc.cpu_kernels import load
 
@@ -224,10 +240,10 @@ def run(
     config = ModelConfig.from_gguf(gguf)
     cpu = torch.device("cpu")
     ops = resolve_ops("cpu", cpu)
-    weights = load_weights(gguf, config, torch.float32, cpu, int16_dot=True)
+    weights = load_weights(gguf, config, torch.float32, cpu, integer_dot=INTEGER_DOT_KERNELS[matmul])
     model = Transformer(config, weights, cpu, ops, torch.float32)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, "int16")
-    peak = measured_peak(kernels)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul)
+    peak = measured_peak(kernels, matmul)
     return {
         "model": config.name,
         "cpu": cpu_description(),
@@ -243,12 +259,14 @@ def run(
 def print_report(r: dict) -> None:
     cpu, peak = r["cpu"], r["peak"]
     print(f"{cpu['model']} ({', '.join(cpu['isa'])}), {cpu['threads']} threads; model {r['model']}")
+    matmul = peak["matmul"]
     print(
         f"measured peak per thread: int16 pairs {peak['int16_macs_per_thread'] / 1e9:.1f} GMAC/s, "
-        f"float32 FMA {peak['fp32_macs_per_thread'] / 1e9:.1f} GMAC/s; "
-        f"machine int16 peak {peak['int16_macs'] / 1e9:.1f} GMAC/s"
+        f"float32 FMA {peak['fp32_macs_per_thread'] / 1e9:.1f} GMAC/s"
+        + (f", int8 quads {peak['matmul_macs_per_thread'] / 1e9:.1f} GMAC/s" if matmul == "int8" else "")
+        + f"; machine {matmul} peak {peak['matmul_macs'] / 1e9:.1f} GMAC/s"
     )
-    print("\nthe integer matmul, GMAC/s (rows: one-row tiles; panels: the engine's tiles; bit-identical):")
+    print(f"\nthe {matmul} matmul, GMAC/s (rows: one-row tiles; panels: the engine's tiles; bit-identical):")
     print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}")
     for m in r["matmuls"]:
         print(
@@ -256,11 +274,13 @@ def print_report(r: dict) -> None:
             f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}"
         )
     print(f"\none prompt from an empty cache, chunks of {r['chunk']}, KV {r['kv_cache_dtype']}:")
-    print(f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of int16 peak':>14}")
+    print(
+        f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of ' + matmul + ' peak':>14}"
+    )
     for p in r["prefill"]:
         print(
             f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
-            f"{p['attention_gflops']:13.1f} {p['share_of_int16_peak']:14.0%}"
+            f"{p['attention_gflops']:13.1f} {p['share_of_peak']:14.0%}"
         )
     print(f"\nper layer, a chunk of {r['chunk']} prompt tokens ending at each context (ms), KV {r['kv_cache_dtype']}:")
     print(f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}")
@@ -280,6 +300,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--contexts", default="256,1024,2048,4096,8192", help="context lengths for the chunk costs")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--matmul", default="int16", choices=tuple(INTEGER_DOT_KERNELS), help="the integer matmul")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = run(
@@ -290,6 +311,7 @@ def main() -> None:
         args.kv_cache_dtype,
         args.reps,
         [int(x) for x in args.contexts.split(",")],
+        args.matmul,
     )
     print_report(results)
     if args.json:

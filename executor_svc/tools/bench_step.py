@@ -28,7 +28,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import has_int16_dot
+from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_int8_dot, has_int16_dot
 
 
 def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice], reps: int, row_multiple: int) -> float:
@@ -51,10 +51,10 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
     for name in variants:
         dtype_name, _, matmul = name.partition("/")
         dtype = DTYPES[dtype_name]
-        if matmul == "int16" and not has_int16_dot():
-            print(f"skipping {name}: this CPU has no integer matmul")
+        if matmul == "int16" and not has_int16_dot() or matmul == "int8" and not has_int8_dot():
+            print(f"skipping {name}: this CPU has no {matmul} matmul")
             continue
-        weights = load_weights(gguf, config, dtype, device, int16_dot=matmul == "int16")
+        weights = load_weights(gguf, config, dtype, device, integer_dot=INTEGER_DOT_KERNELS.get(matmul))
         model = Transformer(config, weights, device, resolve_ops("auto", device), dtype)  # the engine's ops
         rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)

@@ -53,6 +53,16 @@ def _kernels():
     return _qlinear_module
 
 
+def has_int8_dot() -> bool:
+    """Whether this CPU's kernel build has the int8 matmul (`--matmul int8`: it needs AVX512-VNNI)."""
+    from executor_svc.cpu_kernels import CpuKernelsUnavailable
+
+    try:
+        return bool(_kernels().has_int8_dot())
+    except CpuKernelsUnavailable:
+        return False
+
+
 def has_int16_dot() -> bool:
     """Whether this CPU's kernel build has the integer matmul (it needs AVX2 and FMA)."""
     from executor_svc.cpu_kernels import CpuKernelsUnavailable
@@ -71,10 +81,22 @@ class Kernel(IntEnum):
     EXACT = 1
     # Activations quantized to int16 per 32-value block (qlinear.cpp, "integer dot products").
     # Only INT16_DOT_TYPES; `data` is uint8 [ceil(rows / 16), 16 · row_bytes]: 16-row panels
-    # (qlinear.cpp, "the integer matmul's weight layout"; with_int16_dot repacks).
+    # (qlinear.cpp, "the integer matmul's weight layout"; with_integer_dot repacks).
     INT16 = 2
     # The Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
     TRITON = 3
+    # INT16's panels with activations quantized to unsigned 8 bits per 32-value block over the
+    # block's range (qlinear.cpp, "int8 dot products"): `--matmul int8`, AVX512-VNNI.
+    INT8 = 4
+
+    @property
+    def in_panels(self) -> bool:
+        """Whether the weight's data is the integer matmul's 16-row panels."""
+        return self in (Kernel.INT16, Kernel.INT8)
+
+
+# `--matmul` modes that multiply in integers → the kernel their packed weights take.
+INTEGER_DOT_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8}
 
 
 @dataclass(frozen=True)
@@ -94,12 +116,10 @@ class PackedWeight:
         rows, cols = self.shape
         if cols % block_elems:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
-        if self.kernel == Kernel.INT16 and self.tensor_type not in INT16_DOT_TYPES:
+        if self.kernel.in_panels and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
         row_bytes = cols // block_elems * block_bytes
-        expected = (
-            (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel == Kernel.INT16 else (rows, row_bytes)
-        )
+        expected = (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel.in_panels else (rows, row_bytes)
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
             raise ModelLoadError(f"packed {name} data {tuple(self.data.shape)} does not hold a [{rows}, {cols}] weight")
 
@@ -123,20 +143,25 @@ class PackedWeight:
     @classmethod
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
         """Rows of several weights stacked into one matmul when they share a type; else kept apart.
-        (Stack before with_int16_dot: weights in panels do not stack.)"""
-        if any(p.kernel == Kernel.INT16 for p in parts):
+        (Stack before with_integer_dot: weights in panels do not stack.)"""
+        if any(p.kernel.in_panels for p in parts):
             raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
             return tuple(parts)
         rows = sum(p.shape[0] for p in parts)
         return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]))
 
-    def with_int16_dot(self) -> "PackedWeight":
-        """This weight repacked for the integer matmul where its type allows, else unchanged."""
-        if self.tensor_type not in INT16_DOT_TYPES or self.kernel == Kernel.INT16:
+    def with_integer_dot(self, kernel: Kernel = Kernel.INT16) -> "PackedWeight":
+        """This weight in panels for the integer matmul `kernel` (INT16 or INT8) where its type
+        allows, else unchanged. Both read the same panels: one already in them is only re-tagged."""
+        if not kernel.in_panels:
+            raise ValueError(f"{kernel.name} is not an integer matmul")
+        if self.tensor_type not in INT16_DOT_TYPES or self.kernel == kernel:
             return self
-        data = _kernels().repack_panels(self.data, self.tensor_type, self.shape[1])
-        return PackedWeight(data, self.tensor_type, self.shape, Kernel.INT16)
+        data = (
+            self.data if self.kernel.in_panels else _kernels().repack_panels(self.data, self.tensor_type, self.shape[1])
+        )
+        return PackedWeight(data, self.tensor_type, self.shape, kernel)
 
     def on_triton(self, device: torch.device) -> "PackedWeight":
         """This weight's GGUF rows on `device`, multiplied by the Triton kernel."""
@@ -160,7 +185,7 @@ class PackedWeight:
             from executor_svc.kernels.qmatmul import dequantize
 
             return dequantize(self.data[ids], self.tensor_type, self.shape[1])
-        rows_in_panels = self.shape[0] if self.kernel == Kernel.INT16 else 0
+        rows_in_panels = self.shape[0] if self.kernel.in_panels else 0
         return _kernels().dequant_rows(self.data, self.tensor_type, self.shape[1], ids, rows_in_panels)
 
 
@@ -176,6 +201,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = torch.cat([linear(x, part) for part in w], dim=-1)
     elif w.kernel == Kernel.INT16:
         y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
+    elif w.kernel == Kernel.INT8:
+        y = _kernels().qlinear_int8(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
     elif w.kernel == Kernel.EXACT:
         y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
     else:
@@ -196,7 +223,7 @@ def cpu_matmul_parts(w: Weight) -> list[tuple[torch.Tensor, int, int, int, int]]
     for p in parts:
         if isinstance(p, torch.Tensor):
             specs.append((p, DENSE_KIND, 0, p.shape[1], p.shape[0]))
-        elif p.kernel in (Kernel.EXACT, Kernel.INT16) and p.data.device.type == "cpu":
+        elif p.kernel in (Kernel.EXACT, Kernel.INT16, Kernel.INT8) and p.data.device.type == "cpu":
             specs.append((p.data, int(p.kernel), p.tensor_type, p.shape[1], p.shape[0]))
         else:
             return None

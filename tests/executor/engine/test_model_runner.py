@@ -18,7 +18,7 @@ from executor_svc.engine.model_runner import (
 from executor_svc.kv.kv_cache import bytes_per_block
 from executor_svc.model.cpu_ops import CpuOps
 from executor_svc.model.ragged_batch import RequestSlice
-from executor_svc.weights.weight_format import has_int16_dot
+from executor_svc.weights.weight_format import has_int8_dot, has_int16_dot
 from tests.support.tiny_gguf import TinyModelSpec
 
 CPU = torch.device("cpu")
@@ -59,6 +59,7 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
     from executor_svc.model.torch_ops import TorchOps
 
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8") == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32
@@ -68,9 +69,23 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
 
 def test_a_matmul_the_kernels_cannot_run_is_refused():
-    with pytest.raises(ValueError, match="matmul='int16' runs with the C\\+\\+ CPU kernels"):
-        resolve_matmul("int16", "auto", CPU, "torch")
+    for matmul in ("int16", "int8"):
+        with pytest.raises(ValueError, match=f"--matmul {matmul} runs with the C\\+\\+ CPU kernels"):
+            resolve_matmul(matmul, "auto", CPU, "torch")
     with pytest.raises(ValueError, match="matmul must be one of"):
+        resolve_matmul("int4", "auto", CPU, "cpu")
+
+
+def test_int8_is_taken_only_when_asked_for_and_the_cpu_has_avx512_vnni(monkeypatch):
+    """`auto` never picks int8 (its top-1 agreement is below the bar); asked for, it runs where the
+    kernel build has it and is refused by name, with the way out, where it has not."""
+    import executor_svc.weights.weight_format as weight_format
+
+    assert resolve_matmul("auto", "auto", CPU, "cpu") != "int8"
+    if has_int8_dot():
+        assert resolve_matmul("int8", "auto", CPU, "cpu") == "int8"
+    monkeypatch.setattr(weight_format, "has_int8_dot", lambda: False)  # a CPU without AVX512-VNNI
+    with pytest.raises(ValueError, match="--matmul int8 needs a CPU with AVX512-VNNI .* use --matmul int16"):
         resolve_matmul("int8", "auto", CPU, "cpu")
 
 

@@ -410,16 +410,19 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "architecture,tensor_type,int16_dot",
+    "architecture,tensor_type,matmul",
     [
-        ("llama", "Q4_1", True),
-        ("llama", "Q8_0", False),
-        ("qwen2", "Q4_0", True),
-        ("qwen3", "Q8_0", True),
-        ("qwen3", "F16", False),
+        ("llama", "Q4_1", "int16"),
+        ("llama", "Q4_1", "int8"),
+        ("llama", "Q8_0", "exact"),
+        ("qwen2", "Q4_0", "int16"),
+        ("qwen2", "Q4_0", "int8"),
+        ("qwen3", "Q8_0", "int16"),
+        ("qwen3", "Q8_0", "int8"),
+        ("qwen3", "F16", "exact"),
     ],
 )
-def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, int16_dot, dtype):
+def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, matmul, dtype):
     """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
     writes are bit-identical to transformer.py's loop, for each matmul kernel, with qwen2's QKV bias and
     qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
@@ -430,11 +433,11 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
-    from executor_svc.weights.weight_format import has_int16_dot
+    from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_int8_dot, has_int16_dot
     from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
-    if int16_dot and not has_int16_dot():
-        pytest.skip("this CPU has no integer matmul")
+    if matmul == "int16" and not has_int16_dot() or matmul == "int8" and not has_int8_dot():
+        pytest.skip(f"this CPU has no {matmul} matmul")
     spec = TinyModelSpec(
         architecture,
         GGMLQuantizationType[tensor_type],
@@ -446,7 +449,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     )
     gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
     config = ModelConfig.from_gguf(gguf)
-    weights = load_weights(gguf, config, dtype, torch.device("cpu"), int16_dot=int16_dot)
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"), integer_dot=INTEGER_DOT_KERNELS.get(matmul))
     model = Transformer(config, weights, torch.device("cpu"), ops=OPS, dtype=dtype)
     stack = model.layer_stack
     assert stack is not None

@@ -22,6 +22,7 @@ from executor_svc.weights.weight_format import (
     Kernel,
     PackedWeight,
     embedding,
+    has_int8_dot,
     has_int16_dot,
     linear,
     weight_bytes,
@@ -87,76 +88,113 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
 
 INT16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 needs_int16 = pytest.mark.skipif(not has_int16_dot(), reason="this CPU has no integer matmul (AVX2 + FMA)")
+# The integer matmuls: int16 activations (`--matmul int16`) and int8 (`--matmul int8`), each where the CPU has it.
+INTEGER_KERNELS = [
+    pytest.param(Kernel.INT16, marks=needs_int16, id="int16"),
+    pytest.param(
+        Kernel.INT8,
+        marks=pytest.mark.skipif(not has_int8_dot(), reason="this CPU has no int8 matmul (AVX512-VNNI)"),
+        id="int8",
+    ),
+]
 
 
-@needs_int16
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 matmul sees it, in float64: per 32-value block, codes round-to-even((x − lo) ·
+    (1 / dx)) in 0 .. 255 with lo = min and dx = (max − lo) / 255, all in float32, then dx · q + lo."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    dx = (hi - lo) / 255
+    inverse = torch.where(dx == 0, torch.zeros_like(dx), 1 / dx)
+    codes = torch.round((blocks - lo) * inverse).clamp(0, 255)
+    return (codes.double() * dx.double() + lo.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kernel", INTEGER_KERNELS)
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 17, 70])
-def test_integer_matmul_matches_dequantize_then_matmul(qtype, num_rows):
+def test_integer_matmul_matches_dequantize_then_matmul(kernel, qtype, num_rows):
     """int16 activations keep ~15 bits per 32-value block: the result is within 1e-4 of the
-    exact product (relative to its largest value), with outliers in the activations too."""
+    exact product (relative to its largest value), with outliers in the activations too. int8
+    keeps 8 bits over each block's range: the result is the exact product of the weights with
+    the activations rounded that way (within 1e-5: float32 sums), and within 5e-2 of the exact one."""
     w, reference = packed(qtype, rows=37)  # odd N: a one-row tile at the end
-    w16 = w.with_int16_dot()
-    assert w16.kernel == Kernel.INT16 and int(qtype) in INT16_DOT_TYPES
+    wq = w.with_integer_dot(kernel)
+    assert wq.kernel == kernel and int(qtype) in INT16_DOT_TYPES
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
     x[:, 7] *= 50  # an outlier in the first block
-    y = linear(x, w16)
-    expected = x.double() @ torch.from_numpy(reference).double().T
+    x[:, 100:132] += 3  # a block all on one side of zero: int8's range starts at its minimum
+    y = linear(x, wq)
+    weights = torch.from_numpy(reference).double().T
+    expected = x.double() @ weights
     assert y.dtype == torch.float32 and y.shape == (num_rows, 37)
-    assert (y.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
-    assert linear(torch.zeros(2, 512), w16).abs().max() == 0  # all-zero blocks: scale 0, no NaN
+    if kernel == Kernel.INT16:
+        assert (y.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+    else:
+        rounded = int8_activations(x) @ weights
+        assert (y.double() - rounded).abs().max() <= 1e-5 * rounded.abs().max()
+        assert (y.double() - expected).abs().max() <= 5e-2 * expected.abs().max()
+    assert linear(torch.zeros(2, 512), wq).abs().max() == 0  # all-zero blocks: scale 0, no NaN
+    constant = torch.full((1, 512), 0.75)  # one value per block: dx = 0, every code 0, x = lo exactly
+    torch.testing.assert_close(linear(constant, wq).double(), constant.double() @ weights, rtol=1e-5, atol=1e-5)
 
 
-@needs_int16
+@pytest.mark.parametrize("kernel", INTEGER_KERNELS)
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
-def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(qtype):
+def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(kernel, qtype):
     w, _ = packed(qtype)
-    w16 = w.with_int16_dot()
+    wq = w.with_integer_dot(kernel)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
-    full = linear(x, w16)
+    full = linear(x, wq)
     for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
-        assert torch.equal(linear(x[start : start + count], w16), full[start : start + count]), (start, count)
+        assert torch.equal(linear(x[start : start + count], wq), full[start : start + count]), (start, count)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(linear(x, w16), full)
+        assert torch.equal(linear(x, wq), full)
     finally:
         torch.set_num_threads(threads)
 
 
-@needs_int16
+@pytest.mark.parametrize("kernel", INTEGER_KERNELS)
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 @pytest.mark.parametrize(
     ("num_weight_rows", "num_rows"), [(37, 1), (37, 2), (16, 3), (53, 7), (20, 8), (37, 15), (53, 40), (129, 70)]
 )
-def test_the_integer_matmuls_register_tiles_are_bit_identical(qtype, num_weight_rows, num_rows):
+def test_the_integer_matmuls_register_tiles_are_bit_identical(kernel, qtype, num_weight_rows, num_rows):
     """A decode row and a prompt row take different register tiles (one row; tiles of 8 rows, or 4
     on AVX2, and one of the rest; from 32 rows a panel widened once instead of in registers), which
     compute the same integer sums and the same float operations in the same order: forced either
     way, every output is bit-identical (odd weight rows: a partial, zero-padded panel; odd row
     counts: a tile of the rest, 1 to 7 rows; an outlier and an all-zero block)."""
     kernels = load()
+    multiply = kernels.qlinear_int8 if kernel == Kernel.INT8 else kernels.qlinear_int16
     w, _ = packed(qtype, rows=num_weight_rows, seed=num_rows)
-    w16 = w.with_int16_dot()
+    wq = w.with_integer_dot(kernel)
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(7))
     x[:, 40] *= 80
     x[0, 64:96] = 0
-    by_rows = kernels.qlinear_int16(x, w16.data, w16.tensor_type, 512, num_weight_rows, path=1)
-    by_panels = kernels.qlinear_int16(x, w16.data, w16.tensor_type, 512, num_weight_rows, path=2)
+    by_rows = multiply(x, wq.data, wq.tensor_type, 512, num_weight_rows, path=1)
+    by_panels = multiply(x, wq.data, wq.tensor_type, 512, num_weight_rows, path=2)
     assert torch.equal(by_rows, by_panels)
-    assert torch.equal(linear(x, w16), by_rows)
+    assert torch.equal(linear(x, wq), by_rows)
 
 
 @needs_int16
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):
-    """with_int16_dot repacks rows in panels of 16 (37 rows: a zero-padded last panel) without
+    """with_integer_dot repacks rows in panels of 16 (37 rows: a zero-padded last panel) without
     changing a value or growing the memory beyond the padding: dequantizing and embedding
     lookups read the panels' bytes back exactly."""
     w, _ = packed(qtype, rows=37)
-    w16 = w.with_int16_dot()
-    assert w16.data.shape == (3, 16 * w.data.shape[1]) and w16.with_int16_dot() is w16
+    w16 = w.with_integer_dot()
+    assert w16.data.shape == (3, 16 * w.data.shape[1]) and w16.with_integer_dot() is w16
     assert w16.nbytes == w.nbytes + 11 * w.data.shape[1]
+    w8 = w16.with_integer_dot(Kernel.INT8)  # the int8 matmul reads the same panels: re-tagged, not copied
+    assert w8.kernel == Kernel.INT8 and w8.data is w16.data and torch.equal(w8.dequantize(), w.dequantize())
+    assert torch.equal(w.with_integer_dot(Kernel.INT8).data, w16.data)
+    with pytest.raises(ValueError, match="TRITON is not an integer matmul"):
+        w.with_integer_dot(Kernel.TRITON)
     assert torch.equal(w16.dequantize(), w.dequantize())
     ids = torch.tensor([36, 0, 5, 5, 33])
     assert torch.equal(embedding(ids, w16, torch.float32), embedding(ids, w, torch.float32))
@@ -167,7 +205,7 @@ def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):
 def test_the_integer_matmul_leaves_other_types_exact():
     for qtype in (Q.Q4_K, Q.F16):
         w, _ = packed(qtype)
-        assert w.with_int16_dot() is w
+        assert w.with_integer_dot() is w
     w, _ = packed(Q.Q6_K)
     with pytest.raises(ModelLoadError, match="integer matmul does not run Q6_K"):
         PackedWeight(w.data, w.tensor_type, w.shape, Kernel.INT16)

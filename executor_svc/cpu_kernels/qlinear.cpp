@@ -672,6 +672,15 @@ SS_INLINE __m512i add_dot_pairs_512(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+// A panel block's 16 weight scales d_w and min terms m_w (Q4_1: m; Q4_0: −8 · d; Q8_0: 0).
+template <int TYPE>
+SS_INLINE void load_block_scales(const uint8_t* pb, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)pb));
+  m = _mm512_setzero_ps();
+  if constexpr (TYPE == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pb + 2 * PANEL_ROWS)));
+  if constexpr (TYPE == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+}
+
 // The panel's blocks [b0, b1) widened into wide (WIDE_BLOCK values each, from block b0).
 template <int TYPE>
 void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, int16_t* wide) {
@@ -741,10 +750,8 @@ SS_INLINE void panel_tile(const uint8_t* panel, const int16_t* wide, const Quant
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)pb));
-    __m512 m = _mm512_setzero_ps();  // the min term's m_w (Q4_1: m; Q4_0: −8 · d)
-    if constexpr (TYPE == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pb + 2 * PANEL_ROWS)));
-    if constexpr (TYPE == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    __m512 d, m;
+    load_block_scales<TYPE>(pb, d, m);
     for (int r = 0; r < MR; r++) {
       const int64_t xb_index = (r0 + r) * nb + b;
       const __m512i block_sum = P == 2 ? _mm512_add_epi32(S[r][0], S[r][P - 1]) : S[r][0];
@@ -1026,10 +1033,8 @@ SS_INLINE void panel_tile(const uint8_t* panel, const uint8_t* wide, const Quant
       });
       code_sums = block_code_sums<TYPE>(sums);
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)pb));
-    __m512 m = _mm512_setzero_ps();  // the min term's m_w (Q4_1: m; Q4_0: −8 · d)
-    if constexpr (TYPE == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pb + 2 * PANEL_ROWS)));
-    if constexpr (TYPE == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    __m512 d, m;
+    load_block_scales<TYPE>(pb, d, m);
     // Σ_i w_i over the block, per weight row: the factor of the activations' offset lo.
     const __m512 wsum = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(code_sums), _mm512_mul_ps(m, _mm512_set1_ps(32.f)));
     for (int r = 0; r < MR; r++) {

@@ -28,7 +28,7 @@ class ServerInfo:
     dtype: str = ""
     device: str = ""
     weight_bytes: int = 0  # the executor's resident weights
-    matmul: str = ""  # exact | int16
+    matmul: str = ""  # exact | int16 | int8
 
     @classmethod
     def from_pb(cls, info: pb.GetServerInfoResponse) -> ServerInfo:

@@ -7,8 +7,8 @@ model's forward over a ragged batch plus building the batch, as a step runs it):
 - T sweep: one request computing T new tokens on top of `--context` cached ones
   (T = 1 is a decode step, T > 1 a prefill chunk or a verify run);
 - B sweep: B requests each decoding one token with `--context` cached tokens.
-Ratios are to T = 1 / B = 1 of the same variant (a dtype and a CPU matmul: exact or
-int16, see `--matmul`), measured in the same run.
+Ratios are to T = 1 / B = 1 of the same variant (a dtype and a CPU matmul: exact, int16 or
+int8, see `--matmul`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument(
-        "--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16)"
+        "--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16 | int8)"
     )
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)

@@ -1118,7 +1118,8 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
       widen_panel<TYPE>(panel, b0, b1, wide.data());
       rows_slice<TYPE, true>(panel, wide.data(), xq, tile_rows, b0, b1, first, last, acc.data(), y, N, n0, num_valid);
     } else {
-      rows_slice<TYPE, false>(panel, static_cast<const typename XQ::Wide*>(nullptr), xq, tile_rows, b0, b1, first, last, acc.data(), y, N, n0, num_valid);
+      const typename XQ::Wide* unwidened = nullptr;  // the tiles widen each unit in registers
+      rows_slice<TYPE, false>(panel, unwidened, xq, tile_rows, b0, b1, first, last, acc.data(), y, N, n0, num_valid);
     }
   }
 }

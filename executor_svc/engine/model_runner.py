@@ -63,7 +63,9 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str) -> t
     integer matmul (the CPU's default path), which measures the float32 cache's agreement; else
     the activations' dtype, so `--dtype float32` stays the exact reference."""
     if name == "auto":
-        return torch.float16 if ops.name == "cpu" and matmul in ("int16", "int8") and dtype == torch.float32 else dtype
+        return (
+            torch.float16 if ops.name == "cpu" and matmul in INTEGER_DOT_KERNELS and dtype == torch.float32 else dtype
+        )
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
         raise ValueError(
@@ -90,7 +92,7 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
         from executor_svc.weights.weight_format import has_int16_dot
 
         return "int16" if has_int16_dot() else "exact"
-    if name in ("int16", "int8") and not uses_cpu_kernels:
+    if name in INTEGER_DOT_KERNELS and not uses_cpu_kernels:
         raise ValueError(f"--matmul {name} runs with the C++ CPU kernels (--device cpu, --kernels auto|cpu)")
     if name == "int8":
         from executor_svc.weights.weight_format import has_int8_dot

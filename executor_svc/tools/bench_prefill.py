@@ -47,7 +47,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, PackedWeight
+from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, Kernel, PackedWeight
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 ROWS_KERNEL, PANEL_KERNEL = 1, 2  # the integer matmul's `path`
@@ -103,7 +103,7 @@ def layer_shapes(weights) -> dict[str, PackedWeight]:
 
 def integer_matmul(kernels, x: torch.Tensor, w: PackedWeight, path: int = 0) -> torch.Tensor:
     """x · wᵀ by the integer matmul w is tagged for (int16 or int8 activations)."""
-    multiply = kernels.qlinear_int8 if w.kernel == INTEGER_DOT_KERNELS["int8"] else kernels.qlinear_int16
+    multiply = kernels.qlinear_int8 if w.kernel == Kernel.INT8 else kernels.qlinear_int16
     return multiply(x, w.data, w.tensor_type, w.shape[1], w.shape[0], path=path)
 
 

@@ -210,8 +210,8 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     so must the CPU default (the int16 matmul) with any KV cache: float32, --kv-cache-dtype
     float16, or bfloat16 (with bfloat16 dot products in attention where the CPU has them); bfloat16
     activations, which --dtype auto does not pick on the CPU for this reason, measure ~98%
-    and are held to 95%. So is `--matmul int8` (activations in 8 bits per block over its range;
-    the logits' matmul keeps int16), which is opt-in for the same reason: 768/778 here, and 98.3%
+    and are held to 95%. `--matmul int8` (activations in 8 bits per block over its range; the
+    logits' matmul keeps int16) is opt-in for the same reason and held to 98%: 768/778 here, and 98.3%
     over 7,594 teacher-forced positions of this repository's own text and code (int16: 99.95%;
     int8 in the logits' matmul too: 97.8%; int8 symmetric about zero instead of over the range:
     96.9%)."""
@@ -248,4 +248,5 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     print(
         f"\n{dtype}/{matmul}/KV {kv_dtype}: top-1 agreement with the dequantized float32 reference {agree}/{total} = {agree / total:.4f}"
     )
-    assert agree / total >= (0.99 if dtype == "float32" and matmul != "int8" else 0.95)
+    bar = 0.98 if matmul == "int8" else 0.99 if dtype == "float32" else 0.95
+    assert agree / total >= bar

@@ -939,7 +939,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 #if SS_SIMD16
           const V16 gv = load16_first(g + i, n);
           const V16 e = exp16(simd16::sub(simd16::zero(), gv));
-          simd16::store(silu, simd16::div(gv, simd16::add(simd16::set1(1.0f), e)));
+          const V16 sv = simd16::div(gv, simd16::add(simd16::set1(1.0f), e));
+          if constexpr (std::is_same_v<T, float>) {
+            if (n == 16) {  // the same one multiply per element as below, 16 at a time (it was 6% of a prefill)
+              simd16::store(o + i, simd16::mul(sv, simd16::load(u + i)));
+              continue;
+            }
+          }
+          simd16::store(silu, sv);
 #else
           for (int64_t l = 0; l < n; l++) {
             const float gl = to_f(g[i + l]);

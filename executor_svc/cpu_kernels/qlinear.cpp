@@ -24,6 +24,9 @@
 #include <cstring>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "kernels.h"
 #include "simd16.h"
 
@@ -578,6 +581,7 @@ constexpr bool HAS_INT16_DOT = true;
 // Activation rows [M, K] quantized per 32-value block.
 struct QuantizedRows {
   using Wide = int16_t;  // a widened panel's element (panel_int)
+  static constexpr bool on_tile_unit = false;  // whether the AMX tiles multiply these rows (amx_matmul)
   int64_t M = 0, K = 0, nb = 0;
   std::vector<int16_t> q;  // [M, K]
   std::vector<float> d;    // [M, nb] dx
@@ -891,6 +895,7 @@ constexpr bool HAS_INT8_DOT = true;
 // Activation rows [M, K] quantized per 32-value block to unsigned 8-bit codes.
 struct QuantizedRows8 {
   using Wide = uint8_t;
+  static constexpr bool on_tile_unit = false;
   int64_t M = 0, K = 0, nb = 0;
   std::vector<uint8_t> q;  // [M, K]
   std::vector<float> d;    // [M, nb] dx
@@ -1123,9 +1128,270 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
     }
   }
 }
+// ------------------------------------------------------------------ AMX tiles for the int16 matmul
+//
+// On CPUs with AMX (Sapphire Rapids and later Xeons), prompt-sized row counts take the int16
+// matmul's integer sums from the tile unit instead of vpdpwssd, at the same bits. Each int16
+// activation code is split in two exact bf16 digits, xq = 256 · h + l (h = xq >> 8 in
+// −128 .. 127, l = xq & 255), and every weight code (Q4 nibble, Q8_0 byte) is exact in bf16 too.
+// TDPBF16PS multiplies 16 activation rows' 32 values of a block by the block's 16 weight rows,
+// once per digit, into float32 tiles: every product and every partial sum is an integer below
+// 2^24 in magnitude (|Σ l · c| ≤ 32 · 255 · 128), so both digit sums are exact whatever order the
+// unit adds them in, and fma(S_h, 256, S_l) is the block's sum S rounded once, exactly what the
+// vpdpwssd tiles' float(S) is. The float epilogue per block is theirs, operation for operation,
+// so a row's bits are the same whichever tile computes it: AMX is a faster tile, not another
+// mode (the tests compare them bit for bit). On a 2-core Sapphire Rapids VM the tile unit's peak
+// measured ~1,870 GMAC/s a thread (measure_amx_peak_macs), which the two digits halve; what bounds
+// these tiles far below it is moving data through them: each 16 × 16 × 32 product loads 3 KB of
+// tiles and stores 2 KB of sums for the epilogue to read back (they ran 1.2-1.6x the vpdpwssd
+// tiles' GMAC/s from 64 rows, ~7-9% of that peak).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool HAS_AMX_TILES = true;
+constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and per C tile)
+constexpr int64_t AMX_PANELS_PER_TASK = 4;  // panels that share each row tile's A data in L1
+// Rows per task: as many as keep their A data (4 bytes a value) within ~1 MB, half an L2, while
+// a task passes its panels; each task widens its panels again, so not fewer than needed.
+constexpr int64_t amx_rows_per_task(int64_t K) {
+  return std::max<int64_t>(AMX_ROWS, (1 << 20) / (4 * K) / AMX_ROWS * AMX_ROWS);
+}
+
+// Tile registers (GCC's tile intrinsics paste their tile operand into the register name, so the
+// kernel spells them as literals): tmm0, tmm1 the two digits' A tiles, tmm2 the weight block's
+// B tile, tmm3, tmm4 the two digits' sums of even blocks, tmm5, tmm6 those of odd blocks.
+constexpr int AMX_TILES_USED = 7;
+
+// Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA), once for all its threads; without it the first tile instruction faults.
+bool request_amx_permission() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+// Palette 1, every tile used as 16 rows of 64 bytes. Loaded at the start of each task: other code
+// on the thread (oneDNN, through torch) may configure the tiles its own way.
+void configure_amx_tiles() {
+  struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < AMX_TILES_USED; t++) config.colsb[t] = 64, config.rows[t] = AMX_ROWS;
+  _tile_loadconfig(&config);
+}
+
+// Cache-line-aligned storage for what the tile unit loads: a tile row that straddles two cache
+// lines costs two, and from malloc's 16-byte alignment the tile loads ran at half speed.
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+};
+template <class T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
+// Activation rows quantized to int16 as for the vpdpwssd tiles (their scales d and s; the codes
+// themselves only as two bf16 digits), laid out as the A tiles read them: for each 16-row tile
+// and block, the high digits' tile (16 rows × 32 values, 1 KB) then the low digits' tile,
+// contiguous (rows past M are zeros, their sums never stored). Rows of an [M, K] array put each
+// tile's 16 lines 2K bytes apart, and the tile loads waited on L2 for most of the kernel's time.
+struct QuantizedRowsAmx : QuantizedRows {
+  using Wide = uint16_t;  // a widened panel's element: a weight code in bf16
+  static constexpr bool on_tile_unit = true;
+  const uint16_t* digits = nullptr;  // [M / 16][nb][2][16][32], in the calling thread's buffer
+  const uint16_t* digit_tiles(int64_t r0, int64_t b) const {
+    return digits + ((r0 / AMX_ROWS) * nb + b) * 2 * AMX_ROWS * 32;
+  }
+};
+
+// 32 int16 values → 32 bf16 values (exact for |v| ≤ 256), in order.
+SS_INLINE __m512i int16_to_bf16(__m512i v) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// The digits go to a buffer of the calling thread, grown as needed and reused: a prompt's matmuls
+// would otherwise fault in megabytes of fresh pages each (one matmul runs at a time per thread).
+void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRowsAmx& out) {
+  thread_local AlignedVector<uint16_t> buffer;
+  const int64_t nb = K / 32, padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  out.M = M, out.K = K, out.nb = nb;
+  out.d.assign(padded * nb, 0.f);
+  out.s.assign(padded * nb, 0.f);
+  if ((int64_t)buffer.size() < padded * K * 2) buffer.resize(padded * K * 2);
+  uint16_t* digits = buffer.data();
+  out.digits = digits;
+  at::parallel_for(0, padded * nb, 256, [&](int64_t begin, int64_t end) {
+    alignas(64) int16_t q[32];
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t m = i / nb, b = i % nb;
+      uint16_t* high = digits + (((m / AMX_ROWS) * nb + b) * 2 * AMX_ROWS + m % AMX_ROWS) * 32;
+      if (m >= M) {  // padding row: zero codes
+        std::memset(high, 0, 64);
+        std::memset(high + AMX_ROWS * 32, 0, 64);
+        continue;
+      }
+      quantize_block32(x + m * K + 32 * b, q, &out.d[i], &out.s[i]);
+      const __m512i codes = _mm512_load_si512(q);
+      _mm512_storeu_si512(high, int16_to_bf16(_mm512_srai_epi16(codes, 8)));
+      _mm512_storeu_si512(high + AMX_ROWS * 32, int16_to_bf16(_mm512_and_si512(codes, _mm512_set1_epi16(0xFF))));
+    }
+  });
+}
+
+// The panel's blocks [b0, b1) widened as for the vpdpwssd tiles (pair p at p · 32, lane 2j + e
+// = row j's element 2p + e: the B tile's layout, 16 pairs of 64 bytes) and then made bf16.
+template <int TYPE>
+void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, uint16_t* wide) {
+  int16_t* codes = reinterpret_cast<int16_t*>(wide);
+  widen_panel<TYPE>(panel, b0, b1, codes);
+  for (int64_t i = 0; i < (b1 - b0) * WIDE_BLOCK; i += 32)
+    _mm512_storeu_si512(wide + i, int16_to_bf16(_mm512_loadu_si512(codes + i)));
+}
+
+// Block b's two digit sums for 16 rows from r0 (the tile unit's work), stored to sums[0] (high
+// digit) and sums[1] (low), [row][weight row]. Even and odd blocks use their own sum tiles and
+// buffers, so a block's products need not wait for the block before to be stored and read.
+SS_INLINE void amx_block_sums(const uint16_t* wide_block, const QuantizedRowsAmx& xq, int64_t r0, int64_t b,
+                              float (*sums)[AMX_ROWS * PANEL_ROWS]) {
+  const uint16_t* x_tiles = xq.digit_tiles(r0, b);
+  _tile_loadd(2, wide_block, 64);
+  _tile_loadd(0, x_tiles, 64);
+  _tile_loadd(1, x_tiles + AMX_ROWS * 32, 64);
+  if (b % 2 == 0) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbf16ps(3, 0, 2);
+    _tile_dpbf16ps(4, 1, 2);
+    _tile_stored(3, sums[0], 64);
+    _tile_stored(4, sums[1], 64);
+  } else {
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_stored(5, sums[0], 64);
+    _tile_stored(6, sums[1], 64);
+  }
+}
+
+// Rows [r0, r0 + rows) (rows ≤ 16; the tile computes 16) × one panel's 16 weight rows over
+// blocks [b0, b1), from the bf16 panel `wide`; in, out and out_mask as panel_tile's. Per block:
+// the two digits' sums from the tile unit, then panel_tile's float epilogue. Block b + 1's tile
+// work is issued before block b's epilogue, so that the two may overlap.
+template <int TYPE>
+void amx_panel_tile(const uint8_t* panel, const uint16_t* wide, const QuantizedRowsAmx& xq, int64_t r0, int rows,
+                    int64_t b0, int64_t b1, const float* in, int64_t in_stride, float* out, int64_t out_stride,
+                    __mmask16 out_mask) {
+  using B = PanelBlock<TYPE>;
+  alignas(64) float sums[2][2][AMX_ROWS * PANEL_ROWS];  // [block parity][digit]
+  // Every loop over the 16 rows runs to 16 (unrolled: the sums stay in registers); the padding
+  // rows' scales are zeros, their sums never loaded or stored.
+  __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
+  for (int r = 0; r < AMX_ROWS; r++) acc[r] = in && r < rows ? _mm512_loadu_ps(in + r * in_stride) : _mm512_setzero_ps();
+  const __m512 digit = _mm512_set1_ps(256.f);
+  amx_block_sums(wide, xq, r0, b0, sums[b0 % 2]);
+  for (int64_t b = b0; b < b1; b++) {
+    if (b + 1 < b1) amx_block_sums(wide + (b + 1 - b0) * WIDE_BLOCK, xq, r0, b + 1, sums[(b + 1) % 2]);
+    const float* sh = sums[b % 2][0];
+    const float* sl = sums[b % 2][1];
+    __m512 d, m;
+    load_block_scales<TYPE>(panel + b * B::bytes, d, m);
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) {
+      const int64_t xb_index = (r0 + r) * xq.nb + b;
+      const __m512 S = _mm512_fmadd_ps(_mm512_load_ps(sh + r * PANEL_ROWS), digit, _mm512_load_ps(sl + r * PANEL_ROWS));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(S, d), _mm512_set1_ps(xq.d[xb_index]), acc[r]);
+      if constexpr (B::has_min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.s[xb_index]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < AMX_ROWS; r++)
+    if (r < rows) _mm512_mask_storeu_ps(out + r * out_stride, out_mask, acc[r]);
+}
+
+// A few panels [p0, p1) (weight rows 16 p0 .. 16 p1 − 1) against activation rows [r0, r1) (a
+// multiple of 16 from r0), a slice of K at a time: per slice the panels are widened to bf16, then
+// each 16-row tile passes every panel while its digits' A data (16 rows × a slice: 24 KB) stays
+// in L1; the rows' whole A data (amx_rows_per_task: ~1 MB) stays in L2 for the next
+// panels. One panel per pass, and every row per task, read A from L2, or past it from L3 at 1,024
+// rows, for every product: the tile unit waited on loads for most of its time.
+template <int TYPE>
+void amx_panels(const uint8_t* wp, int64_t panel_bytes, int64_t p0, int64_t p1, int64_t r0, int64_t r1, int64_t N,
+                const QuantizedRowsAmx& xq, float* y) {
+  thread_local std::vector<float> acc;        // [panel][row][16]: a slice's partial sums
+  thread_local AlignedVector<uint16_t> wide;  // [panel][slice block][WIDE_BLOCK]
+  const int64_t panels = p1 - p0, rows = r1 - r0;
+  const int64_t num_slices = (xq.nb + PANEL_SLICE_BLOCKS - 1) / PANEL_SLICE_BLOCKS;
+  const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
+  if (num_slices > 1) acc.resize(panels * rows * PANEL_ROWS);
+  wide.resize(panels * slice * WIDE_BLOCK);
+  configure_amx_tiles();
+  for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
+    const int64_t b1 = std::min(xq.nb, b0 + slice);
+    const bool first = b0 == 0, last = b1 == xq.nb;
+    for (int64_t j = 0; j < panels; j++)
+      widen_panel<TYPE>(wp + (p0 + j) * panel_bytes, b0, b1, wide.data() + j * slice * WIDE_BLOCK);
+    for (int64_t r = r0; r < r1; r += AMX_ROWS) {
+      const int tile_rows = int(std::min(AMX_ROWS, r1 - r));
+      for (int64_t j = 0; j < panels; j++) {
+        const int64_t n0 = PANEL_ROWS * (p0 + j), num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
+        float* panel_acc = acc.data() + (j * rows + r - r0) * PANEL_ROWS;
+        const float* in = first ? nullptr : panel_acc;
+        float* out = last ? y + r * N + n0 : panel_acc;
+        const __mmask16 mask = last ? __mmask16((1u << num_valid) - 1) : __mmask16(0xFFFF);
+        amx_panel_tile<TYPE>(wp + (p0 + j) * panel_bytes, wide.data() + j * slice * WIDE_BLOCK, xq, r, tile_rows, b0,
+                             b1, in, PANEL_ROWS, out, last ? N : PANEL_ROWS, mask);
+      }
+    }
+  }
+}
+
+// y = x · Wᵀ on the tile unit: tasks of AMX_PANELS_PER_TASK panels × amx_rows_per_task rows, taken
+// row block by row block (both threads work in one row block at a time, its A data in each L2).
+template <int TYPE>
+void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t N, const QuantizedRowsAmx& xq,
+                float* y) {
+  const int64_t groups = (panels + AMX_PANELS_PER_TASK - 1) / AMX_PANELS_PER_TASK;
+  const int64_t block_rows = amx_rows_per_task(xq.K), row_blocks = (xq.M + block_rows - 1) / block_rows;
+  parallel_tasks(groups * row_blocks, [&](int64_t task) {
+    const int64_t p0 = task % groups * AMX_PANELS_PER_TASK, r0 = task / groups * block_rows;
+    amx_panels<TYPE>(wp, panel_bytes, p0, std::min(panels, p0 + AMX_PANELS_PER_TASK), r0,
+                     std::min(xq.M, r0 + block_rows), N, xq, y);
+  });
+}
+#else
+constexpr bool HAS_AMX_TILES = false;
+#endif
+
+// Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (at 32
+// rows they ran 0.85-1.0x the vpdpwssd tiles on the 2-core Sapphire Rapids VM, at 64 1.0-1.2x).
+constexpr int64_t AMX_MIN_ROWS = 64;
+// Whether the engine's path may take them: on unless a benchmark turns them off to compare.
+std::atomic<bool> amx_tiles_allowed{true};
+
+// Whether the AMX tiles can run here: built in (-march=native on an AMX CPU) and granted by the OS.
+bool amx_tiles_usable() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return request_amx_permission();
+#else
+  return false;
+#endif
+}
+
 #else
 constexpr bool HAS_INT16_DOT = false;
 constexpr bool HAS_INT8_DOT = false;
+constexpr bool HAS_AMX_TILES = false;
+bool amx_tiles_usable() { return false; }
+std::atomic<bool> amx_tiles_allowed{false};
 #endif
 
 }  // namespace
@@ -1171,12 +1437,14 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
 // y[M, N] = x[M, K] · W[N, K]ᵀ with x quantized per 32-value block as XQ holds it (int16 or int8
-// codes); W is Q4_0, Q4_1 or Q8_0 in panels (repack_panels). y has x's dtype. `path`: the register
-// tiles, which never change a bit: INT16_AUTO and INT16_PANELS take tiles of TILE_MR rows and one
-// of the rest, INT16_ROWS one row per tile (the tests compare them).
+// codes, or int16 codes as bf16 digits for the AMX tiles); W is Q4_0, Q4_1 or Q8_0 in panels
+// (repack_panels). y has x's dtype. `path`: the register tiles, which never change a bit:
+// INT16_AUTO and INT16_PANELS take tiles of TILE_MR rows and one of the rest, INT16_ROWS one row
+// per tile (the tests compare them); with QuantizedRowsAmx, the AMX tiles.
 template <class XQ>
 at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t path) {
-  TORCH_CHECK(path >= INT16_AUTO && path <= INT16_PANELS, "path must be 0 (auto), 1 (rows) or 2 (panels), got ", path);
+  TORCH_CHECK(path >= INT16_AUTO && path <= INT16_AMX, "path must be 0 (auto), 1 (rows), 2 (panels) or 3 (amx), got ",
+              path);
   const PanelLayout l = panel_layout(type);
   TORCH_CHECK(K % 32 == 0, "K=", K, " is not a multiple of 32");
   const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS, panel_bytes = PANEL_ROWS * (K / 32) * l.block_bytes;
@@ -1193,16 +1461,24 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tile_rows = path == INT16_ROWS ? 1 : TILE_MR;
-  const int64_t panels_per_task = M < TILE_MR ? FEW_ROWS_PANELS_PER_TASK : 1;
-  parallel_tasks((panels + panels_per_task - 1) / panels_per_task, [&](int64_t task) {
-    for (int64_t p = task * panels_per_task; p < std::min(panels, (task + 1) * panels_per_task); p++) {
-      switch (type) {
-        case Q4_0: panel_int<Q4_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
-        case Q4_1: panel_int<Q4_1>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
-        default: panel_int<Q8_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
-      }
+  if constexpr (XQ::on_tile_unit) {
+    switch (type) {
+      case Q4_0: amx_matmul<Q4_0>(wp, panel_bytes, panels, N, xq, yp); break;
+      case Q4_1: amx_matmul<Q4_1>(wp, panel_bytes, panels, N, xq, yp); break;
+      default: amx_matmul<Q8_0>(wp, panel_bytes, panels, N, xq, yp); break;
     }
-  });
+  } else {
+    const int64_t panels_per_task = M < TILE_MR ? FEW_ROWS_PANELS_PER_TASK : 1;
+    parallel_tasks((panels + panels_per_task - 1) / panels_per_task, [&](int64_t task) {
+      for (int64_t p = task * panels_per_task; p < std::min(panels, (task + 1) * panels_per_task); p++) {
+        switch (type) {
+          case Q4_0: panel_int<Q4_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
+          case Q4_1: panel_int<Q4_1>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
+          default: panel_int<Q8_0>(wp, panel_bytes, p, N, xq, yp, tile_rows); break;
+        }
+      }
+    });
+  }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 }  // namespace
@@ -1212,6 +1488,13 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
 at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t path) {
   TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
 #if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(path != INT16_AMX || amx_tiles_usable(), "the AMX tiles need an AMX-BF16 CPU, a kernel build for it "
+              "and the OS's permission (this process has ", HAS_AMX_TILES ? "no permission" : "no such build", ")");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const bool prompt_sized = path == INT16_AUTO && x.dim() == 2 && x.size(0) >= AMX_MIN_ROWS;
+  if (path == INT16_AMX || (prompt_sized && amx_tiles_allowed.load(std::memory_order_relaxed) && amx_tiles_usable()))
+    return integer_matmul<QuantizedRowsAmx>(x, w, type, K, N, path);
+#endif
   return integer_matmul<QuantizedRows>(x, w, type, K, N, path);
 #else
   return {};
@@ -1230,6 +1513,8 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, 
 
 bool has_int16_dot() { return HAS_INT16_DOT; }
 bool has_int8_dot() { return HAS_INT8_DOT; }
+bool has_amx_tiles() { return amx_tiles_usable(); }
+bool allow_amx_tiles(bool allowed) { return amx_tiles_allowed.exchange(allowed); }
 
 // This machine's peak multiply-accumulate rates on the calling thread, measured: 10 independent
 // chains of int16-pair dot products (the prompt kernel's instruction at its vector width: 512-bit
@@ -1320,6 +1605,36 @@ double measure_int8_peak_macs(int64_t iterations) {
 #endif
 }
 
+// The tile unit's peak on the calling thread: TDPBF16PS (16 × 16 × 32 bf16 MACs into float32)
+// into four independent sum tiles, `iterations` rounds of four; 0 without the AMX tiles. The int16
+// matmul's tiles issue two per block (one per digit), so at most half of this is its MACs.
+double measure_amx_peak_macs(int64_t iterations) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (!amx_tiles_usable()) return 0.0;
+  using clock = std::chrono::steady_clock;
+  configure_amx_tiles();
+  alignas(64) static const uint16_t ones[AMX_ROWS * 32] = {};
+  _tile_loadd(0, ones, 64);
+  _tile_loadd(1, ones, 64);
+  _tile_loadd(2, ones, 64);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  auto t0 = clock::now();
+  for (int64_t n = 0; n < iterations; n++) {
+    _tile_dpbf16ps(3, 0, 2);
+    _tile_dpbf16ps(4, 1, 2);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(6, 1, 2);
+  }
+  auto t1 = clock::now();
+  return 4.0 * iterations * AMX_ROWS * PANEL_ROWS * 32 / std::chrono::duration<double>(t1 - t0).count();
+#else
+  return 0.0;
+#endif
+}
+
 // Rows `ids` of W dequantized: [len(ids), K] float32 (an embedding lookup). `N` > 0: W is
 // in panels (repack_panels) and holds N rows.
 at::Tensor dequant_rows(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& ids_in, int64_t rows_in_panels) {
@@ -1373,6 +1688,14 @@ void register_qlinear(pybind11::module_& m) {
         py::arg("iterations") = 20000000);
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("has_int8_dot", &has_int8_dot, "whether this build has the int8 matmul (AVX512-VNNI)");
+  m.def("measure_amx_peak_macs", &measure_amx_peak_macs,
+        "this thread's measured peak MACs/s of the tile unit's TDPBF16PS (0 without the AMX tiles)",
+        py::arg("iterations") = 2000000);
+  m.def("has_amx_tiles", &has_amx_tiles, "whether the int16 matmul can take AMX tiles here (built in, OS permission)");
+  m.def("allow_amx_tiles", &allow_amx_tiles,
+        "let the engine's int16 matmul take the AMX tiles (the default) or not, for benchmarks to compare the same "
+        "bits both ways; returns the previous setting",
+        py::arg("allowed"));
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
         py::arg("k"), py::arg("ids"), py::arg("rows_in_panels") = 0);
 }

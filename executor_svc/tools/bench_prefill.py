@@ -9,16 +9,20 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
 1. the measured peak: multiply-accumulates per second of the instruction the prompt kernel
    issues (int16-pair dot products at its vector width, 512-bit on AVX-512 and 256-bit on AVX2:
    pmaddwd + paddd, or vpdpwssd with VNNI; with `--matmul int8`, AVX512-VNNI's 512-bit vpdpbusd)
-   and of float32 FMA, one thread, times the threads;
+   and of float32 FMA, one thread, times the threads; on CPUs with AMX (Sapphire Rapids and later),
+   also the tile unit's TDPBF16PS;
 2. the integer matmul (`--matmul`: int16, the CPU default, or int8) on each of the model's layer
-   shapes at M rows: one-row register tiles forced ("rows") and the tiles the engine takes
-   ("panels": 8 rows, 4 on AVX2, and one of the rest; the two are bit-identical, qlinear.cpp), in
-   GMAC/s and as a fraction of the peak of its instruction;
+   shapes at M rows: one-row register tiles forced ("rows"), the vector tiles ("panels": 8 rows,
+   4 on AVX2, and one of the rest) and, on AMX CPUs, the AMX tiles ("amx": 16 rows, the engine's
+   from 64 rows); all bit-identical (qlinear.cpp), in GMAC/s and as a fraction of the peak of
+   their instruction (the AMX tiles issue two TDPBF16PS per product, one per digit of the int16
+   code, so their ceiling is half the tile unit's peak);
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
-   machine's peak for the matmul's instruction the whole prefill reaches;
+   machine's peak for the matmul's vector instruction the whole prefill reaches; on AMX CPUs
+   also the same prefill with the AMX tiles turned off, alternating with it run by run;
 4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
    rows against its attention (the chunk's queries over the keys before and in it), at each
    context length of `--contexts`, with the attention of one decode row there for scale. An
@@ -50,7 +54,7 @@ from executor_svc.weights.model_weights import load_weights
 from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, Kernel, PackedWeight
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-ROWS_KERNEL, PANEL_KERNEL = 1, 2  # the integer matmul's `path`
+ROWS_KERNEL, PANEL_KERNEL, AMX_TILES = 1, 2, 3  # the integer matmul's `path`
 
 
 def cpu_description() -> dict:
@@ -79,11 +83,18 @@ def best_of(reps: int, run) -> float:
     return best
 
 
+def amx_tiles(kernels, matmul: str) -> bool:
+    """Whether the int16 matmul takes the AMX tiles here (for prompts: its own path from 64 rows)."""
+    return matmul == "int16" and kernels.has_amx_tiles()
+
+
 def measured_peak(kernels, matmul: str) -> dict:
     """MACs/s per thread of int16 pairs and float32 FMA (the best of three), of int8 quads with
-    `matmul` int8, and the machine's (times the threads) for the matmul's instruction."""
+    `matmul` int8, of the AMX tiles' TDPBF16PS where the int16 matmul takes them, and the
+    machine's (times the threads) for the matmul's vector instruction."""
     int16, fp32 = max(kernels.measure_peak_macs() for _ in range(3))
     per_thread = int16 if matmul == "int16" else max(kernels.measure_int8_peak_macs() for _ in range(3))
+    amx = max(kernels.measure_amx_peak_macs() for _ in range(3)) if amx_tiles(kernels, matmul) else 0.0
     threads = torch.get_num_threads()
     return {
         "matmul": matmul,
@@ -91,6 +102,8 @@ def measured_peak(kernels, matmul: str) -> dict:
         "fp32_macs_per_thread": fp32,
         "matmul_macs_per_thread": per_thread,
         "matmul_macs": per_thread * threads,
+        "amx_macs_per_thread": amx,
+        "amx_macs": amx * threads,
     }
 
 
@@ -114,10 +127,15 @@ def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict
         for m in row_counts:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             point = {"weight": name, "n": n, "k": k, "m": m, "type": w.type_name}
-            for label, path in (("rows", ROWS_KERNEL), ("panels", PANEL_KERNEL)):
+            paths = [("rows", ROWS_KERNEL), ("panels", PANEL_KERNEL)]
+            if peak["amx_macs"]:
+                paths.append(("amx", AMX_TILES))
+            for label, path in paths:
                 seconds = best_of(reps, lambda: integer_matmul(kernels, x, w, path))
                 point[f"{label}_gmacs"] = m * n * k / seconds / 1e9
             point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["matmul_macs"]
+            if peak["amx_macs"]:
+                point["amx_share_of_peak"] = point["amx_gmacs"] * 1e9 / peak["amx_macs"]
             rows.append(point)
     return rows
 
@@ -159,14 +177,24 @@ def prefill_seconds(model: Transformer, cache: KVCache, num_tokens: int, chunk: 
 
 
 def bench_prefill(
-    model: Transformer, kv_dtype, token_counts: list[int], chunk: int, reps: int, peak: dict
+    kernels, model: Transformer, kv_dtype, token_counts: list[int], chunk: int, reps: int, peak: dict
 ) -> list[dict]:
+    """Each prompt length as the engine runs it; where the int16 matmul takes the AMX tiles, also
+    with them turned off (the vector tiles: the same bits), the two alternating run by run."""
     config = model.config
     cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device, model.ops.key_layout)
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
-        seconds = prefill_seconds(model, cache, t, chunk, reps)
+        seconds, vector_seconds = float("inf"), None
+        for _ in range(reps):
+            seconds = min(seconds, prefill_seconds(model, cache, t, chunk, 1))
+            if peak["amx_macs"]:
+                kernels.allow_amx_tiles(False)
+                try:
+                    vector_seconds = min(vector_seconds or float("inf"), prefill_seconds(model, cache, t, chunk, 1))
+                finally:
+                    kernels.allow_amx_tiles(True)
         matmul, attention = per_token * t, attention_macs(config, t)
         rows.append(
             {
@@ -176,6 +204,7 @@ def bench_prefill(
                 "matmul_gflops": 2 * matmul / seconds / 1e9,
                 "attention_gflops": 2 * attention / seconds / 1e9,
                 "share_of_peak": (matmul + attention) / seconds / peak["matmul_macs"],
+                "vector_tiles_seconds": vector_seconds,
             }
         )
     return rows
@@ -251,7 +280,7 @@ def run(
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "chunk": chunk,
         "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
-        "prefill": bench_prefill(model, kv_dtype, token_counts, chunk, reps, peak),
+        "prefill": bench_prefill(kernels, model, kv_dtype, token_counts, chunk, reps, peak),
         "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, ops.key_layout, chunk, contexts, reps),
     }
 
@@ -265,22 +294,39 @@ def print_report(r: dict) -> None:
         f"float32 FMA {peak['fp32_macs_per_thread'] / 1e9:.1f} GMAC/s"
         + (f", int8 quads {peak['matmul_macs_per_thread'] / 1e9:.1f} GMAC/s" if matmul == "int8" else "")
         + f"; machine {matmul} peak {peak['matmul_macs'] / 1e9:.1f} GMAC/s"
+        + (f"; AMX TDPBF16PS {peak['amx_macs_per_thread'] / 1e9:.0f} GMAC/s a thread" if peak["amx_macs"] else "")
     )
-    print(f"\nthe {matmul} matmul, GMAC/s (rows: one-row tiles; panels: the engine's tiles; bit-identical):")
-    print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}")
+    amx = bool(peak["amx_macs"])
+    print(
+        f"\nthe {matmul} matmul, GMAC/s (rows: one-row tiles; panels: the vector tiles"
+        + ("; amx: the AMX tiles, the engine's from 64 rows" if amx else ", the engine's")
+        + "; all bit-identical):"
+    )
+    amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7}" if amx else ""
+    print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}{amx_head}")
     for m in r["matmuls"]:
+        amx_cells = (
+            f" {m['amx_gmacs']:7.1f} {m['amx_gmacs'] / m['panels_gmacs']:5.2f} {m['amx_share_of_peak']:7.0%}"
+            if amx
+            else ""
+        )
         print(
             f"{m['weight']:>8} {m['n']:>6} {m['k']:>6} {m['m']:>6} | {m['rows_gmacs']:7.1f} {m['panels_gmacs']:7.1f} "
-            f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}"
+            f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}{amx_cells}"
         )
     print(f"\none prompt from an empty cache, chunks of {r['chunk']}, KV {r['kv_cache_dtype']}:")
+    vector_head = f" | {'vector tiles s':>14} {'x':>5}" if amx else ""
     print(
         f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of ' + matmul + ' peak':>14}"
+        + vector_head
     )
     for p in r["prefill"]:
+        vector_cells = (
+            f" | {p['vector_tiles_seconds']:14.3f} {p['vector_tiles_seconds'] / p['seconds']:5.2f}" if amx else ""
+        )
         print(
             f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
-            f"{p['attention_gflops']:13.1f} {p['share_of_peak']:14.0%}"
+            f"{p['attention_gflops']:13.1f} {p['share_of_peak']:14.0%}{vector_cells}"
         )
     print(f"\nper layer, a chunk of {r['chunk']} prompt tokens ending at each context (ms), KV {r['kv_cache_dtype']}:")
     print(f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}")

@@ -180,6 +180,71 @@ def test_the_integer_matmuls_register_tiles_are_bit_identical(kernel, qtype, num
     assert torch.equal(linear(x, wq), by_rows)
 
 
+AMX_TILES = 3  # qlinear_int16's `path` that forces the AMX tiles (PANELS = 2, ROWS = 1)
+needs_amx = pytest.mark.skipif(not load().has_amx_tiles(), reason="no AMX tiles here (CPU, kernel build or OS)")
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+@pytest.mark.parametrize(
+    ("num_weight_rows", "num_rows", "k"),
+    [(37, 1, 512), (16, 15, 512), (53, 17, 512), (20, 64, 512), (129, 70, 512), (576, 256, 512), (40, 33, 1536)],
+)
+def test_the_amx_tiles_give_the_vector_tiles_bits(qtype, num_weight_rows, num_rows, k):
+    """On AMX CPUs a prompt's rows take the tile unit: each int16 code split in two bf16 digits,
+    whose dot products with the weight codes are exact integers in float32 (every partial sum below
+    2^24), recombined into the block sum with one rounding, then the vector tiles' own epilogue.
+    So every output is bit-identical to the vector tiles': at the extremes of the int16 codes (a
+    row of ±1 with an outlier: codes of ±32767 and around it), a zero block, padding rows (rows
+    not a multiple of 16), K in several slices, one thread or two, and on the engine's path from 64
+    rows, where it takes the tiles by itself."""
+    kernels = load()
+    w, _ = packed(qtype, rows=num_weight_rows, cols=k, seed=num_rows)
+    wq = w.with_integer_dot()
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, k, generator=generator)
+    x[:, 40] *= 80
+    x[0, 64:96] = 0
+    if num_rows > 2:
+        x[1] = torch.where(torch.rand(k, generator=generator) > 0.5, 1.0, -1.0)
+        x[2, ::7] = 1e4
+    panels = kernels.qlinear_int16(x, wq.data, wq.tensor_type, k, num_weight_rows, path=2)
+    tiles = kernels.qlinear_int16(x, wq.data, wq.tensor_type, k, num_weight_rows, path=AMX_TILES)
+    assert torch.equal(tiles, panels)
+    assert torch.equal(linear(x, wq), panels)  # the engine's path: the tiles from 64 rows, else the vector tiles
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(
+            kernels.qlinear_int16(x, wq.data, wq.tensor_type, k, num_weight_rows, path=AMX_TILES), panels
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_a_benchmark_can_turn_the_amx_tiles_off_and_on():
+    """allow_amx_tiles switches the engine's path for benchmarks to compare, without changing a bit."""
+    kernels = load()
+    w, _ = packed(Q.Q4_1, rows=64, cols=512)
+    wq = w.with_integer_dot()
+    x = torch.randn(128, 512, generator=torch.Generator().manual_seed(3))
+    on = linear(x, wq)
+    assert kernels.allow_amx_tiles(False) is True
+    try:
+        assert torch.equal(linear(x, wq), on)
+    finally:
+        assert kernels.allow_amx_tiles(True) is False
+
+
+@pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")
+def test_forcing_the_amx_tiles_without_them_is_refused_by_name():
+    w, _ = packed(Q.Q8_0, rows=16)
+    wq = w.with_integer_dot()
+    with pytest.raises(RuntimeError, match="the AMX tiles need an AMX-BF16 CPU"):
+        load().qlinear_int16(torch.randn(32, 512), wq.data, wq.tensor_type, 512, 16, path=AMX_TILES)
+
+
 @needs_int16
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):

@@ -1264,21 +1264,20 @@ SS_INLINE void amx_block_sums(const uint16_t* wide_block, const QuantizedRowsAmx
   _tile_loadd(2, wide_block, 64);
   _tile_loadd(0, x_tiles, 64);
   _tile_loadd(1, x_tiles + AMX_ROWS * 32, 64);
+  // The digits' sums into tiles SH and SL, then out: a macro, as the tile numbers must be literals.
+#define SS_AMX_DIGIT_SUMS(SH, SL) \
+  _tile_zero(SH);                 \
+  _tile_zero(SL);                 \
+  _tile_dpbf16ps(SH, 0, 2);       \
+  _tile_dpbf16ps(SL, 1, 2);       \
+  _tile_stored(SH, sums[0], 64);  \
+  _tile_stored(SL, sums[1], 64)
   if (b % 2 == 0) {
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbf16ps(3, 0, 2);
-    _tile_dpbf16ps(4, 1, 2);
-    _tile_stored(3, sums[0], 64);
-    _tile_stored(4, sums[1], 64);
+    SS_AMX_DIGIT_SUMS(3, 4);
   } else {
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_dpbf16ps(5, 0, 2);
-    _tile_dpbf16ps(6, 1, 2);
-    _tile_stored(5, sums[0], 64);
-    _tile_stored(6, sums[1], 64);
+    SS_AMX_DIGIT_SUMS(5, 6);
   }
+#undef SS_AMX_DIGIT_SUMS
 }
 
 // Rows [r0, r0 + rows) (rows ≤ 16; the tile computes 16) × one panel's 16 weight rows over

@@ -1140,11 +1140,11 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
 // unit adds them in, and fma(S_h, 256, S_l) is the block's sum S rounded once, exactly what the
 // vpdpwssd tiles' float(S) is. The float epilogue per block is theirs, operation for operation,
 // so a row's bits are the same whichever tile computes it: AMX is a faster tile, not another
-// mode (the tests compare them bit for bit). On a 2-core Sapphire Rapids VM the tile unit's peak
+// mode (the tests compare them bit for bit). On a 2-core Xeon VM with AMX the tile unit's peak
 // measured ~1,870 GMAC/s a thread (measure_amx_peak_macs), which the two digits halve; what bounds
 // these tiles far below it is moving data through them: each 16 × 16 × 32 product loads 3 KB of
-// tiles and stores 2 KB of sums for the epilogue to read back (they ran 1.2-1.6x the vpdpwssd
-// tiles' GMAC/s from 64 rows, ~7-9% of that peak).
+// tiles and stores 2 KB of sums for the epilogue to read back (they ran 1.15-1.63x the vpdpwssd
+// tiles' GMAC/s at 256-1,024 rows, ~6-9% of that peak).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool HAS_AMX_TILES = true;
 constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and per C tile)
@@ -1371,7 +1371,7 @@ constexpr bool HAS_AMX_TILES = false;
 #endif
 
 // Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (at 32
-// rows they ran 0.85-1.0x the vpdpwssd tiles on the 2-core Sapphire Rapids VM, at 64 1.0-1.2x).
+// rows they ran 0.85-1.0x the vpdpwssd tiles on a 2-core Xeon VM with AMX, at 64 0.96-1.24x).
 constexpr int64_t AMX_MIN_ROWS = 64;
 // Whether the engine's path may take them: on unless a benchmark turns them off to compare.
 std::atomic<bool> amx_tiles_allowed{true};

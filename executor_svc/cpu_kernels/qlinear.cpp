@@ -1246,13 +1246,32 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRowsAmx& out) 
 }
 
 // The panel's blocks [b0, b1) widened as for the vpdpwssd tiles (pair p at p · 32, lane 2j + e
-// = row j's element 2p + e: the B tile's layout, 16 pairs of 64 bytes) and then made bf16.
+// = row j's element 2p + e: the B tile's layout, 16 pairs of 64 bytes), in bf16. Q4 nibbles become
+// bf16 by one permute from a table of 0 .. 15 (widening to int16 and converting took 6% of a
+// prefill); Q8_0's bytes are widened to int16, then converted.
 template <int TYPE>
 void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, uint16_t* wide) {
-  int16_t* codes = reinterpret_cast<int16_t*>(wide);
-  widen_panel<TYPE>(panel, b0, b1, codes);
-  for (int64_t i = 0; i < (b1 - b0) * WIDE_BLOCK; i += 32)
-    _mm512_storeu_si512(wide + i, int16_to_bf16(_mm512_loadu_si512(codes + i)));
+  if constexpr (TYPE == Q8_0) {
+    int16_t* codes = reinterpret_cast<int16_t*>(wide);
+    widen_panel<TYPE>(panel, b0, b1, codes);
+    for (int64_t i = 0; i < (b1 - b0) * WIDE_BLOCK; i += 32)
+      _mm512_storeu_si512(wide + i, int16_to_bf16(_mm512_loadu_si512(codes + i)));
+  } else {
+    using B = PanelBlock<TYPE>;
+    alignas(64) static const int16_t counting[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    const __m512i nibble_bf16 = int16_to_bf16(_mm512_load_si512(counting));  // lane v: bf16(v)
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    for (int64_t b = b0; b < b1; b++) {
+      const uint8_t* codes = panel + b * B::bytes + B::header;
+      uint16_t* out = wide + (b - b0) * WIDE_BLOCK;
+      for (int u = 0; u < B::units; u++) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + 2 * PANEL_ROWS * u)));
+        _mm512_storeu_si512(out + 2 * PANEL_ROWS * u, _mm512_permutexvar_epi16(_mm512_and_si512(bytes, mask), nibble_bf16));
+        _mm512_storeu_si512(out + 2 * PANEL_ROWS * (8 + u), _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), nibble_bf16));
+      }
+    }
+  }
 }
 
 // Block b's two digit sums for 16 rows from r0 (the tile unit's work), stored to sums[0] (high

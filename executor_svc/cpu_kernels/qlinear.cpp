@@ -30,6 +30,13 @@
 #include "kernels.h"
 #include "simd16.h"
 
+// Whether this build has the int16 matmul's AMX tiles (-march=native on an AMX-BF16 CPU).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SS_AMX_TILES 1
+#else
+#define SS_AMX_TILES 0
+#endif
+
 namespace {
 
 // ggml type ids (ggml.h / gguf-py GGMLQuantizationType).
@@ -685,6 +692,16 @@ SS_INLINE void load_block_scales(const uint8_t* pb, __m512& d, __m512& m) {
   if constexpr (TYPE == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
 }
 
+// One block of a row into its float sums, the same operations in every 512-bit tile (vector,
+// int8, AMX): acc = fma(S · d_w, dx, acc), then (Q4_0 / Q4_1) acc = fma(m_w, dx · Σ xq, acc).
+// S is the block's integer sum as float32 (rounded once).
+template <int TYPE>
+SS_INLINE __m512 add_block(__m512 acc, __m512 S, __m512 d, __m512 m, float dx, float dx_sum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(S, d), _mm512_set1_ps(dx), acc);
+  if constexpr (PanelBlock<TYPE>::has_min) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dx_sum), acc);
+  return acc;
+}
+
 // The panel's blocks [b0, b1) widened into wide (WIDE_BLOCK values each, from block b0).
 template <int TYPE>
 void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, int16_t* wide) {
@@ -759,8 +776,7 @@ SS_INLINE void panel_tile(const uint8_t* panel, const int16_t* wide, const Quant
     for (int r = 0; r < MR; r++) {
       const int64_t xb_index = (r0 + r) * nb + b;
       const __m512i block_sum = P == 2 ? _mm512_add_epi32(S[r][0], S[r][P - 1]) : S[r][0];
-      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(block_sum), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);
-      if constexpr (B::has_min) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
+      sum[r] = add_block<TYPE>(sum[r], _mm512_cvtepi32_ps(block_sum), d, m, xq_d[xb_index], xq_s[xb_index]);
     }
   }
   for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * out_stride, out_mask, sum[r]);
@@ -1045,8 +1061,7 @@ SS_INLINE void panel_tile(const uint8_t* panel, const uint8_t* wide, const Quant
     for (int r = 0; r < MR; r++) {
       const int64_t xb_index = (r0 + r) * nb + b;
       const __m512i block_sum = P == 2 ? _mm512_add_epi32(S[r][0], S[r][P - 1]) : S[r][0];
-      sum[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(block_sum), d), _mm512_set1_ps(xq_d[xb_index]), sum[r]);
-      if constexpr (B::has_min) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq_s[xb_index]), sum[r]);
+      sum[r] = add_block<TYPE>(sum[r], _mm512_cvtepi32_ps(block_sum), d, m, xq_d[xb_index], xq_s[xb_index]);
       sum[r] = _mm512_fmadd_ps(wsum, _mm512_set1_ps(xq_lo[xb_index]), sum[r]);
     }
   }
@@ -1065,16 +1080,28 @@ constexpr int64_t PANEL_SLICE_BLOCKS = 12;
 // threads streaming a decode step's weights were slower than one). Many rows: one panel a task.
 constexpr int64_t FEW_ROWS_PANELS_PER_TASK = 4;
 
+// Where a tile's float sums over one K slice come from and go to: the slice before's partial sums
+// in `acc` (none in the first slice), and `acc` again, or in the last slice y's row (its num_valid
+// columns from the panel's first), N apart.
+struct SliceSums {
+  const float* in;
+  float* out;
+  int64_t out_stride;
+  TileMask out_mask;
+};
+SS_INLINE SliceSums slice_sums(bool first, bool last, float* acc, float* y_row, int64_t N, int64_t num_valid) {
+  if (last) return {first ? nullptr : acc, y_row, N, TileMask((1u << num_valid) - 1)};
+  return {first ? nullptr : acc, acc, PANEL_ROWS, TileMask(0xFFFF)};
+}
+
 // One K slice [b0, b1) of a panel against rows [r, r + MR): the tile's sums start from the slice
 // before (`acc`, unless first) and end in `acc` or, in the last slice, in y's columns n0 ...
 template <int TYPE, int MR, bool WIDE, class XQ>
 SS_INLINE void tile_slice(const uint8_t* panel, const typename XQ::Wide* wide, const XQ& xq, int64_t r, int64_t b0,
                           int64_t b1, bool first, bool last, float* acc, float* y, int64_t N, int64_t n0,
                           int64_t num_valid) {
-  const float* in = first ? nullptr : acc + r * PANEL_ROWS;
-  float* out = last ? y + r * N + n0 : acc + r * PANEL_ROWS;
-  const TileMask mask = last ? TileMask((1u << num_valid) - 1) : TileMask(0xFFFF);
-  panel_tile<TYPE, MR, WIDE>(panel, wide, xq, r, b0, b1, in, PANEL_ROWS, out, last ? N : PANEL_ROWS, mask);
+  const SliceSums io = slice_sums(first, last, acc + r * PANEL_ROWS, y + r * N + n0, N, num_valid);
+  panel_tile<TYPE, MR, WIDE>(panel, wide, xq, r, b0, b1, io.in, PANEL_ROWS, io.out, io.out_stride, io.out_mask);
 }
 
 // tile_slice for the `rows` (< TILE_MR) rows left after the full tiles.
@@ -1138,15 +1165,14 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
 // once per digit, into float32 tiles: every product and every partial sum is an integer below
 // 2^24 in magnitude (|Σ l · c| ≤ 32 · 255 · 128), so both digit sums are exact whatever order the
 // unit adds them in, and fma(S_h, 256, S_l) is the block's sum S rounded once, exactly what the
-// vpdpwssd tiles' float(S) is. The float epilogue per block is theirs, operation for operation,
+// vpdpwssd tiles' float(S) is. The float epilogue per block is theirs (add_block, shared),
 // so a row's bits are the same whichever tile computes it: AMX is a faster tile, not another
 // mode (the tests compare them bit for bit). On a 2-core Xeon VM with AMX the tile unit's peak
 // measured ~1,870 GMAC/s a thread (measure_amx_peak_macs), which the two digits halve; what bounds
 // these tiles far below it is moving data through them: each 16 × 16 × 32 product loads 3 KB of
 // tiles and stores 2 KB of sums for the epilogue to read back (they ran 1.15-1.63x the vpdpwssd
 // tiles' GMAC/s at 256-1,024 rows, ~6-9% of that peak).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool HAS_AMX_TILES = true;
+#if SS_AMX_TILES
 constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and per C tile)
 constexpr int64_t AMX_PANELS_PER_TASK = 4;  // panels that share each row tile's A data in L1
 // Rows per task: as many as keep their A data (4 bytes a value) within ~1 MB, half an L2, while
@@ -1326,8 +1352,7 @@ void amx_panel_tile(const uint8_t* panel, const uint16_t* wide, const QuantizedR
     for (int r = 0; r < AMX_ROWS; r++) {
       const int64_t xb_index = (r0 + r) * xq.nb + b;
       const __m512 S = _mm512_fmadd_ps(_mm512_load_ps(sh + r * PANEL_ROWS), digit, _mm512_load_ps(sl + r * PANEL_ROWS));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(S, d), _mm512_set1_ps(xq.d[xb_index]), acc[r]);
-      if constexpr (B::has_min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.s[xb_index]), acc[r]);
+      acc[r] = add_block<TYPE>(acc[r], S, d, m, xq.d[xb_index], xq.s[xb_index]);
     }
   }
 #pragma GCC unroll 16
@@ -1362,11 +1387,9 @@ void amx_panels(const uint8_t* wp, int64_t panel_bytes, int64_t p0, int64_t p1, 
       for (int64_t j = 0; j < panels; j++) {
         const int64_t n0 = PANEL_ROWS * (p0 + j), num_valid = std::min<int64_t>(PANEL_ROWS, N - n0);
         float* panel_acc = acc.data() + (j * rows + r - r0) * PANEL_ROWS;
-        const float* in = first ? nullptr : panel_acc;
-        float* out = last ? y + r * N + n0 : panel_acc;
-        const __mmask16 mask = last ? __mmask16((1u << num_valid) - 1) : __mmask16(0xFFFF);
+        const SliceSums io = slice_sums(first, last, panel_acc, y + r * N + n0, N, num_valid);
         amx_panel_tile<TYPE>(wp + (p0 + j) * panel_bytes, wide.data() + j * slice * WIDE_BLOCK, xq, r, tile_rows, b0,
-                             b1, in, PANEL_ROWS, out, last ? N : PANEL_ROWS, mask);
+                             b1, io.in, PANEL_ROWS, io.out, io.out_stride, io.out_mask);
       }
     }
   }
@@ -1385,8 +1408,6 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
                      std::min(xq.M, r0 + block_rows), N, xq, y);
   });
 }
-#else
-constexpr bool HAS_AMX_TILES = false;
 #endif
 
 // Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (at 32
@@ -1397,7 +1418,7 @@ std::atomic<bool> amx_tiles_allowed{true};
 
 // Whether the AMX tiles can run here: built in (-march=native on an AMX CPU) and granted by the OS.
 bool amx_tiles_usable() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if SS_AMX_TILES
   return request_amx_permission();
 #else
   return false;
@@ -1407,7 +1428,6 @@ bool amx_tiles_usable() {
 #else
 constexpr bool HAS_INT16_DOT = false;
 constexpr bool HAS_INT8_DOT = false;
-constexpr bool HAS_AMX_TILES = false;
 bool amx_tiles_usable() { return false; }
 std::atomic<bool> amx_tiles_allowed{false};
 #endif
@@ -1478,7 +1498,6 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t tile_rows = path == INT16_ROWS ? 1 : TILE_MR;
   if constexpr (XQ::on_tile_unit) {
     switch (type) {
       case Q4_0: amx_matmul<Q4_0>(wp, panel_bytes, panels, N, xq, yp); break;
@@ -1486,6 +1505,7 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
       default: amx_matmul<Q8_0>(wp, panel_bytes, panels, N, xq, yp); break;
     }
   } else {
+    const int64_t tile_rows = path == INT16_ROWS ? 1 : TILE_MR;
     const int64_t panels_per_task = M < TILE_MR ? FEW_ROWS_PANELS_PER_TASK : 1;
     parallel_tasks((panels + panels_per_task - 1) / panels_per_task, [&](int64_t task) {
       for (int64_t p = task * panels_per_task; p < std::min(panels, (task + 1) * panels_per_task); p++) {
@@ -1507,8 +1527,8 @@ at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type,
   TORCH_CHECK(HAS_INT16_DOT, "the integer matmul needs AVX2 and FMA");
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(path != INT16_AMX || amx_tiles_usable(), "the AMX tiles need an AMX-BF16 CPU, a kernel build for it "
-              "and the OS's permission (this process has ", HAS_AMX_TILES ? "no permission" : "no such build", ")");
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+              "and the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+#if SS_AMX_TILES
   const bool prompt_sized = path == INT16_AUTO && x.dim() == 2 && x.size(0) >= AMX_MIN_ROWS;
   if (path == INT16_AMX || (prompt_sized && amx_tiles_allowed.load(std::memory_order_relaxed) && amx_tiles_usable()))
     return integer_matmul<QuantizedRowsAmx>(x, w, type, K, N, path);
@@ -1627,7 +1647,7 @@ double measure_int8_peak_macs(int64_t iterations) {
 // into four independent sum tiles, `iterations` rounds of four; 0 without the AMX tiles. The int16
 // matmul's tiles issue two per block (one per digit), so at most half of this is its MACs.
 double measure_amx_peak_macs(int64_t iterations) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if SS_AMX_TILES
   if (!amx_tiles_usable()) return 0.0;
   using clock = std::chrono::steady_clock;
   configure_amx_tiles();

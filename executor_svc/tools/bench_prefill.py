@@ -186,13 +186,13 @@ def bench_prefill(
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
-        seconds, vector_seconds = float("inf"), None
+        seconds = vector_seconds = float("inf")
         for _ in range(reps):
             seconds = min(seconds, prefill_seconds(model, cache, t, chunk, 1))
             if peak["amx_macs"]:
                 kernels.allow_amx_tiles(False)
                 try:
-                    vector_seconds = min(vector_seconds or float("inf"), prefill_seconds(model, cache, t, chunk, 1))
+                    vector_seconds = min(vector_seconds, prefill_seconds(model, cache, t, chunk, 1))
                 finally:
                     kernels.allow_amx_tiles(True)
         matmul, attention = per_token * t, attention_macs(config, t)
@@ -204,7 +204,7 @@ def bench_prefill(
                 "matmul_gflops": 2 * matmul / seconds / 1e9,
                 "attention_gflops": 2 * attention / seconds / 1e9,
                 "share_of_peak": (matmul + attention) / seconds / peak["matmul_macs"],
-                "vector_tiles_seconds": vector_seconds,
+                "vector_tiles_seconds": vector_seconds if peak["amx_macs"] else None,
             }
         )
     return rows

@@ -9,7 +9,7 @@
 
 // qlinear.cpp: matmuls over GGUF-typed weights.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K);
-// qlinear_int16's tiles (bit-identical): the engine's choice (AUTO: AMX from 64 rows where the CPU and
+// qlinear_int16's tiles (bit-identical): the engine's choice (AUTO: AMX from 16 rows where the CPU and
 // the build have it, else PANELS), or one forced by the tests and benchmarks: PANELS (8 rows, 4 on AVX2,
 // and one of the rest), ROWS (one row per tile), AMX (16 rows a tile unit op).
 enum Int16Path : int64_t { INT16_AUTO = 0, INT16_ROWS = 1, INT16_PANELS = 2, INT16_AMX = 3 };

@@ -1159,19 +1159,21 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
 //
 // On CPUs with AMX (Sapphire Rapids and later Xeons), prompt-sized row counts take the int16
 // matmul's integer sums from the tile unit instead of vpdpwssd, at the same bits. Each int16
-// activation code is split in two exact bf16 digits, xq = 256 · h + l (h = xq >> 8 in
-// −128 .. 127, l = xq & 255), and every weight code (Q4 nibble, Q8_0 byte) is exact in bf16 too.
-// TDPBF16PS multiplies 16 activation rows' 32 values of a block by the block's 16 weight rows,
-// once per digit, into float32 tiles: every product and every partial sum is an integer below
-// 2^24 in magnitude (|Σ l · c| ≤ 32 · 255 · 128), so both digit sums are exact whatever order the
-// unit adds them in, and fma(S_h, 256, S_l) is the block's sum S rounded once, exactly what the
-// vpdpwssd tiles' float(S) is. The float epilogue per block is theirs (add_block, shared),
-// so a row's bits are the same whichever tile computes it: AMX is a faster tile, not another
-// mode (the tests compare them bit for bit). On a 2-core Xeon VM with AMX the tile unit's peak
-// measured ~1,870 GMAC/s a thread (measure_amx_peak_macs), which the two digits halve; what bounds
-// these tiles far below it is moving data through them: each 16 × 16 × 32 product loads 3 KB of
-// tiles and stores 2 KB of sums for the epilogue to read back (they ran 1.15-1.63x the vpdpwssd
-// tiles' GMAC/s at 256-1,024 rows, ~6-9% of that peak).
+// activation code is split in two digits exact in bf16, xq = 256 · h + l (the high digit kept as
+// 256 · h, h = xq >> 8 in −128 .. 127; l = xq & 255), and every weight code (Q4 nibble, Q8_0
+// byte) is exact in bf16 too. TDPBF16PS multiplies 16 activation rows' 32 values of a block by
+// the block's 16 weight rows, once per digit, into float32 tiles; every product is exact.
+// - Q4 codes (0 .. 15): both digits go into one sum tile. Every partial sum, in whatever order
+//   the unit adds, is an integer of magnitude at most 32 · (32768 · 15 + 255 · 15) < 2^24, so
+//   exact: the tile holds the block's sum S exactly, which is the vpdpwssd tiles' float(S).
+// - Q8_0 codes (−128 .. 127) can reach 2^27: each digit has its own sum tile, exact (Σ h · c <
+//   2^19, scaled by 256), and S_high + S_low rounds S once, as float(S) does.
+// The float epilogue per block is the vpdpwssd tiles' (add_block, shared), so a row's bits are
+// the same whichever tile computes it: AMX is a faster tile, not another mode (the tests compare
+// them bit for bit). On a 2-core Xeon VM with AMX the tile unit's peak measured ~1,870 GMAC/s a
+// thread (measure_amx_peak_macs), which the two digits halve; what bounds these tiles far below
+// it is moving data through them: each 16 × 16 × 32 product loads 3 KB of tiles and stores 1 KB
+// (Q4) or 2 KB (Q8_0) of sums for the epilogue to read back.
 #if SS_AMX_TILES
 constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and per C tile)
 constexpr int64_t AMX_PANELS_PER_TASK = 4;  // panels that share each row tile's A data in L1
@@ -1183,7 +1185,7 @@ constexpr int64_t amx_rows_per_task(int64_t K) {
 
 // Tile registers (GCC's tile intrinsics paste their tile operand into the register name, so the
 // kernel spells them as literals): tmm0, tmm1 the two digits' A tiles, tmm2 the weight block's
-// B tile, tmm3, tmm4 the two digits' sums of even blocks, tmm5, tmm6 those of odd blocks.
+// B tile, tmm3 (and for Q8_0 tmm4) the sums of even blocks, tmm5 (and tmm6) those of odd blocks.
 constexpr int AMX_TILES_USED = 7;
 
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
@@ -1223,7 +1225,7 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 // Activation rows quantized to int16 as for the vpdpwssd tiles (their scales d and s; the codes
 // themselves only as two bf16 digits), laid out as the A tiles read them: for each 16-row tile
-// and block, the high digits' tile (16 rows × 32 values, 1 KB) then the low digits' tile,
+// and block, the high digits' tile (256 · h; 16 rows × 32 values, 1 KB) then the low digits' tile,
 // contiguous (rows past M are zeros, their sums never stored). Rows of an [M, K] array put each
 // tile's 16 lines 2K bytes apart, and the tile loads waited on L2 for most of the kernel's time.
 struct QuantizedRowsAmx : QuantizedRows {
@@ -1235,7 +1237,7 @@ struct QuantizedRowsAmx : QuantizedRows {
   }
 };
 
-// 32 int16 values → 32 bf16 values (exact for |v| ≤ 256), in order.
+// 32 int16 values → 32 bf16 values, in order (exact for values of at most 8 significant bits).
 SS_INLINE __m512i int16_to_bf16(__m512i v) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
@@ -1265,7 +1267,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRowsAmx& out) 
       }
       quantize_block32(x + m * K + 32 * b, q, &out.d[i], &out.s[i]);
       const __m512i codes = _mm512_load_si512(q);
-      _mm512_storeu_si512(high, int16_to_bf16(_mm512_srai_epi16(codes, 8)));
+      _mm512_storeu_si512(high, int16_to_bf16(_mm512_and_si512(codes, _mm512_set1_epi16(int16_t(0xFF00)))));
       _mm512_storeu_si512(high + AMX_ROWS * 32, int16_to_bf16(_mm512_and_si512(codes, _mm512_set1_epi16(0xFF))));
     }
   });
@@ -1300,35 +1302,46 @@ void widen_panel(const uint8_t* panel, int64_t b0, int64_t b1, uint16_t* wide) {
   }
 }
 
-// Block b's two digit sums for 16 rows from r0 (the tile unit's work), stored to sums[0] (high
-// digit) and sums[1] (low), [row][weight row]. Even and odd blocks use their own sum tiles and
-// buffers, so a block's products need not wait for the block before to be stored and read.
+// Block b's sums for 16 rows from r0 (the tile unit's work), [row][weight row]: for Q4 the block's
+// sum S in sums[0]; for Q8_0 the high digit's (256 · Σ h · c) in sums[0] and the low digit's in
+// sums[1]. Even and odd blocks use their own sum tiles and buffers, so a block's products need not
+// wait for the block before to be stored and read.
+template <int TYPE>
 SS_INLINE void amx_block_sums(const uint16_t* wide_block, const QuantizedRowsAmx& xq, int64_t r0, int64_t b,
                               float (*sums)[AMX_ROWS * PANEL_ROWS]) {
   const uint16_t* x_tiles = xq.digit_tiles(r0, b);
   _tile_loadd(2, wide_block, 64);
   _tile_loadd(0, x_tiles, 64);
   _tile_loadd(1, x_tiles + AMX_ROWS * 32, 64);
-  // The digits' sums into tiles SH and SL, then out: a macro, as the tile numbers must be literals.
-#define SS_AMX_DIGIT_SUMS(SH, SL) \
-  _tile_zero(SH);                 \
-  _tile_zero(SL);                 \
-  _tile_dpbf16ps(SH, 0, 2);       \
-  _tile_dpbf16ps(SL, 1, 2);       \
-  _tile_stored(SH, sums[0], 64);  \
-  _tile_stored(SL, sums[1], 64)
-  if (b % 2 == 0) {
-    SS_AMX_DIGIT_SUMS(3, 4);
+  // The digits' products into sum tiles SH and SL (the same one for Q4), then out: a macro, as the
+  // tile numbers must be literals.
+#define SS_AMX_BLOCK_SUMS(SH, SL)  \
+  _tile_zero(SH);                  \
+  if (SL != SH) _tile_zero(SL);    \
+  _tile_dpbf16ps(SH, 0, 2);        \
+  _tile_dpbf16ps(SL, 1, 2);        \
+  _tile_stored(SH, sums[0], 64);   \
+  if (SL != SH) _tile_stored(SL, sums[1], 64)
+  if constexpr (TYPE == Q8_0) {
+    if (b % 2 == 0) {
+      SS_AMX_BLOCK_SUMS(3, 4);
+    } else {
+      SS_AMX_BLOCK_SUMS(5, 6);
+    }
   } else {
-    SS_AMX_DIGIT_SUMS(5, 6);
+    if (b % 2 == 0) {
+      SS_AMX_BLOCK_SUMS(3, 3);
+    } else {
+      SS_AMX_BLOCK_SUMS(5, 5);
+    }
   }
-#undef SS_AMX_DIGIT_SUMS
+#undef SS_AMX_BLOCK_SUMS
 }
 
 // Rows [r0, r0 + rows) (rows ≤ 16; the tile computes 16) × one panel's 16 weight rows over
 // blocks [b0, b1), from the bf16 panel `wide`; in, out and out_mask as panel_tile's. Per block:
-// the two digits' sums from the tile unit, then panel_tile's float epilogue. Block b + 1's tile
-// work is issued before block b's epilogue, so that the two may overlap.
+// the sums from the tile unit, then panel_tile's float epilogue. Block b + 1's tile work is
+// issued before block b's epilogue, so that the two may overlap.
 template <int TYPE>
 void amx_panel_tile(const uint8_t* panel, const uint16_t* wide, const QuantizedRowsAmx& xq, int64_t r0, int rows,
                     int64_t b0, int64_t b1, const float* in, int64_t in_stride, float* out, int64_t out_stride,
@@ -1340,18 +1353,18 @@ void amx_panel_tile(const uint8_t* panel, const uint16_t* wide, const QuantizedR
   __m512 acc[AMX_ROWS];
 #pragma GCC unroll 16
   for (int r = 0; r < AMX_ROWS; r++) acc[r] = in && r < rows ? _mm512_loadu_ps(in + r * in_stride) : _mm512_setzero_ps();
-  const __m512 digit = _mm512_set1_ps(256.f);
-  amx_block_sums(wide, xq, r0, b0, sums[b0 % 2]);
+  amx_block_sums<TYPE>(wide, xq, r0, b0, sums[b0 % 2]);
   for (int64_t b = b0; b < b1; b++) {
-    if (b + 1 < b1) amx_block_sums(wide + (b + 1 - b0) * WIDE_BLOCK, xq, r0, b + 1, sums[(b + 1) % 2]);
-    const float* sh = sums[b % 2][0];
-    const float* sl = sums[b % 2][1];
+    if (b + 1 < b1) amx_block_sums<TYPE>(wide + (b + 1 - b0) * WIDE_BLOCK, xq, r0, b + 1, sums[(b + 1) % 2]);
+    const float* high = sums[b % 2][0];
+    const float* low = sums[b % 2][1];
     __m512 d, m;
     load_block_scales<TYPE>(panel + b * B::bytes, d, m);
 #pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) {
       const int64_t xb_index = (r0 + r) * xq.nb + b;
-      const __m512 S = _mm512_fmadd_ps(_mm512_load_ps(sh + r * PANEL_ROWS), digit, _mm512_load_ps(sl + r * PANEL_ROWS));
+      __m512 S = _mm512_load_ps(high + r * PANEL_ROWS);
+      if constexpr (TYPE == Q8_0) S = _mm512_add_ps(S, _mm512_load_ps(low + r * PANEL_ROWS));
       acc[r] = add_block<TYPE>(acc[r], S, d, m, xq.d[xb_index], xq.s[xb_index]);
     }
   }
@@ -1410,9 +1423,10 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
 }
 #endif
 
-// Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (at 32
-// rows they ran 0.85-1.0x the vpdpwssd tiles on a 2-core Xeon VM with AMX, at 64 0.96-1.24x).
-constexpr int64_t AMX_MIN_ROWS = 64;
+// Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (a tile
+// is 16 rows: on a 2-core Xeon VM with AMX, Q4_1 layer shapes ran 0.60-0.75x the vpdpwssd tiles
+// at 8 rows, 0.97-1.14x at 12, 1.04-1.22x at 16 and 1.30-1.49x at 32).
+constexpr int64_t AMX_MIN_ROWS = 16;
 // Whether the engine's path may take them: on unless a benchmark turns them off to compare.
 std::atomic<bool> amx_tiles_allowed{true};
 

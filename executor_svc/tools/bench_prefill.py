@@ -14,7 +14,7 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
 2. the integer matmul (`--matmul`: int16, the CPU default, or int8) on each of the model's layer
    shapes at M rows: one-row register tiles forced ("rows"), the vector tiles ("panels": 8 rows,
    4 on AVX2, and one of the rest) and, on AMX CPUs, the AMX tiles ("amx": 16 rows, the engine's
-   from 64 rows); all bit-identical (qlinear.cpp), in GMAC/s and as a fraction of the peak of
+   from 16 rows); all bit-identical (qlinear.cpp), in GMAC/s and as a fraction of the peak of
    their instruction (the AMX tiles issue two TDPBF16PS per product, one per digit of the int16
    code, so their ceiling is half the tile unit's peak);
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
@@ -84,7 +84,7 @@ def best_of(reps: int, run) -> float:
 
 
 def amx_tiles(kernels, matmul: str) -> bool:
-    """Whether the int16 matmul takes the AMX tiles here (for prompts: its own path from 64 rows)."""
+    """Whether the int16 matmul takes the AMX tiles here (for prompts: its own path from 16 rows)."""
     return matmul == "int16" and kernels.has_amx_tiles()
 
 
@@ -299,7 +299,7 @@ def print_report(r: dict) -> None:
     amx = bool(peak["amx_macs"])
     print(
         f"\nthe {matmul} matmul, GMAC/s (rows: one-row tiles; panels: the vector tiles"
-        + ("; amx: the AMX tiles, the engine's from 64 rows" if amx else ", the engine's")
+        + ("; amx: the AMX tiles, the engine's from 16 rows" if amx else ", the engine's")
         + "; all bit-identical):"
     )
     amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7}" if amx else ""

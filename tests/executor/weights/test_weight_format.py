@@ -192,11 +192,12 @@ needs_amx = pytest.mark.skipif(not load().has_amx_tiles(), reason="no AMX tiles 
 )
 def test_the_amx_tiles_give_the_vector_tiles_bits(qtype, num_weight_rows, num_rows, k):
     """On AMX CPUs a prompt's rows take the tile unit: each int16 code split in two bf16 digits,
-    whose dot products with the weight codes are exact integers in float32 (every partial sum below
-    2^24), recombined into the block sum with one rounding, then the vector tiles' own epilogue.
+    whose dot products with the weight codes are exact integers in float32 (Q4: both digits in one
+    sum, every partial sum below 2^24; Q8_0: a sum per digit, added with one rounding), then the
+    vector tiles' own epilogue.
     So every output is bit-identical to the vector tiles': at the extremes of the int16 codes (a
     row of ±1 with an outlier: codes of ±32767 and around it), a zero block, padding rows (rows
-    not a multiple of 16), K in several slices, one thread or two, and on the engine's path from 64
+    not a multiple of 16), K in several slices, one thread or two, and on the engine's path from 16
     rows, where it takes the tiles by itself."""
     kernels = load()
     w, _ = packed(qtype, rows=num_weight_rows, cols=k, seed=num_rows)
@@ -211,7 +212,7 @@ def test_the_amx_tiles_give_the_vector_tiles_bits(qtype, num_weight_rows, num_ro
     panels = kernels.qlinear_int16(x, wq.data, wq.tensor_type, k, num_weight_rows, path=2)
     tiles = kernels.qlinear_int16(x, wq.data, wq.tensor_type, k, num_weight_rows, path=AMX_TILES)
     assert torch.equal(tiles, panels)
-    assert torch.equal(linear(x, wq), panels)  # the engine's path: the tiles from 64 rows, else the vector tiles
+    assert torch.equal(linear(x, wq), panels)  # the engine's path: the tiles from 16 rows, else the vector tiles
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -220,6 +221,44 @@ def test_the_amx_tiles_give_the_vector_tiles_bits(qtype, num_weight_rows, num_ro
         )
     finally:
         torch.set_num_threads(threads)
+
+
+def extreme_codes(qtype: Q, rows: int, cols: int) -> PackedWeight:
+    """Weight rows whose every code is at its extreme (Q4: nibble 15; Q8_0: alternately −128 and 127 by
+    row), with scale 1 (and Q4_1's minimum 0): the largest integer block sums a block can have."""
+    blocks = cols // 32
+    d = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype == Q.Q8_0:
+        codes = np.where(np.arange(rows)[:, None, None] % 2 == 0, np.int8(-128), np.int8(127)).astype(np.int8)
+        block = [np.broadcast_to(d, (rows, blocks, 2)), np.broadcast_to(codes.view(np.uint8), (rows, blocks, 32))]
+    else:
+        block = [np.broadcast_to(d, (rows, blocks, 2))]
+        if qtype == Q.Q4_1:
+            block.append(np.zeros((rows, blocks, 2), np.uint8))
+        block.append(np.full((rows, blocks, 16), 0xFF, np.uint8))
+    raw = np.concatenate(block, axis=2).reshape(rows, -1)
+    return PackedWeight.from_gguf(GGUFTensor(f"extreme.{qtype.name}", (rows, cols), qtype, raw))
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
+def test_the_amx_tiles_are_exact_at_the_largest_block_sums(qtype):
+    """Q4 blocks take both digits into one float32 sum tile, exact only while every partial sum
+    stays below 2^24: at the bound (codes of ±32767 against nibbles of 15, 32 · 32767 · 15 =
+    15,728,160) the tiles still give the vector tiles' bits and the float64 product's value. Q8_0's
+    sums reach 2^27, past float32's integers, and keep a sum tile per digit (the ISA defines
+    TDPBF16PS as rounding after every product; the developers' Xeon rounds fewer times, so one
+    tile would pass here too, and this test cannot tell the two apart)."""
+    kernels = load()
+    w = extreme_codes(qtype, 32, 512).with_integer_dot()
+    x = torch.ones(80, 512)
+    x[1::2] = -1.0  # codes of +32767 and −32767
+    x[2, ::2] = 0.999  # codes around them
+    panels = kernels.qlinear_int16(x, w.data, w.tensor_type, 512, 32, path=2)
+    tiles = kernels.qlinear_int16(x, w.data, w.tensor_type, 512, 32, path=AMX_TILES)
+    assert torch.equal(tiles, panels)
+    expected = x.double() @ w.dequantize().double().T  # within the int16 codes' rounding (2^-16 of a block's max)
+    assert (tiles.double() - expected).abs().max() <= 2e-5 * expected.abs().max()
 
 
 @needs_amx

@@ -15,7 +15,7 @@ from service_common.config_flags import GIB, flag
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # model_runner.DTYPES maps the named ones to torch dtypes
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "triton", "cpu", "torch")
-MATMULS = ("auto", "exact", "int16", "int8")
+MATMULS = ("auto", "exact", "int16", "int8", "bf16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model_runner.resolve_kv_cache_dtype
 DRAFT_SHAPES = ("chain", "tree")  # sampling/drafter.py: propose, propose_tree
 
@@ -65,8 +65,10 @@ class EngineConfig:
             help="how quantized weights multiply on the CPU: exact (float32 math on the dequantized weights), "
             "int16 (activations quantized to int16 per 32-value block, integer dot products with Q4_0/Q4_1/Q8_0 "
             "codes: faster, top-1 agreement with exact >= 99%%) or int8 (activations in 8 bits per block over its "
-            "range: prompts ~1.4x faster than int16, top-1 agreement ~98%%; needs AVX512-VNNI); auto: int16 on the "
-            "CPU unless --dtype float32 (default %(default)s)",
+            "range: prompts ~1.4x faster than int16 on Zen 4, top-1 agreement ~98%%; needs AVX512-VNNI) or bf16 "
+            "(weights dequantized once and rounded to bf16, activations rounded to bf16, float32 sums on the AMX "
+            "tiles: prompts ~1.4x faster than int16, its matmuls 2-3x, a lone decode ~2.6x slower, top-1 agreement "
+            "~99-99.5%%; needs AMX); auto: int16 on the CPU unless --dtype float32 (default %(default)s)",
         ),
     )
     kv_cache_bytes: int = field(

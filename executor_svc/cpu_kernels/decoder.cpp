@@ -23,6 +23,7 @@ enum LinearKind : int64_t {
   EXACT = 1,  // GGUF rows [N, row_bytes]: qlinear (dequantize, float32 dot products)
   INT16 = 2,  // Q4_0/Q4_1/Q8_0 rows in 16-row panels (repack_panels): qlinear_int16
   INT8 = 4,   // the same panels with int8 activations: qlinear_int8 (3 is Triton's, never here)
+  BF16 = 5,   // bf16 panels [panels, K / 32, 16, 32] (bf16_panels): qlinear_bf16 on the AMX tiles
 };
 
 struct LinearPart {
@@ -33,6 +34,7 @@ struct LinearPart {
     switch (kind) {
       case INT16: return qlinear_int16(x, data, type, k, n);
       case INT8: return qlinear_int8(x, data, type, k, n);
+      case BF16: return qlinear_bf16(x, data, n);
       case EXACT: return qlinear(x, data, type, k);
       default: return at::linear(x, data);
     }
@@ -65,7 +67,7 @@ Linear make_linear(const std::vector<PartSpec>& specs, const c10::optional<at::T
   TORCH_CHECK(!specs.empty(), "a matmul weight needs at least one part");
   Linear l;
   for (const auto& [data, kind, type, k, n] : specs) {
-    TORCH_CHECK(kind == DENSE || kind == EXACT || kind == INT16 || kind == INT8, "unknown matmul kind ", kind);
+    TORCH_CHECK(kind == DENSE || kind == EXACT || kind == INT16 || kind == INT8 || kind == BF16, "unknown matmul kind ", kind);
     TORCH_CHECK(data.device().is_cpu(), "the CPU layer stack needs its weights on the CPU");
     l.parts.push_back({data, kind, type, k, n});
   }

@@ -1186,7 +1186,7 @@ constexpr int64_t amx_rows_per_task(int64_t K) {
 // Tile registers (GCC's tile intrinsics paste their tile operand into the register name, so the
 // kernel spells them as literals): tmm0, tmm1 the two digits' A tiles, tmm2 the weight block's
 // B tile, tmm3 (and for Q8_0 tmm4) the sums of even blocks, tmm5 (and tmm6) those of odd blocks.
-constexpr int AMX_TILES_USED = 7;
+constexpr int AMX_TILES_USED = 8;  // every tile register: the bf16 matmul (below) uses tmm0 .. tmm7
 
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA), once for all its threads; without it the first tile instruction faults.
@@ -1423,6 +1423,98 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
 }
 #endif
 
+#if SS_AMX_TILES
+// ------------------------------------------------------------------ bf16 matmul on the AMX tiles (--matmul bf16)
+//
+// y = bf16(x) · bf16(W)ᵀ with float32 sums over all of K: the weights dequantized once (at load)
+// and rounded to bf16, in the B tiles' layout (bf16_panels in weight_format.py: [panels][K / 32]
+// [16 pairs][16 rows][2]); the activations rounded to bf16 per call. No integer codes and no
+// per-block epilogue: each C tile stays in its register over the whole of K, so the tile unit
+// runs near its peak instead of waiting on stores. Every row of y is one fixed sequence of
+// TDPBF16PS over K in block order from zero, whatever the number of rows or which tile holds it
+// (padding rows are zeros), so a row's bits do not depend on its batch.
+constexpr int64_t BF16_ROW_PAIRS_PER_TASK = 4;    // 128 rows of A (~150 KB at K = 576) per task
+constexpr int64_t BF16_PANEL_PAIRS_PER_TASK = 2;  // 64 weight rows of B per task
+
+// x [M, K] float32 rounded to bf16 (nearest even) as the A tiles read it, [M' / 16][K / 32][16][32],
+// M' = M rounded up to 32 (whole pairs of row tiles; padding rows zero), in the calling thread's buffer.
+const uint16_t* bf16_row_tiles(const float* x, int64_t M, int64_t K) {
+  thread_local AlignedVector<uint16_t> buffer;
+  const int64_t nb = K / 32, padded = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+  if ((int64_t)buffer.size() < padded * K) buffer.resize(padded * K);
+  uint16_t* tiles = buffer.data();
+  at::parallel_for(0, padded * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t m = i / nb, b = i % nb;
+      uint16_t* dst = tiles + ((m / AMX_ROWS) * nb + b) * AMX_ROWS * 32 + (m % AMX_ROWS) * 32;
+      if (m >= M) {
+        std::memset(dst, 0, 64);
+        continue;
+      }
+      const float* src = x + m * K + 32 * b;
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+    }
+  });
+  return tiles;
+}
+
+// Row tiles 2 rp, 2 rp + 1 × panels 2 pp, 2 pp + 1 over all of K: four float32 sum tiles (tmm4 .. 7),
+// stored to c[row tile][panel][16 × 16].
+SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, int64_t rp, int64_t pp,
+                              float (*c)[2][AMX_ROWS * PANEL_ROWS]) {
+  constexpr int64_t TILE = AMX_ROWS * 32;  // bf16 values of one A or B tile
+  const uint16_t* a0 = a + 2 * rp * nb * TILE;
+  const uint16_t* a1 = a0 + nb * TILE;
+  const uint16_t* w0 = w + 2 * pp * nb * TILE;
+  const uint16_t* w1 = w0 + nb * TILE;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t b = 0; b < nb; b++) {
+    _tile_loadd(0, a0 + b * TILE, 64);
+    _tile_loadd(1, a1 + b * TILE, 64);
+    _tile_loadd(2, w0 + b * TILE, 64);
+    _tile_loadd(3, w1 + b * TILE, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c[0][0], 64);
+  _tile_stored(5, c[0][1], 64);
+  _tile_stored(6, c[1][0], 64);
+  _tile_stored(7, c[1][1], 64);
+}
+
+// y [M, N] from the A tiles and the bf16 panels (an even number of them).
+void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
+  const int64_t nb = K / 32;
+  const int64_t row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), panel_pairs = panels / 2;
+  const int64_t row_blocks = (row_pairs + BF16_ROW_PAIRS_PER_TASK - 1) / BF16_ROW_PAIRS_PER_TASK;
+  const int64_t panel_groups = (panel_pairs + BF16_PANEL_PAIRS_PER_TASK - 1) / BF16_PANEL_PAIRS_PER_TASK;
+  parallel_tasks(row_blocks * panel_groups, [&](int64_t task) {
+    configure_amx_tiles();
+    alignas(64) float c[2][2][AMX_ROWS * PANEL_ROWS];
+    const int64_t g = task % panel_groups, rb = task / panel_groups;
+    const int64_t pp1 = std::min(panel_pairs, (g + 1) * BF16_PANEL_PAIRS_PER_TASK);
+    const int64_t rp1 = std::min(row_pairs, (rb + 1) * BF16_ROW_PAIRS_PER_TASK);
+    for (int64_t pp = g * BF16_PANEL_PAIRS_PER_TASK; pp < pp1; pp++)
+      for (int64_t rp = rb * BF16_ROW_PAIRS_PER_TASK; rp < rp1; rp++) {
+        bf16_tile_pair(a, w, nb, rp, pp, c);
+        for (int i = 0; i < 2; i++)
+          for (int j = 0; j < 2; j++) {
+            const int64_t r0 = (2 * rp + i) * AMX_ROWS, n0 = (2 * pp + j) * PANEL_ROWS;
+            if (n0 >= N) continue;
+            const __mmask16 cols = (__mmask16)((1u << std::min<int64_t>(PANEL_ROWS, N - n0)) - 1);
+            for (int64_t r = 0; r < AMX_ROWS && r0 + r < M; r++)
+              _mm512_mask_storeu_ps(y + (r0 + r) * N + n0, cols, _mm512_load_ps(c[i][j] + r * PANEL_ROWS));
+          }
+      }
+  });
+}
+#endif
+
 // Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (a tile
 // is 16 rows: on a 2-core Xeon VM with AMX, Q4_1 layer shapes ran 0.60-0.75x the vpdpwssd tiles
 // at 8 rows, 0.97-1.14x at 12, 1.04-1.22x at 16 and 1.30-1.49x at 32).
@@ -1558,6 +1650,31 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, 
   TORCH_CHECK(HAS_INT8_DOT, "the int8 matmul needs AVX512-VNNI (this kernel build was compiled without it)");
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   return integer_matmul<QuantizedRows8>(x, w, type, K, N, path);
+#else
+  return {};
+#endif
+}
+
+// The bf16 matmul on the AMX tiles (see "bf16 matmul on the AMX tiles"): `--matmul bf16`.
+// wb: the weight's bf16 panels [panels (even), K / 32, 16, 32] (bf16_panels), of N rows.
+at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N) {
+  TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
+              "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+#if SS_AMX_TILES
+  TORCH_CHECK(wb.scalar_type() == at::kBFloat16 && wb.dim() == 4 && wb.is_contiguous() && wb.size(0) % 2 == 0 &&
+                  wb.size(2) == PANEL_ROWS && wb.size(3) == 32 && wb.size(0) * PANEL_ROWS >= N,
+              "wb must be a contiguous bfloat16 [even panels, K / 32, 16, 32] tensor (bf16_panels) of ", N, " rows");
+  const int64_t K = wb.size(1) * 32;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
+  bf16_matmul(a, reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>()), M, K, N, wb.size(0),
+              y.data_ptr<float>());
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 #else
   return {};
 #endif
@@ -1726,6 +1843,8 @@ void register_qlinear(pybind11::module_& m) {
   m.def("qlinear_int16", &qlinear_int16,
         "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"), py::arg("path") = 0);
+  m.def("qlinear_bf16", &qlinear_bf16, "y = bf16(x) · bf16(W)ᵀ, float32 sums, on the AMX tiles (wb: bf16_panels)",
+        py::arg("x"), py::arg("wb"), py::arg("N"));
   m.def("qlinear_int8", &qlinear_int8,
         "y = x · Wᵀ in integers: x quantized to unsigned int8 per 32-value block over its range (Q4_0/Q4_1/Q8_0 "
         "weights in panels; batch-invariant; AVX512-VNNI)",

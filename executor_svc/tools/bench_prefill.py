@@ -16,13 +16,16 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
    4 on AVX2, and one of the rest) and, on AMX CPUs, the AMX tiles ("amx": 16 rows, the engine's
    from 16 rows); all bit-identical (qlinear.cpp), in GMAC/s and as a fraction of the peak of
    their instruction (the AMX tiles issue two TDPBF16PS per product, one per digit of the int16
-   code, so their ceiling is half the tile unit's peak);
+   code, so their ceiling is half the tile unit's peak); on AMX CPUs also the opt-in bf16 matmul
+   (`--matmul bf16`: bf16 weights and activations, float32 sums over all of K), against the engine's
+   int16 path and as a fraction of the tile unit's peak;
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
    machine's peak for the matmul's vector instruction the whole prefill reaches; on AMX CPUs
-   also the same prefill with the AMX tiles turned off, alternating with it run by run;
+   also the same prefill with the AMX tiles turned off and with `--matmul bf16`, alternating with
+   it run by run;
 4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
    rows against its attention (the chunk's queries over the keys before and in it), at each
    context length of `--contexts`, with the attention of one decode row there for scale. An
@@ -51,7 +54,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, Kernel, PackedWeight
+from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, Kernel, PackedWeight, linear
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 ROWS_KERNEL, PANEL_KERNEL, AMX_TILES = 1, 2, 3  # the integer matmul's `path`
@@ -136,6 +139,9 @@ def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict
             point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["matmul_macs"]
             if peak["amx_macs"]:
                 point["amx_share_of_peak"] = point["amx_gmacs"] * 1e9 / peak["amx_macs"]
+                bf16 = w.with_integer_dot(Kernel.BF16)
+                point["bf16_gmacs"] = m * n * k / best_of(reps, lambda: linear(x, bf16)) / 1e9
+                point["bf16_share_of_peak"] = point["bf16_gmacs"] * 1e9 / peak["amx_macs"]  # one TDPBF16PS a product
             rows.append(point)
     return rows
 
@@ -177,18 +183,28 @@ def prefill_seconds(model: Transformer, cache: KVCache, num_tokens: int, chunk: 
 
 
 def bench_prefill(
-    kernels, model: Transformer, kv_dtype, token_counts: list[int], chunk: int, reps: int, peak: dict
+    kernels,
+    model: Transformer,
+    kv_dtype,
+    token_counts: list[int],
+    chunk: int,
+    reps: int,
+    peak: dict,
+    bf16_model: Transformer | None = None,
 ) -> list[dict]:
     """Each prompt length as the engine runs it; where the int16 matmul takes the AMX tiles, also
-    with them turned off (the vector tiles: the same bits), the two alternating run by run."""
+    with them turned off (the vector tiles: the same bits) and, given `bf16_model`, with
+    `--matmul bf16`, alternating run by run."""
     config = model.config
     cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device, model.ops.key_layout)
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
-        seconds = vector_seconds = float("inf")
+        seconds = vector_seconds = bf16_seconds = float("inf")
         for _ in range(reps):
             seconds = min(seconds, prefill_seconds(model, cache, t, chunk, 1))
+            if bf16_model is not None:
+                bf16_seconds = min(bf16_seconds, prefill_seconds(bf16_model, cache, t, chunk, 1))
             if peak["amx_macs"]:
                 kernels.allow_amx_tiles(False)
                 try:
@@ -205,6 +221,7 @@ def bench_prefill(
                 "attention_gflops": 2 * attention / seconds / 1e9,
                 "share_of_peak": (matmul + attention) / seconds / peak["matmul_macs"],
                 "vector_tiles_seconds": vector_seconds if peak["amx_macs"] else None,
+                "bf16_seconds": bf16_seconds if bf16_model is not None else None,
             }
         )
     return rows
@@ -273,6 +290,10 @@ def run(
     model = Transformer(config, weights, cpu, ops, torch.float32)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul)
     peak = measured_peak(kernels, matmul)
+    bf16_model = None
+    if peak["amx_macs"]:
+        bf16_weights = load_weights(gguf, config, torch.float32, cpu, integer_dot=Kernel.BF16)
+        bf16_model = Transformer(config, bf16_weights, cpu, ops, torch.float32)
     return {
         "model": config.name,
         "cpu": cpu_description(),
@@ -280,7 +301,7 @@ def run(
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "chunk": chunk,
         "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
-        "prefill": bench_prefill(kernels, model, kv_dtype, token_counts, chunk, reps, peak),
+        "prefill": bench_prefill(kernels, model, kv_dtype, token_counts, chunk, reps, peak, bf16_model),
         "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, ops.key_layout, chunk, contexts, reps),
     }
 
@@ -302,27 +323,34 @@ def print_report(r: dict) -> None:
         + ("; amx: the AMX tiles, the engine's from 16 rows" if amx else ", the engine's")
         + "; all bit-identical):"
     )
-    amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7}" if amx else ""
+    if amx:
+        print("bf16: the opt-in --matmul bf16 (other bits); x: over the engine's int16 (amx, or panels below 16 rows)")
+    amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7} | {'bf16':>7} {'x':>5} {'of AMX':>7}" if amx else ""
     print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}{amx_head}")
     for m in r["matmuls"]:
-        amx_cells = (
-            f" {m['amx_gmacs']:7.1f} {m['amx_gmacs'] / m['panels_gmacs']:5.2f} {m['amx_share_of_peak']:7.0%}"
-            if amx
-            else ""
-        )
+        amx_cells = ""
+        if amx:
+            engine = m["amx_gmacs"] if m["m"] >= 16 else m["panels_gmacs"]
+            amx_cells = (
+                f" {m['amx_gmacs']:7.1f} {m['amx_gmacs'] / m['panels_gmacs']:5.2f} {m['amx_share_of_peak']:7.0%}"
+                f" | {m['bf16_gmacs']:7.1f} {m['bf16_gmacs'] / engine:5.2f} {m['bf16_share_of_peak']:7.0%}"
+            )
         print(
             f"{m['weight']:>8} {m['n']:>6} {m['k']:>6} {m['m']:>6} | {m['rows_gmacs']:7.1f} {m['panels_gmacs']:7.1f} "
             f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}{amx_cells}"
         )
     print(f"\none prompt from an empty cache, chunks of {r['chunk']}, KV {r['kv_cache_dtype']}:")
-    vector_head = f" | {'vector tiles s':>14} {'x':>5}" if amx else ""
+    vector_head = f" | {'vector tiles s':>14} {'x':>5} | {'bf16 s':>7} {'x':>5}" if amx else ""
     print(
         f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of ' + matmul + ' peak':>14}"
         + vector_head
     )
     for p in r["prefill"]:
         vector_cells = (
-            f" | {p['vector_tiles_seconds']:14.3f} {p['vector_tiles_seconds'] / p['seconds']:5.2f}" if amx else ""
+            f" | {p['vector_tiles_seconds']:14.3f} {p['vector_tiles_seconds'] / p['seconds']:5.2f}"
+            f" | {p['bf16_seconds']:7.3f} {p['seconds'] / p['bf16_seconds']:5.2f}"
+            if amx
+            else ""
         )
         print(
             f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
@@ -346,7 +374,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--contexts", default="256,1024,2048,4096,8192", help="context lengths for the chunk costs")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--matmul", default="int16", choices=tuple(INTEGER_DOT_KERNELS), help="the integer matmul")
+    parser.add_argument("--matmul", default="int16", choices=("int16", "int8"), help="the integer matmul")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = run(

@@ -135,7 +135,8 @@ def load_weights(
     """The model's weights: matmul weights packed in their GGUF type (`packed`, the CPU
     default) or dequantized to `dtype` (`--kernels torch` on a GPU); norms and biases in `dtype`.
     `integer_dot` (Kernel.INT16 or INT8): packed Q4_0/Q4_1/Q8_0 weights multiply with activations
-    quantized to int16 (`--matmul int16`) or int8 (`--matmul int8`) per 32-value block.
+    quantized to int16 (`--matmul int16`) or int8 (`--matmul int8`) per 32-value block; BF16
+    (`--matmul bf16`): the layers' weights dequantized and rounded to bf16 for the AMX tiles.
     `triton`: packed weights go to `device` as plain GGUF rows, for the Triton dequant-matmul."""
     if packed is None:
         packed = device.type == "cpu" or triton
@@ -304,10 +305,11 @@ def load_weights(
                 **(moe_ffn(p) if config.is_moe else dense_ffn(p)),
             )
         )
-    # The logits' matmul keeps int16 activations under `--matmul int8`: it is a fixed rule by
-    # weight, so batch invariance holds, and it costs nothing a prompt pays (one row of logits
-    # per prompt; a decode step streams the weight from memory either way), where int8 there
-    # measured 97.8% top-1 agreement with exact against 98.3% (test_engine_reference.py).
+    # The logits' matmul keeps int16 activations under `--matmul int8` and `bf16`: it is a fixed
+    # rule by weight, so batch invariance holds, and it costs nothing a prompt pays (one row of
+    # logits per prompt; a decode step streams the weight from memory either way), where int8
+    # there measured 97.8% top-1 agreement with exact against 98.3% (test_engine_reference.py),
+    # and the embedding table it shares stays packed for lookups.
     logits_dot = Kernel.INT16 if integer_dot is not None else None
     embed = matrix(["token_embd.weight"], [(config.vocab_size, h)], kernel=logits_dot)
     lm_head = (

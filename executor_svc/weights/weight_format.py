@@ -63,6 +63,16 @@ def has_int8_dot() -> bool:
         return False
 
 
+def has_amx_tiles() -> bool:
+    """Whether this CPU's kernel build can use the AMX tiles (`--matmul bf16` needs them)."""
+    from executor_svc.cpu_kernels import CpuKernelsUnavailable
+
+    try:
+        return bool(_kernels().has_amx_tiles())
+    except CpuKernelsUnavailable:
+        return False
+
+
 def has_int16_dot() -> bool:
     """Whether this CPU's kernel build has the integer matmul (it needs AVX2 and FMA)."""
     from executor_svc.cpu_kernels import CpuKernelsUnavailable
@@ -88,6 +98,11 @@ class Kernel(IntEnum):
     # INT16's panels with activations quantized to unsigned 8 bits per 32-value block over the
     # block's range (qlinear.cpp, "int8 dot products"): `--matmul int8`, AVX512-VNNI.
     INT8 = 4
+    # The weight dequantized once and rounded to bf16, in the AMX tiles' layout (bf16_panels):
+    # `data` is bfloat16 [even panels, cols / 32, 16, 32]; activations rounded to bf16, float32
+    # sums over all of K on the tile unit (qlinear.cpp, "bf16 matmul on the AMX tiles"):
+    # `--matmul bf16`, AMX CPUs only.
+    BF16 = 5
 
     @property
     def in_panels(self) -> bool:
@@ -95,8 +110,31 @@ class Kernel(IntEnum):
         return self in (Kernel.INT16, Kernel.INT8)
 
 
-# `--matmul` modes that multiply in integers → the kernel their packed weights take.
-INTEGER_DOT_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8}
+# `--matmul` modes whose packed weights take a kernel of their own → that kernel (int16 and int8
+# multiply in integers; bf16 on the AMX tiles).
+INTEGER_DOT_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8, "bf16": Kernel.BF16}
+
+
+def bf16_panels(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [rows, cols] rounded to bf16 in the bf16 matmul's B-tile layout:
+    [panels, cols / 32, 16, 32], panel p's block b as 16 pairs of columns (2 b' and 2 b' + 1) of
+    its 16 rows, the rows padded with zeros to an even number of panels (the kernel takes them
+    two at a time)."""
+    rows, cols = w.shape
+    panels = -(-rows // (2 * PANEL_ROWS)) * 2
+    padded = torch.zeros(panels * PANEL_ROWS, cols, dtype=torch.bfloat16)
+    padded[:rows] = w.to(torch.bfloat16)
+    blocks = cols // 32
+    return (
+        padded.view(panels, PANEL_ROWS, blocks, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(panels, blocks, 16, 32)
+    )
+
+
+def from_bf16_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
+    """bf16_panels undone: the bf16 values as float32 [rows, cols]."""
+    num_panels, blocks = panels.shape[:2]
+    w = panels.view(num_panels, blocks, 16, PANEL_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(num_panels * PANEL_ROWS, -1)
+    return w[:rows].float()
 
 
 @dataclass(frozen=True)
@@ -118,6 +156,11 @@ class PackedWeight:
             raise ModelLoadError(f"a {name} row of {cols} values is not a whole number of {block_elems}-value blocks")
         if self.kernel.in_panels and self.tensor_type not in INT16_DOT_TYPES:
             raise ModelLoadError(f"the integer matmul does not run {name} weights")
+        if self.kernel == Kernel.BF16:
+            expected = (-(-rows // (2 * PANEL_ROWS)) * 2, cols // 32, 16, 32)
+            if tuple(self.data.shape) != expected or self.data.dtype != torch.bfloat16:
+                raise ModelLoadError(f"bf16 panels {tuple(self.data.shape)} do not hold a [{rows}, {cols}] weight")
+            return
         row_bytes = cols // block_elems * block_bytes
         expected = (-(-rows // PANEL_ROWS), PANEL_ROWS * row_bytes) if self.kernel.in_panels else (rows, row_bytes)
         if tuple(self.data.shape) != expected or self.data.dtype != torch.uint8:
@@ -144,7 +187,7 @@ class PackedWeight:
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
         """Rows of several weights stacked into one matmul when they share a type; else kept apart.
         (Stack before with_integer_dot: weights in panels do not stack.)"""
-        if any(p.kernel.in_panels for p in parts):
+        if any(p.kernel.in_panels or p.kernel == Kernel.BF16 for p in parts):
             raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
             return tuple(parts)
@@ -153,7 +196,13 @@ class PackedWeight:
 
     def with_integer_dot(self, kernel: Kernel = Kernel.INT16) -> "PackedWeight":
         """This weight in panels for the integer matmul `kernel` (INT16 or INT8) where its type
-        allows, else unchanged. Both read the same panels: one already in them is only re-tagged."""
+        allows, else unchanged. Both read the same panels: one already in them is only re-tagged.
+        BF16: the weight dequantized and rounded to bf16 in its panels (bf16_panels), whatever its
+        type, where its rows are whole 32-value blocks."""
+        if kernel == Kernel.BF16:
+            if self.kernel == kernel or self.shape[1] % 32:
+                return self
+            return PackedWeight(bf16_panels(self.dequantize()), self.tensor_type, self.shape, kernel)
         if not kernel.in_panels:
             raise ValueError(f"{kernel.name} is not an integer matmul")
         if self.tensor_type not in INT16_DOT_TYPES or self.kernel == kernel:
@@ -169,7 +218,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.data.numel() * self.data.element_size()
 
     @property
     def type_name(self) -> str:
@@ -180,7 +229,9 @@ class PackedWeight:
         return self.rows(torch.arange(self.shape[0]))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as float32 [len(ids), cols] (an embedding lookup)."""
+        """Rows `ids` as float32 [len(ids), cols] (an embedding lookup; under BF16 the bf16 values)."""
+        if self.kernel == Kernel.BF16:
+            return from_bf16_panels(self.data, self.shape[0])[ids]
         if self.kernel == Kernel.TRITON:  # on the device: gathered, then dequantized in torch
             from executor_svc.kernels.qmatmul import dequantize
 
@@ -203,6 +254,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = _kernels().qlinear_int16(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
     elif w.kernel == Kernel.INT8:
         y = _kernels().qlinear_int8(x, w.data, w.tensor_type, w.shape[1], w.shape[0])
+    elif w.kernel == Kernel.BF16:
+        y = _kernels().qlinear_bf16(x, w.data, w.shape[0])
     elif w.kernel == Kernel.EXACT:
         y = _kernels().qlinear(x, w.data, w.tensor_type, w.shape[1])
     else:
@@ -223,7 +276,7 @@ def cpu_matmul_parts(w: Weight) -> list[tuple[torch.Tensor, int, int, int, int]]
     for p in parts:
         if isinstance(p, torch.Tensor):
             specs.append((p, DENSE_KIND, 0, p.shape[1], p.shape[0]))
-        elif p.kernel in (Kernel.EXACT, Kernel.INT16, Kernel.INT8) and p.data.device.type == "cpu":
+        elif p.kernel in (Kernel.EXACT, Kernel.INT16, Kernel.INT8, Kernel.BF16) and p.data.device.type == "cpu":
             specs.append((p.data, int(p.kernel), p.tensor_type, p.shape[1], p.shape[0]))
         else:
             return None

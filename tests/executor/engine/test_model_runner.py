@@ -60,6 +60,7 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16") == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32
@@ -69,7 +70,7 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
 
 def test_a_matmul_the_kernels_cannot_run_is_refused():
-    for matmul in ("int16", "int8"):
+    for matmul in ("int16", "int8", "bf16"):
         with pytest.raises(ValueError, match=f"--matmul {matmul} runs with the C\\+\\+ CPU kernels"):
             resolve_matmul(matmul, "auto", CPU, "torch")
     with pytest.raises(ValueError, match="matmul must be one of"):
@@ -87,6 +88,19 @@ def test_int8_is_taken_only_when_asked_for_and_the_cpu_has_avx512_vnni(monkeypat
     monkeypatch.setattr(weight_format, "has_int8_dot", lambda: False)  # a CPU without AVX512-VNNI
     with pytest.raises(ValueError, match="--matmul int8 needs a CPU with AVX512-VNNI .* use --matmul int16"):
         resolve_matmul("int8", "auto", CPU, "cpu")
+
+
+def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_amx(monkeypatch):
+    """`auto` never picks bf16 (decodes are slower, and it is not the exact-integer path); asked for,
+    it runs where the AMX tiles are and is refused by name, with the way out, where they are not."""
+    import executor_svc.weights.weight_format as weight_format
+
+    assert resolve_matmul("auto", "auto", CPU, "cpu") != "bf16"
+    if weight_format.has_amx_tiles():
+        assert resolve_matmul("bf16", "auto", CPU, "cpu") == "bf16"
+    monkeypatch.setattr(weight_format, "has_amx_tiles", lambda: False)  # a CPU without AMX
+    with pytest.raises(ValueError, match="--matmul bf16 needs the AMX tiles .* use --matmul int16"):
+        resolve_matmul("bf16", "auto", CPU, "cpu")
 
 
 def test_the_cpp_kernels_asked_for_on_a_gpu_are_refused():

@@ -420,6 +420,9 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
         ("qwen2", "Q4_0", "int8"),
         ("qwen3", "Q8_0", "int16"),
         ("qwen3", "Q8_0", "int8"),
+        ("llama", "Q4_1", "bf16"),
+        ("qwen2", "Q4_0", "bf16"),
+        ("qwen3", "F16", "bf16"),
         ("qwen3", "F16", "exact"),
     ],
 )
@@ -434,10 +437,11 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
-    from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_int8_dot, has_int16_dot
+    from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
     from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
-    if matmul == "int16" and not has_int16_dot() or matmul == "int8" and not has_int8_dot():
+    available = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles, "exact": lambda: True}
+    if not available[matmul]():
         pytest.skip(f"this CPU has no {matmul} matmul")
     spec = TinyModelSpec(
         architecture,

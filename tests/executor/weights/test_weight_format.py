@@ -21,7 +21,9 @@ from executor_svc.weights.weight_format import (
     INT16_DOT_TYPES,
     Kernel,
     PackedWeight,
+    bf16_panels,
     embedding,
+    from_bf16_panels,
     has_int8_dot,
     has_int16_dot,
     linear,
@@ -282,6 +284,56 @@ def test_forcing_the_amx_tiles_without_them_is_refused_by_name():
     wq = w.with_integer_dot()
     with pytest.raises(RuntimeError, match="the AMX tiles need an AMX-BF16 CPU"):
         load().qlinear_int16(torch.randn(32, 512), wq.data, wq.tensor_type, 512, 16, path=AMX_TILES)
+
+
+def test_bf16_panels_hold_the_bf16_values_in_the_tiles_layout():
+    """bf16_panels rounds each value to bf16 once and lays it out as the AMX B tiles read it (block b of
+    panel p: 16 pairs of columns × 16 rows, the rows padded to an even number of panels);
+    from_bf16_panels reads it back. A weight for `--matmul bf16` keeps its shape and type, holds 2
+    bytes a value and looks up rows as the bf16 values."""
+    w, reference = packed(Q.Q4_1, rows=37)
+    panels = bf16_panels(torch.from_numpy(reference))
+    assert panels.shape == (4, 16, 16, 32) and panels.dtype == torch.bfloat16
+    assert panels[1, 3, 5, 2 * 7 + 1] == torch.tensor(reference[16 + 7, 32 * 3 + 2 * 5 + 1]).bfloat16()
+    assert torch.equal(from_bf16_panels(panels, 37), torch.from_numpy(reference).bfloat16().float())
+    assert not from_bf16_panels(panels, 64)[37:].any()  # padding rows: zeros
+    wb = w.with_integer_dot(Kernel.BF16)
+    assert wb.kernel == Kernel.BF16 and wb.shape == w.shape and wb.tensor_type == w.tensor_type
+    assert wb.nbytes == 4 * 16 * 512 * 2 and wb.with_integer_dot(Kernel.BF16) is wb
+    assert torch.equal(embedding(torch.tensor([36, 0]), wb, torch.float32), from_bf16_panels(panels, 37)[[36, 0]])
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize(("num_weight_rows", "k"), [(37, 512), (64, 768), (100, 1536)])
+def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its_batch(qtype, num_weight_rows, k):
+    """`--matmul bf16`: the product of the bf16-rounded activations and weights, float32 sums over all
+    of K (within float32's rounding of the float64 product), and each row one fixed sequence of tile
+    products over K: bit-identical alone, in any slice of rows, padded (rows not a multiple of 16 or
+    32, weight rows not of 32) or not, on one thread or two."""
+    w, reference = packed(qtype, rows=num_weight_rows, cols=k, seed=k)
+    wb = w.with_integer_dot(Kernel.BF16)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(num_weight_rows))
+    x[:, 40] *= 80
+    y = linear(x, wb)
+    expected = x.bfloat16().double() @ torch.from_numpy(reference).bfloat16().double().T
+    assert y.shape == (70, num_weight_rows)
+    assert ((y.double() - expected).abs() <= 1e-5 * expected.abs().max()).all()
+    for start, count in [(0, 1), (69, 1), (3, 2), (10, 16), (20, 17), (1, 33), (5, 64)]:
+        assert torch.equal(linear(x[start : start + count], wb), y[start : start + count]), (start, count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(x, wb), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")
+def test_the_bf16_matmul_without_amx_is_refused_by_name():
+    w, reference = packed(Q.Q4_1, rows=32)
+    with pytest.raises(RuntimeError, match="the bf16 matmul needs the AMX tiles"):
+        load().qlinear_bf16(torch.randn(4, 512), bf16_panels(torch.from_numpy(reference)), 32)
 
 
 @needs_int16

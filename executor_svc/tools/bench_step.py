@@ -7,8 +7,8 @@ model's forward over a ragged batch plus building the batch, as a step runs it):
 - T sweep: one request computing T new tokens on top of `--context` cached ones
   (T = 1 is a decode step, T > 1 a prefill chunk or a verify run);
 - B sweep: B requests each decoding one token with `--context` cached tokens.
-Ratios are to T = 1 / B = 1 of the same variant (a dtype and a CPU matmul: exact, int16 or
-int8, see `--matmul`), measured in the same run.
+Ratios are to T = 1 / B = 1 of the same variant (a dtype and a CPU matmul: exact, int16,
+int8 or bf16, see `--matmul`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_int8_dot, has_int16_dot
+from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
 
 
 def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice], reps: int, row_multiple: int) -> float:
@@ -51,7 +51,8 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
     for name in variants:
         dtype_name, _, matmul = name.partition("/")
         dtype = DTYPES[dtype_name]
-        if matmul == "int16" and not has_int16_dot() or matmul == "int8" and not has_int8_dot():
+        available = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles}
+        if not available.get(matmul, lambda: True)():
             print(f"skipping {name}: this CPU has no {matmul} matmul")
             continue
         weights = load_weights(gguf, config, dtype, device, integer_dot=INTEGER_DOT_KERNELS.get(matmul))
@@ -116,7 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument(
-        "--variants", default="float32/exact,float32/int16", help="dtype/matmul pairs (matmul: exact | int16 | int8)"
+        "--variants",
+        default="float32/exact,float32/int16",
+        help="dtype/matmul pairs (matmul: exact | int16 | int8 | bf16)",
     )
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)

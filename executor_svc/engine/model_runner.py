@@ -29,7 +29,7 @@ from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import ModelWeights, load_weights
 from executor_svc.weights.tokenizer import load_tokenizer
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS
+from executor_svc.weights.weight_format import MATMUL_KERNELS
 from service_common.attention_pairs import attention_pairs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,9 +63,7 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str) -> t
     integer matmul (the CPU's default path), which measures the float32 cache's agreement; else
     the activations' dtype, so `--dtype float32` stays the exact reference."""
     if name == "auto":
-        return (
-            torch.float16 if ops.name == "cpu" and matmul in INTEGER_DOT_KERNELS and dtype == torch.float32 else dtype
-        )
+        return torch.float16 if ops.name == "cpu" and matmul in MATMUL_KERNELS and dtype == torch.float32 else dtype
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
         raise ValueError(
@@ -96,7 +94,7 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
         from executor_svc.weights.weight_format import has_int16_dot
 
         return "int16" if has_int16_dot() else "exact"
-    if name in INTEGER_DOT_KERNELS and not uses_cpu_kernels:
+    if name in MATMUL_KERNELS and not uses_cpu_kernels:
         raise ValueError(f"--matmul {name} runs with the C++ CPU kernels (--device cpu, --kernels auto|cpu)")
     if name == "int8":
         from executor_svc.weights.weight_format import has_int8_dot
@@ -171,7 +169,7 @@ class ModelRunner:
                 self.model_config,
                 self.dtype,
                 self.device,
-                integer_dot=INTEGER_DOT_KERNELS.get(self.matmul),
+                matmul_kernel=MATMUL_KERNELS.get(self.matmul),
                 triton=self.ops.name == "triton",
             )
 

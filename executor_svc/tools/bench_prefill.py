@@ -54,7 +54,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, Kernel, PackedWeight, linear
+from executor_svc.weights.weight_format import MATMUL_KERNELS, Kernel, PackedWeight, linear
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 ROWS_KERNEL, PANEL_KERNEL, AMX_TILES = 1, 2, 3  # the integer matmul's `path`
@@ -139,7 +139,7 @@ def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict
             point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["matmul_macs"]
             if peak["amx_macs"]:
                 point["amx_share_of_peak"] = point["amx_gmacs"] * 1e9 / peak["amx_macs"]
-                bf16 = w.with_integer_dot(Kernel.BF16)
+                bf16 = w.for_kernel(Kernel.BF16)
                 point["bf16_gmacs"] = m * n * k / best_of(reps, lambda: linear(x, bf16)) / 1e9
                 point["bf16_share_of_peak"] = point["bf16_gmacs"] * 1e9 / peak["amx_macs"]  # one TDPBF16PS a product
             rows.append(point)
@@ -286,13 +286,13 @@ def run(
     config = ModelConfig.from_gguf(gguf)
     cpu = torch.device("cpu")
     ops = resolve_ops("cpu", cpu)
-    weights = load_weights(gguf, config, torch.float32, cpu, integer_dot=INTEGER_DOT_KERNELS[matmul])
+    weights = load_weights(gguf, config, torch.float32, cpu, matmul_kernel=MATMUL_KERNELS[matmul])
     model = Transformer(config, weights, cpu, ops, torch.float32)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul)
     peak = measured_peak(kernels, matmul)
     bf16_model = None
     if peak["amx_macs"]:
-        bf16_weights = load_weights(gguf, config, torch.float32, cpu, integer_dot=Kernel.BF16)
+        bf16_weights = load_weights(gguf, config, torch.float32, cpu, matmul_kernel=Kernel.BF16)
         bf16_model = Transformer(config, bf16_weights, cpu, ops, torch.float32)
     return {
         "model": config.name,

@@ -28,7 +28,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
 
 
 def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice], reps: int, row_multiple: int) -> float:
@@ -55,7 +55,7 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
         if not available.get(matmul, lambda: True)():
             print(f"skipping {name}: this CPU has no {matmul} matmul")
             continue
-        weights = load_weights(gguf, config, dtype, device, integer_dot=INTEGER_DOT_KERNELS.get(matmul))
+        weights = load_weights(gguf, config, dtype, device, matmul_kernel=MATMUL_KERNELS.get(matmul))
         model = Transformer(config, weights, device, resolve_ops("auto", device), dtype)  # the engine's ops
         rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)

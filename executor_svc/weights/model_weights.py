@@ -129,20 +129,20 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     packed: bool | None = None,
-    integer_dot: Kernel | None = None,
+    matmul_kernel: Kernel | None = None,
     triton: bool = False,
 ) -> ModelWeights:
     """The model's weights: matmul weights packed in their GGUF type (`packed`, the CPU
     default) or dequantized to `dtype` (`--kernels torch` on a GPU); norms and biases in `dtype`.
-    `integer_dot` (Kernel.INT16 or INT8): packed Q4_0/Q4_1/Q8_0 weights multiply with activations
+    `matmul_kernel` (Kernel.INT16 or INT8): packed Q4_0/Q4_1/Q8_0 weights multiply with activations
     quantized to int16 (`--matmul int16`) or int8 (`--matmul int8`) per 32-value block; BF16
     (`--matmul bf16`): the layers' weights dequantized and rounded to bf16 for the AMX tiles.
     `triton`: packed weights go to `device` as plain GGUF rows, for the Triton dequant-matmul."""
     if packed is None:
         packed = device.type == "cpu" or triton
-    if integer_dot is not None and not packed:
-        raise ValueError("the integer matmul runs packed weights only")
-    if triton and (integer_dot is not None or not packed):
+    if matmul_kernel is not None and not packed:
+        raise ValueError("the CPU matmul kernels (int16, int8, bf16) run packed weights only")
+    if triton and (matmul_kernel is not None or not packed):
         raise ValueError("the Triton dequant-matmul runs packed weights in the plain GGUF layout")
 
     def tensor(name: str, shape: tuple[int, ...]) -> GGUFTensor:
@@ -161,7 +161,7 @@ def load_weights(
         names: list[str],
         shapes: list[tuple[int, int]],
         num_heads: list[int | None] | None = None,
-        kernel: Kernel | None = integer_dot,
+        kernel: Kernel | None = matmul_kernel,
     ) -> Weight:
         """One matmul weight from the rows of one or more GGUF tensors (a fused QKV or gate/up),
         multiplied by the integer matmul `kernel` where its type allows (the model's unless told)."""
@@ -201,7 +201,7 @@ def load_weights(
             return PackedWeight.concat(parts)
         return torch.cat(parts)
 
-    def for_matmul(w: Weight, kernel: Kernel | None = integer_dot) -> Weight:
+    def for_matmul(w: Weight, kernel: Kernel | None = matmul_kernel) -> Weight:
         """A packed weight in the layout and the place its matmul reads (repacked for the integer
         matmul, or moved to the device for the Triton kernel: once, after any stacking)."""
         if isinstance(w, tuple):
@@ -209,7 +209,7 @@ def load_weights(
         if not isinstance(w, PackedWeight):
             return w
         if kernel is not None:
-            return w.with_integer_dot(kernel)
+            return w.for_kernel(kernel)
         return w.on_triton(device) if triton else w
 
     h, d = config.hidden_size, config.head_dim
@@ -310,7 +310,7 @@ def load_weights(
     # logits per prompt; a decode step streams the weight from memory either way), where int8
     # there measured 97.8% top-1 agreement with exact against 98.3% (test_engine_reference.py),
     # and the embedding table it shares stays packed for lookups.
-    logits_dot = Kernel.INT16 if integer_dot is not None else None
+    logits_dot = Kernel.INT16 if matmul_kernel is not None else None
     embed = matrix(["token_embd.weight"], [(config.vocab_size, h)], kernel=logits_dot)
     lm_head = (
         embed if config.tie_word_embeddings else matrix(["output.weight"], [(config.vocab_size, h)], kernel=logits_dot)

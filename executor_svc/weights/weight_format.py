@@ -91,7 +91,7 @@ class Kernel(IntEnum):
     EXACT = 1
     # Activations quantized to int16 per 32-value block (qlinear.cpp, "integer dot products").
     # Only INT16_DOT_TYPES; `data` is uint8 [ceil(rows / 16), 16 · row_bytes]: 16-row panels
-    # (qlinear.cpp, "the integer matmul's weight layout"; with_integer_dot repacks).
+    # (qlinear.cpp, "the integer matmul's weight layout"; for_kernel repacks).
     INT16 = 2
     # The Triton dequant-matmul (kernels/qmatmul.py) on the data's device: plain GGUF rows.
     TRITON = 3
@@ -112,7 +112,7 @@ class Kernel(IntEnum):
 
 # `--matmul` modes whose packed weights take a kernel of their own → that kernel (int16 and int8
 # multiply in integers; bf16 on the AMX tiles).
-INTEGER_DOT_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8, "bf16": Kernel.BF16}
+MATMUL_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8, "bf16": Kernel.BF16}
 
 
 def bf16_panels(w: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ class PackedWeight:
     @classmethod
     def concat(cls, parts: list["PackedWeight"]) -> "Weight":
         """Rows of several weights stacked into one matmul when they share a type; else kept apart.
-        (Stack before with_integer_dot: weights in panels do not stack.)"""
+        (Stack before for_kernel: weights in panels do not stack.)"""
         if any(p.kernel.in_panels or p.kernel == Kernel.BF16 for p in parts):
             raise ValueError("stack weights before repacking them for the integer matmul")
         if len({p.tensor_type for p in parts}) > 1 or len({p.shape[1] for p in parts}) > 1:
@@ -194,9 +194,9 @@ class PackedWeight:
         rows = sum(p.shape[0] for p in parts)
         return cls(torch.cat([p.data for p in parts]), parts[0].tensor_type, (rows, parts[0].shape[1]))
 
-    def with_integer_dot(self, kernel: Kernel = Kernel.INT16) -> "PackedWeight":
-        """This weight in panels for the integer matmul `kernel` (INT16 or INT8) where its type
-        allows, else unchanged. Both read the same panels: one already in them is only re-tagged.
+    def for_kernel(self, kernel: Kernel = Kernel.INT16) -> "PackedWeight":
+        """This weight as the CPU matmul `kernel` reads it: in panels for the integer matmul (INT16
+        or INT8) where its type allows, else unchanged. Both read the same panels: one already in them is only re-tagged.
         BF16: the weight dequantized and rounded to bf16 in its panels (bf16_panels), whatever its
         type, where its rows are whole 32-value blocks."""
         if kernel == Kernel.BF16:

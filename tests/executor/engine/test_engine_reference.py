@@ -223,7 +223,7 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     tiles; the logits' matmul keeps int16) is opt-in too and held to 98.5%: 770/778 here, and 99.48%
     over 10,240 teacher-forced positions of this repository's text and code (int16 there: 99.98%;
     int8: 98.45%; bf16 in the logits' matmul too, emulated in torch: 99.4%)."""
-    from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
 
     if matmul == "int16" and not has_int16_dot():
         pytest.skip("this CPU has no integer matmul (it needs AVX2 and FMA)")
@@ -243,7 +243,7 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     torch_dtype = getattr(torch, dtype)
     ours = Transformer(
         config,
-        load_weights(gguf, config, torch_dtype, cpu, integer_dot=INTEGER_DOT_KERNELS.get(matmul)),
+        load_weights(gguf, config, torch_dtype, cpu, matmul_kernel=MATMUL_KERNELS.get(matmul)),
         cpu,
         CpuOps(),
         torch_dtype,

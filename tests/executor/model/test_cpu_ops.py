@@ -437,7 +437,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
-    from executor_svc.weights.weight_format import INTEGER_DOT_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
     from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
     available = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles, "exact": lambda: True}
@@ -454,7 +454,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     )
     gguf = open_gguf(write_tiny_model(tmp_path / "tiny.gguf", spec))
     config = ModelConfig.from_gguf(gguf)
-    weights = load_weights(gguf, config, dtype, torch.device("cpu"), integer_dot=INTEGER_DOT_KERNELS.get(matmul))
+    weights = load_weights(gguf, config, dtype, torch.device("cpu"), matmul_kernel=MATMUL_KERNELS.get(matmul))
     model = Transformer(config, weights, torch.device("cpu"), ops=OPS, dtype=dtype)
     stack = model.layer_stack
     assert stack is not None

@@ -121,7 +121,7 @@ def test_integer_matmul_matches_dequantize_then_matmul(kernel, qtype, num_rows):
     keeps 8 bits over each block's range: the result is the exact product of the weights with
     the activations rounded that way (within 1e-5: float32 sums), and within 5e-2 of the exact one."""
     w, reference = packed(qtype, rows=37)  # odd N: a one-row tile at the end
-    wq = w.with_integer_dot(kernel)
+    wq = w.for_kernel(kernel)
     assert wq.kernel == kernel and int(qtype) in INT16_DOT_TYPES
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
     x[:, 7] *= 50  # an outlier in the first block
@@ -145,7 +145,7 @@ def test_integer_matmul_matches_dequantize_then_matmul(kernel, qtype, num_rows):
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 def test_an_integer_matmul_rows_result_does_not_depend_on_its_batch(kernel, qtype):
     w, _ = packed(qtype)
-    wq = w.with_integer_dot(kernel)
+    wq = w.for_kernel(kernel)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
     full = linear(x, wq)
     for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
@@ -172,7 +172,7 @@ def test_the_integer_matmuls_register_tiles_are_bit_identical(kernel, qtype, num
     kernels = load()
     multiply = kernels.qlinear_int8 if kernel == Kernel.INT8 else kernels.qlinear_int16
     w, _ = packed(qtype, rows=num_weight_rows, seed=num_rows)
-    wq = w.with_integer_dot(kernel)
+    wq = w.for_kernel(kernel)
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(7))
     x[:, 40] *= 80
     x[0, 64:96] = 0
@@ -203,7 +203,7 @@ def test_the_amx_tiles_give_the_vector_tiles_bits(qtype, num_weight_rows, num_ro
     rows, where it takes the tiles by itself."""
     kernels = load()
     w, _ = packed(qtype, rows=num_weight_rows, cols=k, seed=num_rows)
-    wq = w.with_integer_dot()
+    wq = w.for_kernel()
     generator = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, k, generator=generator)
     x[:, 40] *= 80
@@ -252,7 +252,7 @@ def test_the_amx_tiles_are_exact_at_the_largest_block_sums(qtype):
     TDPBF16PS as rounding after every product; the developers' Xeon rounds fewer times, so one
     tile would pass here too, and this test cannot tell the two apart)."""
     kernels = load()
-    w = extreme_codes(qtype, 32, 512).with_integer_dot()
+    w = extreme_codes(qtype, 32, 512).for_kernel()
     x = torch.ones(80, 512)
     x[1::2] = -1.0  # codes of +32767 and −32767
     x[2, ::2] = 0.999  # codes around them
@@ -268,7 +268,7 @@ def test_a_benchmark_can_turn_the_amx_tiles_off_and_on():
     """allow_amx_tiles switches the engine's path for benchmarks to compare, without changing a bit."""
     kernels = load()
     w, _ = packed(Q.Q4_1, rows=64, cols=512)
-    wq = w.with_integer_dot()
+    wq = w.for_kernel()
     x = torch.randn(128, 512, generator=torch.Generator().manual_seed(3))
     on = linear(x, wq)
     assert kernels.allow_amx_tiles(False) is True
@@ -281,7 +281,7 @@ def test_a_benchmark_can_turn_the_amx_tiles_off_and_on():
 @pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")
 def test_forcing_the_amx_tiles_without_them_is_refused_by_name():
     w, _ = packed(Q.Q8_0, rows=16)
-    wq = w.with_integer_dot()
+    wq = w.for_kernel()
     with pytest.raises(RuntimeError, match="the AMX tiles need an AMX-BF16 CPU"):
         load().qlinear_int16(torch.randn(32, 512), wq.data, wq.tensor_type, 512, 16, path=AMX_TILES)
 
@@ -297,9 +297,9 @@ def test_bf16_panels_hold_the_bf16_values_in_the_tiles_layout():
     assert panels[1, 3, 5, 2 * 7 + 1] == torch.tensor(reference[16 + 7, 32 * 3 + 2 * 5 + 1]).bfloat16()
     assert torch.equal(from_bf16_panels(panels, 37), torch.from_numpy(reference).bfloat16().float())
     assert not from_bf16_panels(panels, 64)[37:].any()  # padding rows: zeros
-    wb = w.with_integer_dot(Kernel.BF16)
+    wb = w.for_kernel(Kernel.BF16)
     assert wb.kernel == Kernel.BF16 and wb.shape == w.shape and wb.tensor_type == w.tensor_type
-    assert wb.nbytes == 4 * 16 * 512 * 2 and wb.with_integer_dot(Kernel.BF16) is wb
+    assert wb.nbytes == 4 * 16 * 512 * 2 and wb.for_kernel(Kernel.BF16) is wb
     assert torch.equal(embedding(torch.tensor([36, 0]), wb, torch.float32), from_bf16_panels(panels, 37)[[36, 0]])
 
 
@@ -312,7 +312,7 @@ def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its
     products over K: bit-identical alone, in any slice of rows, padded (rows not a multiple of 16 or
     32, weight rows not of 32) or not, on one thread or two."""
     w, reference = packed(qtype, rows=num_weight_rows, cols=k, seed=k)
-    wb = w.with_integer_dot(Kernel.BF16)
+    wb = w.for_kernel(Kernel.BF16)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(num_weight_rows))
     x[:, 40] *= 80
     y = linear(x, wb)
@@ -339,18 +339,18 @@ def test_the_bf16_matmul_without_amx_is_refused_by_name():
 @needs_int16
 @pytest.mark.parametrize("qtype", INT16_TYPES, ids=[t.name for t in INT16_TYPES])
 def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):
-    """with_integer_dot repacks rows in panels of 16 (37 rows: a zero-padded last panel) without
+    """for_kernel repacks rows in panels of 16 (37 rows: a zero-padded last panel) without
     changing a value or growing the memory beyond the padding: dequantizing and embedding
     lookups read the panels' bytes back exactly."""
     w, _ = packed(qtype, rows=37)
-    w16 = w.with_integer_dot()
-    assert w16.data.shape == (3, 16 * w.data.shape[1]) and w16.with_integer_dot() is w16
+    w16 = w.for_kernel()
+    assert w16.data.shape == (3, 16 * w.data.shape[1]) and w16.for_kernel() is w16
     assert w16.nbytes == w.nbytes + 11 * w.data.shape[1]
-    w8 = w16.with_integer_dot(Kernel.INT8)  # the int8 matmul reads the same panels: re-tagged, not copied
+    w8 = w16.for_kernel(Kernel.INT8)  # the int8 matmul reads the same panels: re-tagged, not copied
     assert w8.kernel == Kernel.INT8 and w8.data is w16.data and torch.equal(w8.dequantize(), w.dequantize())
-    assert torch.equal(w.with_integer_dot(Kernel.INT8).data, w16.data)
+    assert torch.equal(w.for_kernel(Kernel.INT8).data, w16.data)
     with pytest.raises(ValueError, match="TRITON is not an integer matmul"):
-        w.with_integer_dot(Kernel.TRITON)
+        w.for_kernel(Kernel.TRITON)
     assert torch.equal(w16.dequantize(), w.dequantize())
     ids = torch.tensor([36, 0, 5, 5, 33])
     assert torch.equal(embedding(ids, w16, torch.float32), embedding(ids, w, torch.float32))
@@ -361,7 +361,7 @@ def test_the_integer_matmuls_panel_layout_holds_the_same_values(qtype):
 def test_the_integer_matmul_leaves_other_types_exact():
     for qtype in (Q.Q4_K, Q.F16):
         w, _ = packed(qtype)
-        assert w.with_integer_dot() is w
+        assert w.for_kernel() is w
     w, _ = packed(Q.Q6_K)
     with pytest.raises(ModelLoadError, match="integer matmul does not run Q6_K"):
         PackedWeight(w.data, w.tensor_type, w.shape, Kernel.INT16)

@@ -1542,17 +1542,27 @@ bool amx_tiles_usable() { return false; }
 std::atomic<bool> amx_tiles_allowed{false};
 #endif
 
+// A matmul's activations x [M, K] (float32 or bfloat16) as contiguous float32 rows, checked.
+at::Tensor float_rows(const at::Tensor& x_in, int64_t K) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  return x_in.to(at::kFloat).contiguous();
+}
+
+// The float32 result y in the activations' dtype.
+at::Tensor in_dtype_of(const at::Tensor& y, const at::Tensor& x_in) {
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
 }  // namespace
 
 // y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ in float32; y has x's dtype (float32 or bfloat16).
 at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
   check_weight(w, type, K);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = float_rows(x_in, K);
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -1579,7 +1589,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, in
       }
     }
   });
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return in_dtype_of(y, x_in);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1598,12 +1608,10 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
   const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS, panel_bytes = PANEL_ROWS * (K / 32) * l.block_bytes;
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels && w.size(1) == panel_bytes,
               "weight must be a contiguous uint8 [", panels, ", ", panel_bytes, "] tensor (repack_panels of [", N, ", ", K, "])");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = float_rows(x_in, K);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
   XQ xq;
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1627,7 +1635,7 @@ at::Tensor integer_matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t t
       }
     });
   }
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return in_dtype_of(y, x_in);
 }
 }  // namespace
 #endif
@@ -1669,16 +1677,14 @@ at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N)
                   wb.size(2) == PANEL_ROWS && wb.size(3) == 32 && wb.size(0) * PANEL_ROWS >= N,
               "wb must be a contiguous bfloat16 [even panels, K / 32, 16, 32] tensor (bf16_panels) of ", N, " rows");
   const int64_t K = wb.size(1) * 32;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = float_rows(x_in, K);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
   const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
   bf16_matmul(a, reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>()), M, K, N, wb.size(0),
               y.data_ptr<float>());
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return in_dtype_of(y, x_in);
 #else
   return {};
 #endif

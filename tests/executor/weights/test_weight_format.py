@@ -77,8 +77,16 @@ def test_matmul_matches_dequantize_then_matmul(qtype, num_rows):
 def test_a_rows_result_does_not_depend_on_its_batch(qtype):
     w, _ = packed(qtype)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1))
+    assert_rows_do_not_depend_on_their_batch(
+        w, x, [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]
+    )
+
+
+def assert_rows_do_not_depend_on_their_batch(w, x: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+    """linear(x, w)'s rows are bit-identical computed in each slice (start, count) of x's rows, and
+    on one thread; returns linear(x, w)."""
     full = linear(x, w)
-    for start, count in [(0, 1), (5, 1), (3, 2), (10, 3), (20, 4), (7, 5), (30, 9), (0, 33), (64, 6)]:
+    for start, count in slices:
         assert torch.equal(linear(x[start : start + count], w), full[start : start + count]), (start, count)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -86,6 +94,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
         assert torch.equal(linear(x, w), full)
     finally:
         torch.set_num_threads(threads)
+    return full
 
 
 INT16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
@@ -315,18 +324,10 @@ def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its
     wb = w.for_kernel(Kernel.BF16)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(num_weight_rows))
     x[:, 40] *= 80
-    y = linear(x, wb)
+    y = assert_rows_do_not_depend_on_their_batch(wb, x, [(0, 1), (69, 1), (3, 2), (10, 16), (20, 17), (1, 33), (5, 64)])
     expected = x.bfloat16().double() @ torch.from_numpy(reference).bfloat16().double().T
     assert y.shape == (70, num_weight_rows)
     assert ((y.double() - expected).abs() <= 1e-5 * expected.abs().max()).all()
-    for start, count in [(0, 1), (69, 1), (3, 2), (10, 16), (20, 17), (1, 33), (5, 64)]:
-        assert torch.equal(linear(x[start : start + count], wb), y[start : start + count]), (start, count)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(linear(x, wb), y)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")

@@ -28,7 +28,7 @@ from executor_svc.weights.gguf_file import open_gguf
 from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.model_source import resolve_model_path
 from executor_svc.weights.model_weights import load_weights
-from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+from executor_svc.weights.weight_format import MATMUL_KERNELS, has_matmul
 
 
 def time_forward(model: Transformer, cache: KVCache, slices: list[RequestSlice], reps: int, row_multiple: int) -> float:
@@ -51,8 +51,7 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
     for name in variants:
         dtype_name, _, matmul = name.partition("/")
         dtype = DTYPES[dtype_name]
-        available = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles}
-        if not available.get(matmul, lambda: True)():
+        if not has_matmul(matmul):
             print(f"skipping {name}: this CPU has no {matmul} matmul")
             continue
         weights = load_weights(gguf, config, dtype, device, matmul_kernel=MATMUL_KERNELS.get(matmul))

@@ -83,6 +83,13 @@ def has_int16_dot() -> bool:
         return False
 
 
+def has_matmul(name: str) -> bool:
+    """Whether this CPU's kernel build runs `--matmul name` (exact always; int16 needs AVX2 and FMA,
+    int8 AVX512-VNNI, bf16 the AMX tiles)."""
+    needs = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles}
+    return name not in needs or needs[name]()
+
+
 class Kernel(IntEnum):
     """The kernel that multiplies a packed weight (the values are the C++ layer stack's, decoder.cpp;
     its 0 is a dense float tensor, which is not a PackedWeight)."""
@@ -130,11 +137,11 @@ def bf16_panels(w: torch.Tensor) -> torch.Tensor:
     )
 
 
-def from_bf16_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
-    """bf16_panels undone: the bf16 values as float32 [rows, cols]."""
-    num_panels, blocks = panels.shape[:2]
-    w = panels.view(num_panels, blocks, 16, PANEL_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(num_panels * PANEL_ROWS, -1)
-    return w[:rows].float()
+def from_bf16_panels(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of bf16_panels' weight as float32 [len(ids), cols], gathered from their panels."""
+    blocks = panels.shape[1]
+    tiles = panels[ids // PANEL_ROWS].view(len(ids), blocks, 16, PANEL_ROWS, 2)
+    return tiles[torch.arange(len(ids)), :, :, ids % PANEL_ROWS].reshape(len(ids), -1).float()
 
 
 @dataclass(frozen=True)
@@ -231,7 +238,7 @@ class PackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), cols] (an embedding lookup; under BF16 the bf16 values)."""
         if self.kernel == Kernel.BF16:
-            return from_bf16_panels(self.data, self.shape[0])[ids]
+            return from_bf16_panels(self.data, ids)
         if self.kernel == Kernel.TRITON:  # on the device: gathered, then dequantized in torch
             from executor_svc.kernels.qmatmul import dequantize
 

@@ -129,12 +129,10 @@ def test_default_settings_batched_tokens_equal_solo_tokens(engine_default, promp
 def engine_opt_in(request):
     """The engine with an opt-in matmul: `--matmul int8` or `--matmul bf16`, where the CPU has it."""
     from executor_svc.engine.engine import Engine, EngineConfig
-    from executor_svc.weights.weight_format import has_amx_tiles, has_int8_dot
+    from executor_svc.weights.weight_format import has_matmul
 
-    if request.param == "int8" and not has_int8_dot():
-        pytest.skip("this CPU has no int8 matmul (it needs AVX512-VNNI)")
-    if request.param == "bf16" and not has_amx_tiles():
-        pytest.skip("this CPU has no bf16 matmul (it needs the AMX tiles)")
+    if not has_matmul(request.param):
+        pytest.skip(f"this CPU has no {request.param} matmul (see has_matmul)")
     return Engine(EngineConfig(model="default", matmul=request.param, kv_cache_bytes=512 << 20))
 
 
@@ -223,14 +221,10 @@ def test_top1_agreement_with_the_dequantized_float32_reference(
     tiles; the logits' matmul keeps int16) is opt-in too and held to 98.5%: 770/778 here, and 99.48%
     over 10,240 teacher-forced positions of this repository's text and code (int16 there: 99.98%;
     int8: 98.45%; bf16 in the logits' matmul too, emulated in torch: 99.4%)."""
-    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_matmul
 
-    if matmul == "int16" and not has_int16_dot():
-        pytest.skip("this CPU has no integer matmul (it needs AVX2 and FMA)")
-    if matmul == "int8" and not has_int8_dot():
-        pytest.skip("this CPU has no int8 matmul (it needs AVX512-VNNI)")
-    if matmul == "bf16" and not has_amx_tiles():
-        pytest.skip("this CPU has no bf16 matmul (it needs the AMX tiles)")
+    if not has_matmul(matmul):
+        pytest.skip(f"this CPU has no {matmul} matmul (see has_matmul)")
     from executor_svc.model.transformer import Transformer
     from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig

@@ -99,6 +99,7 @@ def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_amx(monkeypatch):
     if weight_format.has_amx_tiles():
         assert resolve_matmul("bf16", "auto", CPU, "cpu") == "bf16"
     monkeypatch.setattr(weight_format, "has_amx_tiles", lambda: False)  # a CPU without AMX
+    assert not weight_format.has_matmul("bf16") and weight_format.has_matmul("exact")
     with pytest.raises(ValueError, match="--matmul bf16 needs the AMX tiles .* use --matmul int16"):
         resolve_matmul("bf16", "auto", CPU, "cpu")
 

@@ -437,11 +437,10 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     from executor_svc.weights.gguf_file import open_gguf
     from executor_svc.weights.model_config import ModelConfig
     from executor_svc.weights.model_weights import load_weights
-    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_amx_tiles, has_int8_dot, has_int16_dot
+    from executor_svc.weights.weight_format import MATMUL_KERNELS, has_matmul
     from tests.support.tiny_gguf import TinyModelSpec, write_tiny_model
 
-    available = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles, "exact": lambda: True}
-    if not available[matmul]():
+    if not has_matmul(matmul):
         pytest.skip(f"this CPU has no {matmul} matmul")
     spec = TinyModelSpec(
         architecture,

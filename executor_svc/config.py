@@ -81,10 +81,11 @@ class EngineConfig:
         metadata=flag(
             "--kv-cache-dtype",
             choices=KV_CACHE_DTYPES,
-            help="KV cache element type; auto: float16 with the C++ CPU kernels' integer matmul (the CPU default), "
-            "else the activations' dtype; float16/bfloat16 with float32 activations (the C++ CPU kernels) halve the "
-            "bytes a long-context decode reads and double the tokens in the budget; bfloat16 on a CPU with "
-            "AVX512_BF16 also runs attention in bfloat16 dot products (default %(default)s)",
+            help="KV cache element type; auto: bfloat16 with --matmul bf16, float16 with the C++ CPU kernels' "
+            "integer matmul (the CPU default), else the activations' dtype; float16/bfloat16 with float32 "
+            "activations (the C++ CPU kernels) halve the bytes a long-context decode reads and double the tokens in "
+            "the budget; bfloat16 also runs attention in bfloat16 products, on the AMX tiles where the CPU has them "
+            "(else AVX512_BF16 dot products where it has those) (default %(default)s)",
         ),
     )
     block_size: int = field(default=16, metadata=flag("--block-size", help="tokens per KV block (default %(default)s)"))

@@ -26,7 +26,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
                            const at::Tensor& block_tables, double scale,
                            const c10::optional<at::Tensor>& window_starts = c10::nullopt,
-                           const c10::optional<at::Tensor>& window_positions = c10::nullopt);
+                           const c10::optional<at::Tensor>& window_positions = c10::nullopt, bool tiles = true);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                                 double eps);

@@ -35,6 +35,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "simd16.h"
 
@@ -198,6 +199,52 @@ KLayout k_layout(const at::Tensor& k_cache) {
 constexpr int64_t KEY_GROUP = 16;  // keys scored together, one per lane
 constexpr int64_t GROUPS = KV_CHUNK / KEY_GROUP;
 static_assert(KV_CHUNK % KEY_GROUP == 0, "a chunk is whole key groups");
+
+// Where an item's keys and values are: key k of the request is at its position, but a tree row
+// reads keys window_start.. from its window's positions (see paged_attention); past max_keys, zeros.
+template <typename C>
+struct KeySource {
+  const C* k_cache;
+  const C* v_cache;
+  const int32_t* table;
+  KLayout kl;
+  int64_t kv_head, Hkv, D, max_keys, window_start;
+  const int64_t* window_positions;
+
+  int64_t position_of(int64_t key) const {
+    return key >= window_start ? window_positions[key - window_start] : key;
+  }
+  const C* v_row(int64_t key) const {
+    const int64_t p = position_of(key), bs = kl.block_size;
+    return v_cache + ((table[p / bs] * bs + p % bs) * Hkv + kv_head) * D;
+  }
+  // Key group g of the chunk at c0 (16 keys, d-major: D rows of 16): in place where its 16 keys are
+  // one block's consecutive d-major slots, else gathered (the same values) into gathered[g]; past
+  // the last key, zeros (`zeros`: D × 16 of them).
+  void locate_groups(int64_t c0, const C** kg, int64_t* ks, C* gathered, const C* zeros) const {
+    for (int64_t g = 0; g < GROUPS; g++) {
+      const int64_t k0 = c0 + g * KEY_GROUP;
+      ks[g] = KEY_GROUP;
+      if (k0 >= max_keys) {
+        kg[g] = zeros;
+      } else if (kl.slot == 1 && kl.block_size >= KEY_GROUP && k0 + KEY_GROUP <= window_start) {
+        kg[g] = k_cache + kl.offset(k0, table, kv_head);
+        ks[g] = kl.d;
+      } else {
+        C* dst = gathered + g * D * KEY_GROUP;
+        for (int64_t j = 0; j < KEY_GROUP; j++) {
+          if (k0 + j >= max_keys) {
+            for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = C(0.f);
+            continue;
+          }
+          const C* src = k_cache + kl.offset(position_of(k0 + j), table, kv_head);
+          for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = src[d * kl.d];
+        }
+        kg[g] = dst;
+      }
+    }
+  }
+};
 
 template <typename C>
 struct Scratch {
@@ -514,6 +561,249 @@ inline int64_t unpacked_position(int64_t d) {
 }
 #endif
 
+#if SS_AMX_TILES
+// ------------------------------------------------------------------ attention on the AMX tiles
+// A bfloat16 KV cache on a CPU with AMX (Sapphire Rapids and later Xeons): q · k and p · v run
+// on the tile unit, 16 query rows a tile, and only the softmax on vectors. Per row, one fixed
+// sequence whatever rows share its tile (a tile computes each of its rows on its own):
+//   keys in blocks of 32 from key 0; s_j = q · k_j (bf16 q and k, the tile's float32 sums);
+//   t_j = s_j · scale · log2 e; the row's reference max m (log2 units) is set by its first
+//   block and moves to a block's max only when that exceeds m + AMX_MAX_LIFT (then acc and l
+//   are scaled by 2^(m_old − m_new) — rarely, so the accumulators can stay in tile registers);
+//   p_j = 2^(t_j − m) (a degree-4 polynomial: p is rounded to bf16 for the tile anyway), zero
+//   past the row's position; l (16 lanes) += p_0..15 + p_16..31; acc += bf16(p) · V;
+//   out = acc / (l's lanes summed by simd16's tree).
+// A block past a row's position adds zeros to it (its probabilities are exact zeros, its
+// values finite) and leaves m and l alone, so a row's bits do not depend on how far its tile
+// goes. Every row — a prompt's, a decode's, a verify's — takes this path over a bfloat16 cache
+// here, so greedy output does not depend on batching, chunking or speculation.
+constexpr int64_t AMX_KEY_BLOCK = 32;        // keys per tile product (one bf16 pair per 32-bit lane)
+constexpr int64_t AMX_QUERY_TILE_TOKENS = 64;  // tokens of one request per work item (no effect on results)
+constexpr float AMX_MAX_LIFT = 8.f;           // log2 units: probabilities stay ≤ 2^8 before m moves
+constexpr int64_t AMX_MAX_HEAD_DIM = 64;      // accumulators: D / 16 tiles of tmm0 .. tmm3
+
+// 2^x for x ≤ AMX_MAX_LIFT: n = round(x), 2^(x − n) by its Taylor polynomial of degree 4 (relative
+// error < 5e-5 on [−½, ½], under bf16's half ulp 2^−9), scaled by 2^n (underflows to 0 far below).
+SS_INLINE __m512 exp2_for_bf16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(9.6181291e-3f);                   // ln2^4 / 24
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 6
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));  // ln2^2 / 2
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));  // ln2
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to 0..16
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// An item's keys and values packed as the tiles load them, for keys [0, keys): per 32-key block,
+// K's B tiles [group of 16 keys][32-d half][16 d-pairs][16 keys × (d, d+1)], then V's B tiles
+// [16 d (unpack order, see unpacked_position)][16 key pairs × (key, key + 1)] per 16-d column
+// tile. Zeros past the item's last key (a zero probability times a finite value adds nothing).
+struct AmxPacked {
+  amx::AlignedVector<bf16> k, v;
+  int64_t k_block = 0, v_block = 0;  // bf16 values per block
+  const bf16* k_tile(int64_t block, int64_t g, int64_t half) const {
+    return k.data() + block * k_block + (g * (k_block / 2) + half * amx::ROWS * 32);
+  }
+  const bf16* v_tile(int64_t block, int64_t col) const { return v.data() + block * v_block + col * amx::ROWS * 32; }
+};
+
+void pack_keys_for_tiles(const KeySource<bf16>& keys, int64_t num_keys, Scratch<bf16>& sc, AmxPacked& pk) {
+  const int64_t D = keys.D, halves = D / 32;
+  const int64_t blocks = (num_keys + AMX_KEY_BLOCK - 1) / AMX_KEY_BLOCK;
+  pk.k_block = 2 * halves * amx::ROWS * 32;
+  pk.v_block = (D / 16) * amx::ROWS * 32;
+  pk.k.resize(blocks * pk.k_block);
+  pk.v.resize(blocks * pk.v_block);
+  const __m512i idx = pair_index();
+  const bf16* kg[GROUPS];
+  int64_t ks[GROUPS];
+  static_assert(KV_CHUNK % AMX_KEY_BLOCK == 0, "a chunk of located key groups is whole tile blocks");
+  for (int64_t c0 = 0; c0 < blocks * AMX_KEY_BLOCK; c0 += KV_CHUNK) {
+    keys.locate_groups(c0, kg, ks, sc.kt.data(), sc.zeros.data());
+    for (int64_t g = 0; g < GROUPS && c0 + g * KEY_GROUP < blocks * AMX_KEY_BLOCK; g++) {
+      const int64_t block = (c0 + g * KEY_GROUP) / AMX_KEY_BLOCK;
+      for (int64_t h = 0; h < halves; h++) {
+        bf16* dst = const_cast<bf16*>(pk.k_tile(block, g % 2, h));
+        for (int64_t e = 0; e < 16; e++)
+          _mm512_store_si512(dst + 32 * e, key_pairs(kg[g] + (32 * h + 2 * e) * ks[g], ks[g], idx));
+      }
+    }
+  }
+  const bf16* zero = sc.zero_row.data();
+  for (int64_t block = 0; block < blocks; block++)
+    for (int64_t e = 0; e < 16; e++) {
+      const int64_t j0 = block * AMX_KEY_BLOCK + 2 * e;
+      const bf16* x0 = j0 < keys.max_keys ? keys.v_row(j0) : zero;
+      const bf16* x1 = j0 + 1 < keys.max_keys ? keys.v_row(j0 + 1) : zero;
+      for (int64_t h = 0; h < halves; h++) {
+        const __m512i a = _mm512_loadu_si512(x0 + 32 * h), b = _mm512_loadu_si512(x1 + 32 * h);
+        _mm512_store_si512(const_cast<bf16*>(pk.v_tile(block, 2 * h)) + 32 * e, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(const_cast<bf16*>(pk.v_tile(block, 2 * h + 1)) + 32 * e, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+}
+
+// The accumulator tiles (GCC's tile intrinsics need literal register numbers).
+template <int COLS>
+SS_INLINE void acc_tiles_store(float* o, int64_t stride) {
+  _tile_stored(0, o, stride);
+  if constexpr (COLS > 1) _tile_stored(1, o + 16, stride);
+  if constexpr (COLS > 2) _tile_stored(2, o + 32, stride);
+  if constexpr (COLS > 3) _tile_stored(3, o + 48, stride);
+}
+template <int COLS>
+SS_INLINE void acc_tiles_load(const float* o, int64_t stride) {
+  _tile_loadd(0, o, stride);
+  if constexpr (COLS > 1) _tile_loadd(1, o + 16, stride);
+  if constexpr (COLS > 2) _tile_loadd(2, o + 32, stride);
+  if constexpr (COLS > 3) _tile_loadd(3, o + 48, stride);
+}
+// acc += P (tmm4, the block's probabilities) · V, tmm7 each column tile's values in turn.
+template <int COLS>
+SS_INLINE void acc_tiles_add_pv(const AmxPacked& pk, int64_t block) {
+  _tile_loadd(7, pk.v_tile(block, 0), 64);
+  _tile_dpbf16ps(0, 4, 7);
+  if constexpr (COLS > 1) {
+    _tile_loadd(7, pk.v_tile(block, 1), 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if constexpr (COLS > 2) {
+    _tile_loadd(7, pk.v_tile(block, 2), 64);
+    _tile_dpbf16ps(2, 4, 7);
+  }
+  if constexpr (COLS > 3) {
+    _tile_loadd(7, pk.v_tile(block, 3), 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+// Rows [r0, r0 + n) of an item (row i: token i / nh, head i % nh; q16 [rows, D] bf16, 16-row
+// padded with zeros) over the packed keys; writes each row's acc (unpack order) and l.
+template <int COLS>
+void amx_row_tile(const bf16* q16, int64_t D, const int64_t* num_keys, int64_t n, const AmxPacked& pk, float c,
+                  float* acc, float* l_out) {
+  alignas(64) float s[amx::ROWS * AMX_KEY_BLOCK];
+  alignas(64) bf16 p[amx::ROWS * AMX_KEY_BLOCK] = {};
+  __m512 l[amx::ROWS];
+  float m[amx::ROWS], alpha[amx::ROWS];
+  for (int r = 0; r < amx::ROWS; r++) l[r] = _mm512_setzero_ps(), m[r] = NEG_INF;
+  const __m512 vc = _mm512_set1_ps(c), neg_inf = _mm512_set1_ps(NEG_INF);
+  const int64_t tile_keys = num_keys[n - 1];  // rows are in token order: the last sees the most keys
+  _tile_zero(0);
+  if constexpr (COLS > 1) _tile_zero(1);
+  if constexpr (COLS > 2) _tile_zero(2);
+  if constexpr (COLS > 3) _tile_zero(3);
+  _tile_loadd(5, q16, D * 2);
+  if (D > 32) _tile_loadd(6, q16 + 32, D * 2);
+  for (int64_t block = 0; block * AMX_KEY_BLOCK < tile_keys; block++) {
+    const int64_t c0 = block * AMX_KEY_BLOCK;
+    for (int g = 0; g < 2; g++) {  // s = q · k, 16 keys a tile
+      _tile_zero(4);
+      _tile_loadd(7, pk.k_tile(block, g, 0), 64);
+      _tile_dpbf16ps(4, 5, 7);
+      if (D > 32) {
+        _tile_loadd(7, pk.k_tile(block, g, 1), 64);
+        _tile_dpbf16ps(4, 6, 7);
+      }
+      _tile_stored(4, s + 16 * g, AMX_KEY_BLOCK * 4);
+    }
+    bool rescale = false;
+    for (int64_t r = 0; r < n; r++) {
+      const int64_t visible = num_keys[r] - c0;
+      alpha[r] = 1.f;
+      if (visible <= 0) {  // past the row's position: nothing (zero probabilities)
+        _mm512_store_si512(p + r * AMX_KEY_BLOCK, _mm512_setzero_si512());
+        continue;
+      }
+      const __mmask16 k0 = first_lanes(visible), k1 = first_lanes(visible - 16);
+      const __m512 t0 = _mm512_mask_mul_ps(neg_inf, k0, _mm512_load_ps(s + r * AMX_KEY_BLOCK), vc);
+      const __m512 t1 = _mm512_mask_mul_ps(neg_inf, k1, _mm512_load_ps(s + r * AMX_KEY_BLOCK + 16), vc);
+      const __m512 top = _mm512_max_ps(t0, t1);
+      if (m[r] == NEG_INF) {
+        m[r] = _mm512_reduce_max_ps(top);
+      } else if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r] + AMX_MAX_LIFT), _CMP_GT_OQ)) {
+        const float m_new = _mm512_reduce_max_ps(top);
+        alpha[r] = std::exp2(m[r] - m_new);
+        m[r] = m_new;
+        l[r] = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha[r]));
+        rescale = true;
+      }
+      const __m512 vm = _mm512_set1_ps(m[r]);
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_for_bf16(_mm512_sub_ps(t0, vm)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_for_bf16(_mm512_sub_ps(t1, vm)));
+      l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
+      _mm512_store_si512(p + r * AMX_KEY_BLOCK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    if (rescale) {  // a row's max moved: scale its accumulators (the other rows' stay as they are)
+      acc_tiles_store<COLS>(acc, D * 4);
+      for (int64_t r = 0; r < n; r++)
+        if (alpha[r] != 1.f)
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), _mm512_set1_ps(alpha[r])));
+      acc_tiles_load<COLS>(acc, D * 4);
+    }
+    _tile_loadd(4, p, AMX_KEY_BLOCK * 2);
+    acc_tiles_add_pv<COLS>(pk, block);
+  }
+  acc_tiles_store<COLS>(acc, D * 4);
+  for (int64_t r = 0; r < n; r++) l_out[r] = simd16::reduce_add(V16{l[r]});
+}
+
+struct AmxScratch {
+  AmxPacked packed;
+  amx::AlignedVector<bf16> q16;
+  amx::AlignedVector<float> acc;
+  std::vector<int64_t> num_keys;
+  std::vector<float> l;
+};
+
+// attention_item on the tiles (a bfloat16 cache, D a multiple of 32 up to AMX_MAX_HEAD_DIM).
+template <typename T>
+void attention_item_amx(const WorkItem& it, const T* q, const bf16* k_cache, const bf16* v_cache, T* out,
+                        const int32_t* table, const KLayout& kl, int64_t query_start, int64_t first_position,
+                        int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window_start,
+                        const int64_t* window_positions, Scratch<bf16>& sc, AmxScratch& ax) {
+  const int64_t G = H / Hkv, nh = it.head_end - it.head_begin;
+  const int64_t rows = (it.token_end - it.token_begin) * nh;
+  const int64_t padded = (rows + amx::ROWS - 1) / amx::ROWS * amx::ROWS;
+  const int64_t max_keys = first_position + it.token_end;
+  sc.kt.resize(GROUPS * D * KEY_GROUP);
+  if (static_cast<int64_t>(sc.zeros.size()) != D * KEY_GROUP) sc.zeros.assign(D * KEY_GROUP, bf16(0.f));
+  if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));
+  const KeySource<bf16> keys{k_cache, v_cache, table, kl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
+  pack_keys_for_tiles(keys, max_keys, sc, ax.packed);
+  ax.q16.assign(padded * D, bf16(0.f));
+  ax.acc.resize(amx::ROWS * D);
+  ax.num_keys.resize(rows);
+  ax.l.resize(amx::ROWS);
+  for (int64_t i = 0; i < rows; i++) {
+    const int64_t t = it.token_begin + i / nh, h = it.head_begin + i % nh;
+    const T* src = q + ((query_start + t) * H + it.kv_head * G + h) * D;
+    for (int64_t d = 0; d < D; d++) ax.q16[i * D + d] = bf16(to_f(src[d]));
+    ax.num_keys[i] = first_position + t + 1;
+  }
+  const float c = scale * 1.44269504088896341f;
+  for (int64_t r0 = 0; r0 < rows; r0 += amx::ROWS) {
+    const int64_t n = std::min<int64_t>(amx::ROWS, rows - r0);
+    if (D > 32)
+      amx_row_tile<4>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, ax.packed, c, ax.acc.data(), ax.l.data());
+    else
+      amx_row_tile<2>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, ax.packed, c, ax.acc.data(), ax.l.data());
+    for (int64_t r = 0; r < n; r++) {
+      const int64_t i = r0 + r, t = it.token_begin + i / nh, h = it.head_begin + i % nh;
+      T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
+      const float* a = ax.acc.data() + r * D;
+      for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / ax.l[r]);
+    }
+  }
+}
+#endif
+
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t D) {
   int64_t d = 0;
@@ -561,39 +851,11 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));  // never written
   }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
-  // A tree row reads its ancestors as keys window_start.. (see paged_attention).
-  auto position_of = [&](int64_t key) { return key >= window_start ? window_positions[key - window_start] : key; };
-  auto v_row = [&](int64_t key) {
-    const int64_t p = position_of(key);
-    return v_cache + ((table[p / bs] * bs + p % bs) * Hkv + it.kv_head) * D;
-  };
-  // Key group g of the chunk at c0: in place where its 16 keys are one block's consecutive d-major
-  // slots, else gathered (the same values) into sc.kt; past the last key, zeros.
+  const KeySource<C> keys{k_cache, v_cache, table, kl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
+  auto v_row = [&](int64_t key) { return keys.v_row(key); };
   const C* kg[GROUPS];
   int64_t ks[GROUPS];
-  auto locate_groups = [&](int64_t c0) {
-    for (int64_t g = 0; g < GROUPS; g++) {
-      const int64_t k0 = c0 + g * KEY_GROUP;
-      ks[g] = KEY_GROUP;
-      if (k0 >= max_keys) {
-        kg[g] = sc.zeros.data();
-      } else if (kl.slot == 1 && bs >= KEY_GROUP && k0 + KEY_GROUP <= window_start) {
-        kg[g] = k_cache + kl.offset(k0, table, it.kv_head);
-        ks[g] = kl.d;
-      } else {
-        C* dst = sc.kt.data() + g * D * KEY_GROUP;
-        for (int64_t j = 0; j < KEY_GROUP; j++) {
-          if (k0 + j >= max_keys) {
-            for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = C(0.f);
-            continue;
-          }
-          const C* src = k_cache + kl.offset(position_of(k0 + j), table, it.kv_head);
-          for (int64_t d = 0; d < D; d++) dst[d * KEY_GROUP + j] = src[d * kl.d];
-        }
-        kg[g] = dst;
-      }
-    }
-  };
+  auto locate_groups = [&](int64_t c0) { keys.locate_groups(c0, kg, ks, sc.kt.data(), sc.zeros.data()); };
   // The values' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
   // rows while this one is computed (it does not change any value). A d-major key group is one
@@ -683,12 +945,14 @@ void check_float_type(const at::Tensor& t, const char* name) {
 // window_starts[r] >= 0, request r (one tree row) reads logical key window_starts[r] + k from
 // position window_positions[r, k] (its ancestor at depth k), every earlier key in place: the
 // keys, in the order, a decode of its path reads, so the row gets that decode's bits.
-// Rows not covered by a request (padding at the end) come back as zeros.
+// Rows not covered by a request (padding at the end) come back as zeros. `tiles`: over a
+// bfloat16 cache on an AMX CPU, run on the tiles (true, always in the engine); false runs the
+// vector kernels instead, for the tests and benchmarks that compare the two.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_starts_in, const at::Tensor& query_lens_in,
                            const at::Tensor& context_lens_in, const at::Tensor& block_tables_in, double scale,
                            const c10::optional<at::Tensor>& window_starts_in,
-                           const c10::optional<at::Tensor>& window_positions_in) {
+                           const c10::optional<at::Tensor>& window_positions_in, bool tiles) {
   check_float_type(q_in, "q");
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
@@ -766,19 +1030,29 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       if (!covered[t]) std::memset(base + t * row_bytes, 0, row_bytes);
   }
 
+  // Over a bfloat16 cache on an AMX CPU, every row runs on the tiles (see attention_item_amx).
+#if SS_AMX_TILES
+  const bool on_tiles = tiles && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && D <= AMX_MAX_HEAD_DIM &&
+                        amx::request_permission();
+  const int64_t tile_tokens = on_tiles ? AMX_QUERY_TILE_TOKENS : QUERY_TILE_TOKENS;
+#else
+  const bool on_tiles = false;
+  const int64_t tile_tokens = QUERY_TILE_TOKENS;
+#endif
   // Work items: (request, KV head, tile of tokens), split further by query head
   // when there are too few to keep the threads busy. Largest first, pulled dynamically.
   const int64_t num_threads = at::get_num_threads();
   int64_t full_items = 0;
-  for (int64_t r = 0; r < R; r++) full_items += Hkv * ((lp[r] + QUERY_TILE_TOKENS - 1) / QUERY_TILE_TOKENS);
-  const int64_t heads_per_item = full_items >= 4 * num_threads ? G : 1;
+  for (int64_t r = 0; r < R; r++) full_items += Hkv * ((lp[r] + tile_tokens - 1) / tile_tokens);
+  // On the tiles an item packs its keys once for all its rows: a GQA group's heads stay together.
+  const int64_t heads_per_item = on_tiles || full_items >= 4 * num_threads ? G : 1;
   std::vector<WorkItem> items;
   items.reserve(full_items * (G / heads_per_item));
   for (int64_t r = 0; r < R; r++)
     for (int64_t g = 0; g < Hkv; g++)
-      for (int64_t t0 = 0; t0 < lp[r]; t0 += QUERY_TILE_TOKENS)
+      for (int64_t t0 = 0; t0 < lp[r]; t0 += tile_tokens)
         for (int64_t h0 = 0; h0 < G; h0 += heads_per_item) {
-          const int64_t t1 = std::min(lp[r], t0 + QUERY_TILE_TOKENS);
+          const int64_t t1 = std::min(lp[r], t0 + tile_tokens);
           const int64_t keys = cp[r] - lp[r] + t1;
           items.push_back({r, g, t0, t1, h0, h0 + heads_per_item, (t1 - t0) * heads_per_item * keys});
         }
@@ -809,13 +1083,26 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       T* op = ptr<T>(out);
       run_workers([&](int64_t, int64_t) {
         Scratch<C> sc;
+#if SS_AMX_TILES
+        AmxScratch ax;
+        if (on_tiles) amx::configure_tiles();
+#endif
         for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
           const WorkItem& it = items[i];
           const bool is_tree_row = wsp != nullptr && wsp[it.request] >= 0;
+          const int64_t window_start = is_tree_row ? wsp[it.request] : INT64_MAX;
+          const int64_t* window = is_tree_row ? wpp + it.request * W : nullptr;
+#if SS_AMX_TILES
+          if constexpr (std::is_same<C, bf16>::value) {
+            if (on_tiles) {
+              attention_item_amx<T>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, sp[it.request],
+                                    cp[it.request] - lp[it.request], H, Hkv, D, fscale, window_start, window, sc, ax);
+              continue;
+            }
+          }
+#endif
           attention_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, sp[it.request],
-                               cp[it.request] - lp[it.request], H, Hkv, D, fscale,
-                               is_tree_row ? wsp[it.request] : INT64_MAX, is_tree_row ? wpp + it.request * W : nullptr,
-                               sc);
+                               cp[it.request] - lp[it.request], H, Hkv, D, fscale, window_start, window, sc);
         }
       });
     });
@@ -1174,6 +1461,14 @@ bool has_bf16_dot_products() {
 #endif
 }
 
+bool has_amx_attention() {
+#if SS_AMX_TILES
+  return amx::request_permission();
+#else
+  return false;
+#endif
+}
+
 void register_layer_ops(pybind11::module_& m) {
   m.def("has_bf16_dot_products", &has_bf16_dot_products,
         "whether attention over a bfloat16 KV cache rounds q and the probabilities to bfloat16 and "
@@ -1182,7 +1477,10 @@ void register_layer_ops(pybind11::module_& m) {
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
         py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("window_starts") = py::none(),
-        py::arg("window_positions") = py::none());
+        py::arg("window_positions") = py::none(), py::arg("tiles") = true);
+  m.def("has_amx_attention", &has_amx_attention,
+        "whether attention over a bfloat16 KV cache (head_dim 32 or 64) runs on the AMX tiles: this build has "
+        "them and the OS lets the process use them");
   m.def("rms_norm", &rms_norm, "weight · x / rms(x), float32 math, x's dtype", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns (rms_norm(residual), residual)", py::arg("x"),

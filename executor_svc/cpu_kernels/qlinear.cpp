@@ -24,18 +24,11 @@
 #include <cstring>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "kernels.h"
 #include "simd16.h"
 
-// Whether this build has the int16 matmul's AMX tiles (-march=native on an AMX-BF16 CPU).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define SS_AMX_TILES 1
-#else
-#define SS_AMX_TILES 0
-#endif
 
 namespace {
 
@@ -1175,7 +1168,7 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
 // it is moving data through them: each 16 × 16 × 32 product loads 3 KB of tiles and stores 1 KB
 // (Q4) or 2 KB (Q8_0) of sums for the epilogue to read back.
 #if SS_AMX_TILES
-constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and per C tile)
+constexpr int64_t AMX_ROWS = amx::ROWS;  // activation rows per tile (and per C tile)
 constexpr int64_t AMX_PANELS_PER_TASK = 4;  // panels that share each row tile's A data in L1
 // Rows per task: as many as keep their A data (4 bytes a value) within ~1 MB, half an L2, while
 // a task passes its panels; each task widens its panels again, so not fewer than needed.
@@ -1186,42 +1179,9 @@ constexpr int64_t amx_rows_per_task(int64_t K) {
 // Tile registers (GCC's tile intrinsics paste their tile operand into the register name, so the
 // kernel spells them as literals): tmm0, tmm1 the two digits' A tiles, tmm2 the weight block's
 // B tile, tmm3 (and for Q8_0 tmm4) the sums of even blocks, tmm5 (and tmm6) those of odd blocks.
-constexpr int AMX_TILES_USED = 8;  // every tile register: the bf16 matmul (below) uses tmm0 .. tmm7
-
-// Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA), once for all its threads; without it the first tile instruction faults.
-bool request_amx_permission() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
-// Palette 1, every tile used as 16 rows of 64 bytes. Loaded at the start of each task: other code
-// on the thread (oneDNN, through torch) may configure the tiles its own way.
-void configure_amx_tiles() {
-  struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < AMX_TILES_USED; t++) config.colsb[t] = 64, config.rows[t] = AMX_ROWS;
-  _tile_loadconfig(&config);
-}
-
-// Cache-line-aligned storage for what the tile unit loads: a tile row that straddles two cache
-// lines costs two, and from malloc's 16-byte alignment the tile loads ran at half speed.
-template <class T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <class U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const CacheLineAllocator&) const { return true; }
-};
-template <class T>
-using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+using amx::AlignedVector;
+using amx::configure_tiles;
+using amx::request_permission;
 
 // Activation rows quantized to int16 as for the vpdpwssd tiles (their scales d and s; the codes
 // themselves only as two bf16 digits), laid out as the A tiles read them: for each 16-row tile
@@ -1389,7 +1349,7 @@ void amx_panels(const uint8_t* wp, int64_t panel_bytes, int64_t p0, int64_t p1, 
   const int64_t slice = (xq.nb + num_slices - 1) / num_slices;  // even slices
   if (num_slices > 1) acc.resize(panels * rows * PANEL_ROWS);
   wide.resize(panels * slice * WIDE_BLOCK);
-  configure_amx_tiles();
+  configure_tiles();
   for (int64_t b0 = 0; b0 < xq.nb; b0 += slice) {
     const int64_t b1 = std::min(xq.nb, b0 + slice);
     const bool first = b0 == 0, last = b1 == xq.nb;
@@ -1498,7 +1458,7 @@ void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int
   const int64_t row_blocks = (row_pairs + BF16_ROW_PAIRS_PER_TASK - 1) / BF16_ROW_PAIRS_PER_TASK;
   const int64_t panel_groups = (panel_pairs + BF16_PANEL_PAIRS_PER_TASK - 1) / BF16_PANEL_PAIRS_PER_TASK;
   parallel_tasks(row_blocks * panel_groups, [&](int64_t task) {
-    configure_amx_tiles();
+    configure_tiles();
     alignas(64) float c[2][2][AMX_ROWS * PANEL_ROWS];
     const int64_t g = task % panel_groups, rb = task / panel_groups;
     const int64_t pp1 = std::min(panel_pairs, (g + 1) * BF16_PANEL_PAIRS_PER_TASK);
@@ -1529,7 +1489,7 @@ std::atomic<bool> amx_tiles_allowed{true};
 // Whether the AMX tiles can run here: built in (-march=native on an AMX CPU) and granted by the OS.
 bool amx_tiles_usable() {
 #if SS_AMX_TILES
-  return request_amx_permission();
+  return request_permission();
 #else
   return false;
 #endif
@@ -1791,7 +1751,7 @@ double measure_amx_peak_macs(int64_t iterations) {
 #if SS_AMX_TILES
   if (!amx_tiles_usable()) return 0.0;
   using clock = std::chrono::steady_clock;
-  configure_amx_tiles();
+  configure_tiles();
   alignas(64) static const uint16_t ones[AMX_ROWS * 32] = {};
   _tile_loadd(0, ones, 64);
   _tile_loadd(1, ones, 64);

@@ -59,11 +59,15 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str) -> t
     kernels only: they round each K/V value once, where it is written) halve the bytes a decode
     step reads at long context and double the tokens the KV budget holds; greedy output may then
     differ from the float32 reference on near-ties (the README's CPU section has the measured
-    top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: float16 with the C++ kernels'
-    integer matmul (the CPU's default path), which measures the float32 cache's agreement; else
-    the activations' dtype, so `--dtype float32` stays the exact reference."""
+    top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: bfloat16 with `--matmul bf16`
+    (an AMX CPU, where attention over a bfloat16 cache runs on the tiles too: ~4x the vector
+    kernels on a prompt chunk at long context); float16 with the C++ kernels' integer matmul
+    (the CPU's default path), which measures the float32 cache's agreement; else the activations'
+    dtype, so `--dtype float32` stays the exact reference."""
     if name == "auto":
-        return torch.float16 if ops.name == "cpu" and matmul in MATMUL_KERNELS and dtype == torch.float32 else dtype
+        if ops.name != "cpu" or matmul not in MATMUL_KERNELS or dtype != torch.float32:
+            return dtype
+        return torch.bfloat16 if matmul == "bf16" else torch.float16
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
         raise ValueError(

@@ -24,13 +24,14 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
    machine's peak for the matmul's vector instruction the whole prefill reaches; on AMX CPUs
-   also the same prefill with the AMX tiles turned off and with `--matmul bf16`, alternating with
-   it run by run;
+   also the same prefill with the AMX tiles turned off and with `--matmul bf16` (over the bfloat16
+   KV cache it takes, attention on the tiles too), alternating with it run by run;
 4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
    rows against its attention (the chunk's queries over the keys before and in it), at each
-   context length of `--contexts`, with the attention of one decode row there for scale. An
-   agent's later turns prefill at thousands of tokens of context, where attention, not the
-   matmuls, is most of a chunk.
+   context length of `--contexts`, with the attention of one decode row there for scale; on AMX
+   CPUs also both attentions over a bfloat16 cache on the tiles (`--matmul bf16`'s, or
+   `--kv-cache-dtype bfloat16`). An agent's later turns prefill at thousands of tokens of
+   context, where attention, not the matmuls, is most of a chunk.
 
 Each point is the best of `--reps` runs: the machines are shared, and the minimum is the run
 least disturbed. Compare variants in one run, as ratios.
@@ -194,9 +195,12 @@ def bench_prefill(
 ) -> list[dict]:
     """Each prompt length as the engine runs it; where the int16 matmul takes the AMX tiles, also
     with them turned off (the vector tiles: the same bits) and, given `bf16_model`, with
-    `--matmul bf16`, alternating run by run."""
+    `--matmul bf16` over its bfloat16 KV cache, alternating run by run."""
     config = model.config
-    cache = KVCache(config, 2 + max(token_counts) // 16, 16, kv_dtype, model.device, model.ops.key_layout)
+    num_blocks = 2 + max(token_counts) // 16
+    cache = KVCache(config, num_blocks, 16, kv_dtype, model.device, model.ops.key_layout)
+    bf16_kv = resolve_kv_cache_dtype("auto", torch.float32, model.ops, "bf16")
+    bf16_cache = KVCache(config, num_blocks, 16, bf16_kv, model.device, model.ops.key_layout) if bf16_model else None
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
@@ -204,7 +208,7 @@ def bench_prefill(
         for _ in range(reps):
             seconds = min(seconds, prefill_seconds(model, cache, t, chunk, 1))
             if bf16_model is not None:
-                bf16_seconds = min(bf16_seconds, prefill_seconds(bf16_model, cache, t, chunk, 1))
+                bf16_seconds = min(bf16_seconds, prefill_seconds(bf16_model, bf16_cache, t, chunk, 1))
             if peak["amx_macs"]:
                 kernels.allow_amx_tiles(False)
                 try:
@@ -248,7 +252,9 @@ def bench_chunk_costs(
     kernels, weights, config: ModelConfig, kv_dtype, key_layout: str, chunk: int, contexts: list[int], reps: int
 ):
     """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
-    ending at each context length, and one decode row's attention there."""
+    ending at each context length, and one decode row's attention there; where attention runs on
+    the AMX tiles, both attentions again over a bfloat16 cache."""
+    tiles = kernels.has_amx_attention()
     x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
     matmuls = sum(
         best_of(reps, lambda w=w: integer_matmul(kernels, x[w.shape[1]], w)) for w in layer_shapes(weights).values()
@@ -257,6 +263,16 @@ def bench_chunk_costs(
     for context in contexts:
         attention = attention_seconds(kernels, config, kv_dtype, key_layout, min(chunk, context), context, reps)
         decode_row = attention_seconds(kernels, config, kv_dtype, key_layout, 1, context, reps)
+        on_tiles = {}
+        if tiles:
+            on_tiles = {
+                "tiles_attention_s": attention_seconds(
+                    kernels, config, torch.bfloat16, key_layout, min(chunk, context), context, reps
+                ),
+                "tiles_decode_row_attention_s": attention_seconds(
+                    kernels, config, torch.bfloat16, key_layout, 1, context, reps
+                ),
+            }
         rows.append(
             {
                 "context": context,
@@ -264,6 +280,7 @@ def bench_chunk_costs(
                 "attention_s": attention,
                 "attention_per_matmul": attention / matmuls,
                 "decode_row_attention_s": decode_row,
+                **on_tiles,
             }
         )
     return rows
@@ -357,11 +374,24 @@ def print_report(r: dict) -> None:
             f"{p['attention_gflops']:13.1f} {p['share_of_peak']:14.0%}{vector_cells}"
         )
     print(f"\nper layer, a chunk of {r['chunk']} prompt tokens ending at each context (ms), KV {r['kv_cache_dtype']}:")
-    print(f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}")
+    tiles = "tiles_attention_s" in r["chunk_costs"][0]
+    if tiles:
+        print("tiles: attention over a bfloat16 cache on the AMX tiles (--matmul bf16); x: KV's attention ÷ the tiles'")
+    tiles_head = f" | {'tiles attn':>10} {'x':>5} {'tiles decode row':>17}" if tiles else ""
+    print(
+        f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}"
+        + tiles_head
+    )
     for c in r["chunk_costs"]:
+        tiles_cells = (
+            f" | {c['tiles_attention_s'] * 1e3:10.2f} {c['attention_s'] / c['tiles_attention_s']:5.2f}"
+            f" {c['tiles_decode_row_attention_s'] * 1e3:17.3f}"
+            if tiles
+            else ""
+        )
         print(
             f"{c['context']:>8} | {c['matmul_s'] * 1e3:8.2f} {c['attention_s'] * 1e3:10.2f} "
-            f"{c['attention_per_matmul']:13.2f} | {c['decode_row_attention_s'] * 1e3:18.3f}"
+            f"{c['attention_per_matmul']:13.2f} | {c['decode_row_attention_s'] * 1e3:18.3f}{tiles_cells}"
         )
 
 

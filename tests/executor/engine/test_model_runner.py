@@ -60,7 +60,7 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8") == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16") == torch.bfloat16  # attention on the tiles
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32

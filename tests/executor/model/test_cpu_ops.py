@@ -230,6 +230,72 @@ def test_a_rows_attention_over_a_16_bit_kv_cache_does_not_depend_on_its_batch(dt
         assert torch.equal(row, solo[0]), parts
 
 
+# ------------------------------------------------------------------ attention on the AMX tiles
+
+AMX_ATTENTION = cpu_kernels.load().has_amx_attention()
+needs_amx_attention = pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX tiles here (CPU, kernel build or OS)")
+
+
+def spiked_setup(context_lens, num_heads, num_kv_heads, head_dim, spike_at):
+    """Queries that share a direction and, at key `spike_at`, a key along it: that key's score is
+    ~30 (log2 units) above the rest, so every row that reaches it moves its reference max there
+    (the tiles rescale its accumulators) long after its first block set it."""
+    setup = Setup(context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seed=5)
+    common = torch.randn(head_dim, generator=torch.Generator().manual_seed(6))
+    for r, n in enumerate(context_lens):
+        setup.q[r] = 2 * setup.q[r] + 2 * common
+        if n > spike_at:
+            setup.k[r][spike_at] = 1.5 * common
+    return setup
+
+
+@needs_amx_attention
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 64)])
+def test_attention_on_the_tiles_matches_the_vector_kernels_and_float64(num_heads, num_kv_heads, head_dim):
+    """A bfloat16 cache on an AMX CPU: prompt chunks at 2.5k tokens of context, a decode there and
+    short rows, with a max that moves late; against float64 on the same bf16-rounded q, K, V and
+    against the vector kernels (tiles=False)."""
+    kernels = cpu_kernels.load()
+    setup = spiked_setup([2500, 40, 3], num_heads, num_kv_heads, head_dim, spike_at=1000)
+    parts = [(0, 2400, 100), (1, 0, 40), (0, 999, 1), (2, 0, 3), (0, 2499, 1)]
+    outs, full, batch = run_attention(setup, parts, torch.float32, kv_dtype=torch.bfloat16)
+    metadata = OPS.prepare(batch, BLOCK_SIZE)
+    q = torch.zeros(batch.num_padded_tokens, num_heads, head_dim)
+    for (r, start, m), s0 in zip(parts, batch.query_starts):
+        q[s0 : s0 + m] = setup.q[r][start : start + m]
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in (setup.k_cache, setup.v_cache))
+    m = metadata
+    vector = kernels.paged_attention(
+        q, k_cache, v_cache, m.query_starts, m.query_lens, m.context_lens, m.block_tables, head_dim**-0.5, tiles=False
+    )
+    torch.testing.assert_close(full, vector, **TOL[torch.bfloat16])
+    for (r, start, m), out in zip(parts, outs):
+        q_r = setup.q[r][start : start + m].to(torch.bfloat16).double()
+        k, v = (t[r][: start + m].to(torch.bfloat16).double() for t in (setup.k, setup.v))
+        ref = dense_reference(q_r, k, v, head_dim**-0.5).float()
+        torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+
+
+@needs_amx_attention
+def test_a_rows_bits_on_the_tiles_do_not_depend_on_its_tile_or_batch():
+    """A row's tile may run on past its position (later rows of its chunk) and share blocks with
+    rows whose max moves: the row's bits stay its decode's, whatever the chunk, batch or threads."""
+    setup = spiked_setup([1200, 300], 9, 3, 64, spike_at=700)
+    position = 1000
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        solo = run_attention(setup, [(0, position, 1)], kv_dtype=torch.bfloat16)[0][0][0]
+        torch.set_num_threads(max(2, threads))
+        for parts in ([(0, 990, 64)], [(0, 0, 1200)], [(1, 299, 1), (0, 1000, 5)], [(0, 690, 311), (1, 0, 300)]):
+            outs = run_attention(setup, parts, kv_dtype=torch.bfloat16)[0]
+            index = [p[0] for p in parts].index(0)
+            row = outs[index][position - parts[index][1]]
+            assert torch.equal(row, solo), f"layout {parts}: max diff {(row - solo).abs().max()}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def rope_write_four_tokens(ops, qkv, num_heads, num_kv_heads, k_cache, v_cache):
     """qkv_rope_write of qkv's 4 rows at positions 5, 6, 7, 0 into slots 21, 22, 23, 9 (random angles)."""
     angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(32, generator=torch.Generator().manual_seed(3))

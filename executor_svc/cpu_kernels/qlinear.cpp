@@ -1423,9 +1423,9 @@ const uint16_t* bf16_row_tiles(const float* x, int64_t M, int64_t K) {
 }
 
 // Row tiles 2 rp, 2 rp + 1 × panels 2 pp, 2 pp + 1 over all of K: four float32 sum tiles (tmm4 .. 7),
-// stored to c[row tile][panel][16 × 16].
+// stored to c[row tile][panel] (16 × 16 floats, rows `stride` bytes apart).
 SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, int64_t rp, int64_t pp,
-                              float (*c)[2][AMX_ROWS * PANEL_ROWS]) {
+                              float* const (&c)[2][2], int64_t stride) {
   constexpr int64_t TILE = AMX_ROWS * 32;  // bf16 values of one A or B tile
   const uint16_t* a0 = a + 2 * rp * nb * TILE;
   const uint16_t* a1 = a0 + nb * TILE;
@@ -1445,10 +1445,10 @@ SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, 
     _tile_dpbf16ps(6, 1, 2);
     _tile_dpbf16ps(7, 1, 3);
   }
-  _tile_stored(4, c[0][0], 64);
-  _tile_stored(5, c[0][1], 64);
-  _tile_stored(6, c[1][0], 64);
-  _tile_stored(7, c[1][1], 64);
+  _tile_stored(4, c[0][0], stride);
+  _tile_stored(5, c[0][1], stride);
+  _tile_stored(6, c[1][0], stride);
+  _tile_stored(7, c[1][1], stride);
 }
 
 // y [M, N] from the A tiles and the bf16 panels (an even number of them).
@@ -1459,20 +1459,28 @@ void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int
   const int64_t panel_groups = (panel_pairs + BF16_PANEL_PAIRS_PER_TASK - 1) / BF16_PANEL_PAIRS_PER_TASK;
   parallel_tasks(row_blocks * panel_groups, [&](int64_t task) {
     configure_tiles();
-    alignas(64) float c[2][2][AMX_ROWS * PANEL_ROWS];
+    alignas(64) float edge[2][2][AMX_ROWS * PANEL_ROWS];
     const int64_t g = task % panel_groups, rb = task / panel_groups;
     const int64_t pp1 = std::min(panel_pairs, (g + 1) * BF16_PANEL_PAIRS_PER_TASK);
     const int64_t rp1 = std::min(row_pairs, (rb + 1) * BF16_ROW_PAIRS_PER_TASK);
     for (int64_t pp = g * BF16_PANEL_PAIRS_PER_TASK; pp < pp1; pp++)
       for (int64_t rp = rb * BF16_ROW_PAIRS_PER_TASK; rp < rp1; rp++) {
-        bf16_tile_pair(a, w, nb, rp, pp, c);
+        const int64_t r0 = 2 * rp * AMX_ROWS, n0 = 2 * pp * PANEL_ROWS;
+        if (r0 + 2 * AMX_ROWS <= M && n0 + 2 * PANEL_ROWS <= N) {  // whole tiles: straight into y
+          float* const c[2][2] = {{y + r0 * N + n0, y + r0 * N + n0 + PANEL_ROWS},
+                                  {y + (r0 + AMX_ROWS) * N + n0, y + (r0 + AMX_ROWS) * N + n0 + PANEL_ROWS}};
+          bf16_tile_pair(a, w, nb, rp, pp, c, N * 4);
+          continue;
+        }
+        float* const c[2][2] = {{edge[0][0], edge[0][1]}, {edge[1][0], edge[1][1]}};
+        bf16_tile_pair(a, w, nb, rp, pp, c, PANEL_ROWS * 4);
         for (int i = 0; i < 2; i++)
           for (int j = 0; j < 2; j++) {
-            const int64_t r0 = (2 * rp + i) * AMX_ROWS, n0 = (2 * pp + j) * PANEL_ROWS;
-            if (n0 >= N) continue;
-            const __mmask16 cols = (__mmask16)((1u << std::min<int64_t>(PANEL_ROWS, N - n0)) - 1);
-            for (int64_t r = 0; r < AMX_ROWS && r0 + r < M; r++)
-              _mm512_mask_storeu_ps(y + (r0 + r) * N + n0, cols, _mm512_load_ps(c[i][j] + r * PANEL_ROWS));
+            const int64_t ri = r0 + i * AMX_ROWS, nj = n0 + j * PANEL_ROWS;
+            if (nj >= N) continue;
+            const __mmask16 cols = (__mmask16)((1u << std::min<int64_t>(PANEL_ROWS, N - nj)) - 1);
+            for (int64_t r = 0; r < AMX_ROWS && ri + r < M; r++)
+              _mm512_mask_storeu_ps(y + (ri + r) * N + nj, cols, _mm512_load_ps(edge[i][j] + r * PANEL_ROWS));
           }
       }
   });

@@ -583,8 +583,11 @@ constexpr float AMX_MAX_LIFT = 8.f;           // log2 units: probabilities stay 
 constexpr int64_t AMX_MAX_HEAD_DIM = 64;      // accumulators: D / 16 tiles of tmm0 .. tmm3
 
 // 2^x for x ≤ AMX_MAX_LIFT: n = round(x), 2^(x − n) by its Taylor polynomial of degree 4 (relative
-// error < 5e-5 on [−½, ½], under bf16's half ulp 2^−9), scaled by 2^n (underflows to 0 far below).
+// error < 5e-5 on [−½, ½], under bf16's half ulp 2^−9), scaled by 2^n. Below 2^−126 it stays at
+// ~2^−126 (float32's least normal, a weight that adds nothing): a denormal result would cost a
+// microcode assist per instruction, and a real model's attention sinks put most keys that far down.
 SS_INLINE __m512 exp2_for_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 y = _mm512_set1_ps(9.6181291e-3f);                   // ln2^4 / 24
@@ -599,26 +602,31 @@ inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to 0..16
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
-// An item's keys and values packed as the tiles load them, for keys [0, keys): per 32-key block,
-// K's B tiles [group of 16 keys][32-d half][16 d-pairs][16 keys × (d, d+1)], then V's B tiles
-// [16 d (unpack order, see unpacked_position)][16 key pairs × (key, key + 1)] per 16-d column
-// tile. Zeros past the item's last key (a zero probability times a finite value adds nothing).
+// A request's keys and values for one KV head, packed as the tiles load them, for keys [0, keys):
+// per 32-key block, K's B tiles [group of 16 keys][32-d half][16 d-pairs][16 keys × (d, d+1)], then
+// V's B tiles [16 d (unpack order, see unpacked_position)][16 key pairs × (key, key + 1)] per 16-d
+// column tile; zeros past the last key (a zero probability times a finite value adds nothing).
+// Packed once per step for all the request's rows on that head (its items share it).
 struct AmxPacked {
-  amx::AlignedVector<bf16> k, v;
-  int64_t k_block = 0, v_block = 0;  // bf16 values per block
-  const bf16* k_tile(int64_t block, int64_t g, int64_t half) const {
-    return k.data() + block * k_block + (g * (k_block / 2) + half * amx::ROWS * 32);
+  bf16* data = nullptr;
+  int64_t k_block = 0, v_block = 0;  // bf16 values per block of K tiles, of V tiles
+  static int64_t values_per_block(int64_t D) { return (2 * (D / 32) + D / 16) * amx::ROWS * 32; }
+  static int64_t blocks_for(int64_t keys) { return (keys + AMX_KEY_BLOCK - 1) / AMX_KEY_BLOCK; }
+  AmxPacked(bf16* at, int64_t D) : data(at), k_block(2 * (D / 32) * amx::ROWS * 32), v_block(D / 16 * amx::ROWS * 32) {}
+  bf16* k_tile(int64_t block, int64_t g, int64_t half) const {
+    return data + block * (k_block + v_block) + g * (k_block / 2) + half * amx::ROWS * 32;
   }
-  const bf16* v_tile(int64_t block, int64_t col) const { return v.data() + block * v_block + col * amx::ROWS * 32; }
+  bf16* v_tile(int64_t block, int64_t col) const {
+    return data + block * (k_block + v_block) + k_block + col * amx::ROWS * 32;
+  }
 };
 
-void pack_keys_for_tiles(const KeySource<bf16>& keys, int64_t num_keys, Scratch<bf16>& sc, AmxPacked& pk) {
+void pack_keys_for_tiles(const KeySource<bf16>& keys, Scratch<bf16>& sc, const AmxPacked& pk) {
   const int64_t D = keys.D, halves = D / 32;
-  const int64_t blocks = (num_keys + AMX_KEY_BLOCK - 1) / AMX_KEY_BLOCK;
-  pk.k_block = 2 * halves * amx::ROWS * 32;
-  pk.v_block = (D / 16) * amx::ROWS * 32;
-  pk.k.resize(blocks * pk.k_block);
-  pk.v.resize(blocks * pk.v_block);
+  const int64_t blocks = AmxPacked::blocks_for(keys.max_keys);
+  sc.kt.resize(GROUPS * D * KEY_GROUP);
+  if (static_cast<int64_t>(sc.zeros.size()) != D * KEY_GROUP) sc.zeros.assign(D * KEY_GROUP, bf16(0.f));
+  if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));
   const __m512i idx = pair_index();
   const bf16* kg[GROUPS];
   int64_t ks[GROUPS];
@@ -628,7 +636,7 @@ void pack_keys_for_tiles(const KeySource<bf16>& keys, int64_t num_keys, Scratch<
     for (int64_t g = 0; g < GROUPS && c0 + g * KEY_GROUP < blocks * AMX_KEY_BLOCK; g++) {
       const int64_t block = (c0 + g * KEY_GROUP) / AMX_KEY_BLOCK;
       for (int64_t h = 0; h < halves; h++) {
-        bf16* dst = const_cast<bf16*>(pk.k_tile(block, g % 2, h));
+        bf16* dst = pk.k_tile(block, g % 2, h);
         for (int64_t e = 0; e < 16; e++)
           _mm512_store_si512(dst + 32 * e, key_pairs(kg[g] + (32 * h + 2 * e) * ks[g], ks[g], idx));
       }
@@ -642,13 +650,14 @@ void pack_keys_for_tiles(const KeySource<bf16>& keys, int64_t num_keys, Scratch<
       const bf16* x1 = j0 + 1 < keys.max_keys ? keys.v_row(j0 + 1) : zero;
       for (int64_t h = 0; h < halves; h++) {
         const __m512i a = _mm512_loadu_si512(x0 + 32 * h), b = _mm512_loadu_si512(x1 + 32 * h);
-        _mm512_store_si512(const_cast<bf16*>(pk.v_tile(block, 2 * h)) + 32 * e, _mm512_unpacklo_epi16(a, b));
-        _mm512_store_si512(const_cast<bf16*>(pk.v_tile(block, 2 * h + 1)) + 32 * e, _mm512_unpackhi_epi16(a, b));
+        _mm512_store_si512(pk.v_tile(block, 2 * h) + 32 * e, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(pk.v_tile(block, 2 * h + 1) + 32 * e, _mm512_unpackhi_epi16(a, b));
       }
     }
 }
 
-// The accumulator tiles (GCC's tile intrinsics need literal register numbers).
+// The accumulator tiles (GCC's tile intrinsics need literal register numbers): tmm0 .. tmm3, 16
+// columns of d each.
 template <int COLS>
 SS_INLINE void acc_tiles_store(float* o, int64_t stride) {
   _tile_stored(0, o, stride);
@@ -663,81 +672,98 @@ SS_INLINE void acc_tiles_load(const float* o, int64_t stride) {
   if constexpr (COLS > 2) _tile_loadd(2, o + 32, stride);
   if constexpr (COLS > 3) _tile_loadd(3, o + 48, stride);
 }
-// acc += P (tmm4, the block's probabilities) · V, tmm7 each column tile's values in turn.
+// acc += P · V for one block: the probabilities (16 rows × 32 keys, bf16) into tmm6, each column
+// tile's values in turn into tmm7.
 template <int COLS>
-SS_INLINE void acc_tiles_add_pv(const AmxPacked& pk, int64_t block) {
+SS_INLINE void acc_tiles_add_pv(const bf16* p, const AmxPacked& pk, int64_t block) {
+  _tile_loadd(6, p, AMX_KEY_BLOCK * 2);
   _tile_loadd(7, pk.v_tile(block, 0), 64);
-  _tile_dpbf16ps(0, 4, 7);
+  _tile_dpbf16ps(0, 6, 7);
   if constexpr (COLS > 1) {
     _tile_loadd(7, pk.v_tile(block, 1), 64);
-    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(1, 6, 7);
   }
   if constexpr (COLS > 2) {
     _tile_loadd(7, pk.v_tile(block, 2), 64);
-    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(2, 6, 7);
   }
   if constexpr (COLS > 3) {
     _tile_loadd(7, pk.v_tile(block, 3), 64);
-    _tile_dpbf16ps(3, 4, 7);
+    _tile_dpbf16ps(3, 6, 7);
   }
 }
+// s = q · k for one block's 32 keys into tmm4 (keys 0-15) and tmm5 (16-31), stored to s (16 × 32).
+SS_INLINE void score_tiles(const bf16* q16, int64_t D, const AmxPacked& pk, int64_t block, float* s) {
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t h = 0; h < D / 32; h++) {
+    _tile_loadd(6, q16 + 32 * h, D * 2);
+    _tile_loadd(7, pk.k_tile(block, 0, h), 64);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, pk.k_tile(block, 1, h), 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(4, s, AMX_KEY_BLOCK * 4);
+  _tile_stored(5, s + 16, AMX_KEY_BLOCK * 4);
+}
 
-// Rows [r0, r0 + n) of an item (row i: token i / nh, head i % nh; q16 [rows, D] bf16, 16-row
-// padded with zeros) over the packed keys; writes each row's acc (unpack order) and l.
+// One row's block of scores s (32) → its probabilities p (32, bf16); updates the row's reference
+// max m, its 16-lane sum l; returns the factor its accumulators take first (1 unless m moved).
+SS_INLINE float softmax_block(const float* s, int64_t visible, __m512 vc, float& m, __m512& l, bf16* p) {
+  const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+  const __mmask16 k0 = first_lanes(visible), k1 = first_lanes(visible - 16);
+  const __m512 t0 = _mm512_mask_mul_ps(neg_inf, k0, _mm512_load_ps(s), vc);
+  const __m512 t1 = _mm512_mask_mul_ps(neg_inf, k1, _mm512_load_ps(s + 16), vc);
+  const __m512 top = _mm512_max_ps(t0, t1);
+  float alpha = 1.f;
+  if (m == NEG_INF) {
+    m = _mm512_reduce_max_ps(top);
+  } else if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m + AMX_MAX_LIFT), _CMP_GT_OQ)) {
+    const float m_new = _mm512_reduce_max_ps(top);
+    alpha = std::exp2(m - m_new);
+    m = m_new;
+    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
+  }
+  const __m512 vm = _mm512_set1_ps(m);
+  const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_for_bf16(_mm512_sub_ps(t0, vm)));
+  const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_for_bf16(_mm512_sub_ps(t1, vm)));
+  l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+  _mm512_store_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+  return alpha;
+}
+
+// Rows [0, n) of a row tile (q16: 16 rows × D bf16, zeros past n; num_keys: each row's keys, in
+// token order) over the packed keys; writes each row's acc (unpack order) and l. Software-
+// pipelined: block b's scores go to the tile unit, then block b − 1's p · v, and the vectors
+// compute block b's probabilities meanwhile.
 template <int COLS>
 void amx_row_tile(const bf16* q16, int64_t D, const int64_t* num_keys, int64_t n, const AmxPacked& pk, float c,
                   float* acc, float* l_out) {
   alignas(64) float s[amx::ROWS * AMX_KEY_BLOCK];
-  alignas(64) bf16 p[amx::ROWS * AMX_KEY_BLOCK] = {};
+  alignas(64) bf16 p[2][amx::ROWS * AMX_KEY_BLOCK] = {};  // blocks b and b − 1 (rows past n stay zero)
   __m512 l[amx::ROWS];
   float m[amx::ROWS], alpha[amx::ROWS];
   for (int r = 0; r < amx::ROWS; r++) l[r] = _mm512_setzero_ps(), m[r] = NEG_INF;
-  const __m512 vc = _mm512_set1_ps(c), neg_inf = _mm512_set1_ps(NEG_INF);
-  const int64_t tile_keys = num_keys[n - 1];  // rows are in token order: the last sees the most keys
+  const __m512 vc = _mm512_set1_ps(c);
+  const int64_t blocks = AmxPacked::blocks_for(num_keys[n - 1]);  // the last row sees the most keys
   _tile_zero(0);
   if constexpr (COLS > 1) _tile_zero(1);
   if constexpr (COLS > 2) _tile_zero(2);
   if constexpr (COLS > 3) _tile_zero(3);
-  _tile_loadd(5, q16, D * 2);
-  if (D > 32) _tile_loadd(6, q16 + 32, D * 2);
-  for (int64_t block = 0; block * AMX_KEY_BLOCK < tile_keys; block++) {
-    const int64_t c0 = block * AMX_KEY_BLOCK;
-    for (int g = 0; g < 2; g++) {  // s = q · k, 16 keys a tile
-      _tile_zero(4);
-      _tile_loadd(7, pk.k_tile(block, g, 0), 64);
-      _tile_dpbf16ps(4, 5, 7);
-      if (D > 32) {
-        _tile_loadd(7, pk.k_tile(block, g, 1), 64);
-        _tile_dpbf16ps(4, 6, 7);
-      }
-      _tile_stored(4, s + 16 * g, AMX_KEY_BLOCK * 4);
-    }
+  for (int64_t block = 0; block < blocks; block++) {
+    score_tiles(q16, D, pk, block, s);
+    if (block > 0) acc_tiles_add_pv<COLS>(p[(block - 1) % 2], pk, block - 1);
+    bf16* pb = p[block % 2];
     bool rescale = false;
     for (int64_t r = 0; r < n; r++) {
-      const int64_t visible = num_keys[r] - c0;
-      alpha[r] = 1.f;
-      if (visible <= 0) {  // past the row's position: nothing (zero probabilities)
-        _mm512_store_si512(p + r * AMX_KEY_BLOCK, _mm512_setzero_si512());
+      const int64_t visible = num_keys[r] - block * AMX_KEY_BLOCK;
+      if (visible <= 0) {  // past the row's position: zero probabilities, nothing else
+        _mm512_store_si512(pb + r * AMX_KEY_BLOCK, _mm512_setzero_si512());
+        alpha[r] = 1.f;
         continue;
       }
-      const __mmask16 k0 = first_lanes(visible), k1 = first_lanes(visible - 16);
-      const __m512 t0 = _mm512_mask_mul_ps(neg_inf, k0, _mm512_load_ps(s + r * AMX_KEY_BLOCK), vc);
-      const __m512 t1 = _mm512_mask_mul_ps(neg_inf, k1, _mm512_load_ps(s + r * AMX_KEY_BLOCK + 16), vc);
-      const __m512 top = _mm512_max_ps(t0, t1);
-      if (m[r] == NEG_INF) {
-        m[r] = _mm512_reduce_max_ps(top);
-      } else if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r] + AMX_MAX_LIFT), _CMP_GT_OQ)) {
-        const float m_new = _mm512_reduce_max_ps(top);
-        alpha[r] = std::exp2(m[r] - m_new);
-        m[r] = m_new;
-        l[r] = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha[r]));
-        rescale = true;
-      }
-      const __m512 vm = _mm512_set1_ps(m[r]);
-      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_for_bf16(_mm512_sub_ps(t0, vm)));
-      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_for_bf16(_mm512_sub_ps(t1, vm)));
-      l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
-      _mm512_store_si512(p + r * AMX_KEY_BLOCK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+      alpha[r] = softmax_block(s + r * AMX_KEY_BLOCK, visible, vc, m[r], l[r], pb + r * AMX_KEY_BLOCK);
+      rescale |= alpha[r] != 1.f;
     }
     if (rescale) {  // a row's max moved: scale its accumulators (the other rows' stay as they are)
       acc_tiles_store<COLS>(acc, D * 4);
@@ -747,36 +773,27 @@ void amx_row_tile(const bf16* q16, int64_t D, const int64_t* num_keys, int64_t n
             _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), _mm512_set1_ps(alpha[r])));
       acc_tiles_load<COLS>(acc, D * 4);
     }
-    _tile_loadd(4, p, AMX_KEY_BLOCK * 2);
-    acc_tiles_add_pv<COLS>(pk, block);
   }
+  acc_tiles_add_pv<COLS>(p[(blocks - 1) % 2], pk, blocks - 1);
   acc_tiles_store<COLS>(acc, D * 4);
   for (int64_t r = 0; r < n; r++) l_out[r] = simd16::reduce_add(V16{l[r]});
 }
 
 struct AmxScratch {
-  AmxPacked packed;
   amx::AlignedVector<bf16> q16;
   amx::AlignedVector<float> acc;
   std::vector<int64_t> num_keys;
   std::vector<float> l;
 };
 
-// attention_item on the tiles (a bfloat16 cache, D a multiple of 32 up to AMX_MAX_HEAD_DIM).
+// attention_item on the tiles (a bfloat16 cache, D a multiple of 32 up to AMX_MAX_HEAD_DIM), over
+// its request's keys packed for its KV head.
 template <typename T>
-void attention_item_amx(const WorkItem& it, const T* q, const bf16* k_cache, const bf16* v_cache, T* out,
-                        const int32_t* table, const KLayout& kl, int64_t query_start, int64_t first_position,
-                        int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window_start,
-                        const int64_t* window_positions, Scratch<bf16>& sc, AmxScratch& ax) {
+void attention_item_amx(const WorkItem& it, const T* q, T* out, int64_t query_start, int64_t first_position,
+                        int64_t H, int64_t Hkv, int64_t D, float scale, const AmxPacked& packed, AmxScratch& ax) {
   const int64_t G = H / Hkv, nh = it.head_end - it.head_begin;
   const int64_t rows = (it.token_end - it.token_begin) * nh;
   const int64_t padded = (rows + amx::ROWS - 1) / amx::ROWS * amx::ROWS;
-  const int64_t max_keys = first_position + it.token_end;
-  sc.kt.resize(GROUPS * D * KEY_GROUP);
-  if (static_cast<int64_t>(sc.zeros.size()) != D * KEY_GROUP) sc.zeros.assign(D * KEY_GROUP, bf16(0.f));
-  if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));
-  const KeySource<bf16> keys{k_cache, v_cache, table, kl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
-  pack_keys_for_tiles(keys, max_keys, sc, ax.packed);
   ax.q16.assign(padded * D, bf16(0.f));
   ax.acc.resize(amx::ROWS * D);
   ax.num_keys.resize(rows);
@@ -791,9 +808,9 @@ void attention_item_amx(const WorkItem& it, const T* q, const bf16* k_cache, con
   for (int64_t r0 = 0; r0 < rows; r0 += amx::ROWS) {
     const int64_t n = std::min<int64_t>(amx::ROWS, rows - r0);
     if (D > 32)
-      amx_row_tile<4>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, ax.packed, c, ax.acc.data(), ax.l.data());
+      amx_row_tile<4>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, packed, c, ax.acc.data(), ax.l.data());
     else
-      amx_row_tile<2>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, ax.packed, c, ax.acc.data(), ax.l.data());
+      amx_row_tile<2>(ax.q16.data() + r0 * D, D, ax.num_keys.data() + r0, n, packed, c, ax.acc.data(), ax.l.data());
     for (int64_t r = 0; r < n; r++) {
       const int64_t i = r0 + r, t = it.token_begin + i / nh, h = it.head_begin + i % nh;
       T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
@@ -1081,6 +1098,36 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const C* kc = ptr<C>(k_cache);
       const C* vc = ptr<C>(v_cache);
       T* op = ptr<T>(out);
+#if SS_AMX_TILES
+      // On the tiles: each (request, KV head)'s keys packed once, then the items over them.
+      thread_local amx::AlignedVector<bf16> packed_keys;
+      std::vector<int64_t> pack_offset(R * Hkv + 1, 0);
+      bf16* packed_base = nullptr;
+      if constexpr (std::is_same<C, bf16>::value) {
+        if (on_tiles) {
+          for (int64_t x = 0; x < R * Hkv; x++)
+            pack_offset[x + 1] = pack_offset[x] + AmxPacked::blocks_for(cp[x / Hkv]) * AmxPacked::values_per_block(D);
+          if (static_cast<int64_t>(packed_keys.size()) < pack_offset.back()) packed_keys.resize(pack_offset.back());
+          packed_base = packed_keys.data();  // the workers see their own thread_local, not this one
+          std::atomic<int64_t> next_pack{0};
+          auto pack = [&](int64_t, int64_t) {
+            Scratch<C> sc;
+            for (int64_t x; (x = next_pack.fetch_add(1)) < R * Hkv;) {
+              const int64_t r = x / Hkv;
+              const bool is_tree_row = wsp != nullptr && wsp[r] >= 0;
+              const KeySource<bf16> keys{kc, vc, tp + r * max_blocks, kl, x % Hkv, Hkv, D, cp[r],
+                                         is_tree_row ? wsp[r] : INT64_MAX, is_tree_row ? wpp + r * W : nullptr};
+              pack_keys_for_tiles(keys, sc, AmxPacked(packed_base + pack_offset[x], D));
+            }
+          };
+          if (num_workers <= 1 || R * Hkv == 1) {
+            pack(0, 1);
+          } else {
+            at::parallel_for(0, std::min(num_threads, R * Hkv), 1, pack);
+          }
+        }
+      }
+#endif
       run_workers([&](int64_t, int64_t) {
         Scratch<C> sc;
 #if SS_AMX_TILES
@@ -1095,8 +1142,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 #if SS_AMX_TILES
           if constexpr (std::is_same<C, bf16>::value) {
             if (on_tiles) {
-              attention_item_amx<T>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, sp[it.request],
-                                    cp[it.request] - lp[it.request], H, Hkv, D, fscale, window_start, window, sc, ax);
+              const AmxPacked packed(packed_base + pack_offset[it.request * Hkv + it.kv_head], D);
+              attention_item_amx<T>(it, qp, op, sp[it.request], cp[it.request] - lp[it.request], H, Hkv, D, fscale,
+                                    packed, ax);
               continue;
             }
           }

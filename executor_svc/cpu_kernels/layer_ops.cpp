@@ -779,6 +779,42 @@ void amx_row_tile(const bf16* q16, int64_t D, const int64_t* num_keys, int64_t n
   for (int64_t r = 0; r < n; r++) l_out[r] = simd16::reduce_add(V16{l[r]});
 }
 
+// q's row (D values, float32 or bf16) rounded to bf16 (nearest even, as c10's conversion).
+template <typename T>
+SS_INLINE void to_bf16_row(const T* src, int64_t D, bf16* dst) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    std::memcpy(dst, src, D * sizeof(bf16));
+  } else {
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d))));
+  }
+}
+
+// An output row: the accumulators (unpack order, see unpacked_position) back in d order, / l.
+template <typename T>
+SS_INLINE void store_output_row(const float* a, float l, int64_t D, T* o) {
+  static const std::vector<int32_t> order = [] {
+    std::vector<int32_t> o(32);
+    for (int i = 0; i < 32; i++) o[i] = static_cast<int32_t>(unpacked_position(i));
+    return o;
+  }();
+  const __m512i first = _mm512_loadu_si512(order.data()), second = _mm512_loadu_si512(order.data() + 16);
+  const __m512 vl = _mm512_set1_ps(l);
+  for (int64_t b = 0; b < D; b += 32) {
+    const __m512 lo = _mm512_loadu_ps(a + b), hi = _mm512_loadu_ps(a + b + 16);
+    const __m512 x0 = _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), vl);
+    const __m512 x1 = _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), vl);
+    if constexpr (std::is_same<T, bf16>::value) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x0)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b + 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x1)));
+    } else {
+      _mm512_storeu_ps(o + b, x0);
+      _mm512_storeu_ps(o + b + 16, x1);
+    }
+  }
+}
+
 struct AmxScratch {
   amx::AlignedVector<bf16> q16;
   amx::AlignedVector<float> acc;
@@ -801,7 +837,7 @@ void attention_item_amx(const WorkItem& it, const T* q, T* out, int64_t query_st
   for (int64_t i = 0; i < rows; i++) {
     const int64_t t = it.token_begin + i / nh, h = it.head_begin + i % nh;
     const T* src = q + ((query_start + t) * H + it.kv_head * G + h) * D;
-    for (int64_t d = 0; d < D; d++) ax.q16[i * D + d] = bf16(to_f(src[d]));
+    to_bf16_row(src, D, ax.q16.data() + i * D);
     ax.num_keys[i] = first_position + t + 1;
   }
   const float c = scale * 1.44269504088896341f;
@@ -814,8 +850,7 @@ void attention_item_amx(const WorkItem& it, const T* q, T* out, int64_t query_st
     for (int64_t r = 0; r < n; r++) {
       const int64_t i = r0 + r, t = it.token_begin + i / nh, h = it.head_begin + i % nh;
       T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
-      const float* a = ax.acc.data() + r * D;
-      for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / ax.l[r]);
+      store_output_row(ax.acc.data() + r * D, ax.l[r], D, o);
     }
   }
 }

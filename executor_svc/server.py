@@ -159,6 +159,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             num_kv_blocks=engine.kv.num_usable_blocks,
             num_free_kv_blocks=engine.kv.num_free_blocks,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            preferred_step_tokens=engine.model_runner.preferred_step_tokens,
             dtype=str(engine.model_runner.dtype).removeprefix("torch."),
             weight_bytes=engine.model_runner.weight_bytes,
             matmul=engine.model_runner.matmul,

@@ -47,11 +47,13 @@ class SchedulerConfig:
     max_queued_requests: int = field(
         default=256, metadata=flag("--max-queued-requests", help="queue cap (default %(default)s)")
     )
-    max_num_batched_tokens: int = field(
-        default=256,
+    # None: the executor's preferred step size (GetInfoResponse.preferred_step_tokens).
+    max_num_batched_tokens: int | None = field(
+        default=None,
         metadata=flag(
             "--max-num-batched-tokens",
-            help="tokens computed per step, decodes first then prefill chunks (default %(default)s)",
+            help="tokens computed per step, decodes first then prefill chunks (default: the executor's preference, "
+            "1024 under --matmul bf16, else 256)",
         ),
     )
     # static: fixed membership until every member finishes.
@@ -287,7 +289,7 @@ class SchedulerConfig:
             "max_grammar_bytes",
             "max_decode_runs",
         ):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         parse_draft_policy(self.spec)  # raises a ValueError naming the bad value
         if self.decode_latency_target_s is not None and not (

@@ -117,6 +117,7 @@ class ExecutorRecovery:
             cost_model=cost_model,
             max_draft_tokens=info.max_draft_tokens,
             num_state_slots=info.num_state_slots,
+            preferred_step_tokens=info.preferred_step_tokens,
         )
         planner.num_free_blocks = info.num_free_kv_blocks
         self.last_connect_error = ""

@@ -236,6 +236,19 @@ class _CannotPlanAhead(Exception):
     """The plan would preempt or fail a running request: plan it once the step in flight has answered."""
 
 
+# The step budget when neither the flag nor the executor names one (an executor from before
+# GetInfoResponse.preferred_step_tokens).
+DEFAULT_STEP_TOKENS = 256
+
+
+def step_tokens(config: SchedulerConfig, preferred_step_tokens: int) -> int:
+    """Tokens per step: `--max-num-batched-tokens` where given, else what the executor prefers
+    (its kernels know where their prompt chunks reach their speed), else 256."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return preferred_step_tokens or DEFAULT_STEP_TOKENS
+
+
 class Planner:
     def __init__(
         self,
@@ -246,6 +259,7 @@ class Planner:
         cost_model: CostModel | None = None,
         max_draft_tokens: int = 0,
         num_state_slots: int = 0,
+        preferred_step_tokens: int = 0,
     ) -> None:
         self.config = config
         # A hybrid model's executor computes a request only while it holds one of its
@@ -259,7 +273,7 @@ class Planner:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.num_free_blocks = num_kv_blocks
-        self.token_budget = min(config.max_num_batched_tokens, max_num_batched_tokens)
+        self.token_budget = min(step_tokens(config, preferred_step_tokens), max_num_batched_tokens)
         self.watermark_blocks = math.ceil(config.kv_watermark * num_kv_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order

@@ -10,7 +10,7 @@ import pytest
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.cost_model import CostModel, CostModelConfig, StepCost
 from scheduler_svc.draft_policy import FixedPolicy
-from scheduler_svc.planner import Plan, Planner, RequestResult
+from scheduler_svc.planner import DEFAULT_STEP_TOKENS, Plan, Planner, RequestResult
 from scheduler_svc.request import Request
 from service_common.attention_pairs import attention_pairs
 from service_common.sampling_params import SamplingParams
@@ -86,6 +86,21 @@ class FakeExecutor:
 
 def scheduled(plan):
     return {s.request_id: s.num_tokens for s in plan.scheduled}
+
+
+def test_the_step_budget_is_the_flag_else_the_executors_preference_within_its_cap():
+    def budget(flag, preferred, executor_cap=8192):
+        config = SchedulerConfig(max_num_batched_tokens=flag)
+        planner = Planner(config, BLOCK, 100, executor_cap, preferred_step_tokens=preferred)
+        return planner.token_budget
+
+    assert budget(None, 1024) == 1024  # --matmul bf16's executor
+    assert budget(None, 256) == 256
+    assert budget(None, 0) == DEFAULT_STEP_TOKENS == 256  # an executor that names none
+    assert budget(64, 1024) == 64  # the flag wins
+    assert budget(None, 1024, executor_cap=512) == 512  # never past the executor's guard
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be positive"):
+        SchedulerConfig(max_num_batched_tokens=0)
 
 
 def test_fifo_admission_and_chunked_prefill_under_the_budget():

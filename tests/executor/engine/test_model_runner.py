@@ -9,6 +9,7 @@ import torch
 from executor_svc.config import EngineConfig
 from executor_svc.engine.model_runner import (
     ModelRunner,
+    preferred_step_tokens,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -88,6 +89,13 @@ def test_int8_is_taken_only_when_asked_for_and_the_cpu_has_avx512_vnni(monkeypat
     monkeypatch.setattr(weight_format, "has_int8_dot", lambda: False)  # a CPU without AVX512-VNNI
     with pytest.raises(ValueError, match="--matmul int8 needs a CPU with AVX512-VNNI .* use --matmul int16"):
         resolve_matmul("int8", "auto", CPU, "cpu")
+
+
+def test_the_step_size_it_prefers_follows_its_matmul():
+    """`--matmul bf16`'s prompt chunks are fast enough that a step's fixed costs weigh: 1,024 tokens a
+    step; the others 256 (longer steps made the swarm's TTFT worse there)."""
+    assert preferred_step_tokens("bf16") == 1024
+    assert preferred_step_tokens("int16") == preferred_step_tokens("int8") == preferred_step_tokens("exact") == 256
 
 
 def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_amx(monkeypatch):

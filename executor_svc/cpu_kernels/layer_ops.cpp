@@ -14,9 +14,11 @@
 //   key load: K is stored d-major per cache block (KLayout; a token-major cache
 //   is gathered into the same order, the same bits). Work items (request, KV head,
 //   query tile, head range) and row blocks only decide which rows are computed
-//   together, never how a row is computed. Over a bfloat16 cache on a CPU with
-//   AVX512_BF16, q and the probabilities are rounded to bfloat16 and the products
-//   run as vdpbf16ps (see attention's bfloat16 section).
+//   together, never how a row is computed. Over a bfloat16 cache, q and the
+//   probabilities are rounded to bfloat16 and the products run in hardware: on the
+//   AMX tiles where the CPU has them (16 rows a tile, 32-key blocks from key 0;
+//   see "attention on the AMX tiles"), else as vdpbf16ps with AVX512_BF16 (see
+//   attention's bfloat16 section).
 // - Row ops (norms, RoPE, SiLU): each row is reduced by one fixed sequence
 //   (16-lane float32 chains, then a fixed lane reduction).
 //

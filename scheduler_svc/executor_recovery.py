@@ -127,6 +127,7 @@ class ExecutorRecovery:
             executor=self.link.address,
             model=info.model_name,
             kv_blocks=info.num_kv_blocks,
+            step_tokens=planner.token_budget,
             released_leftovers=info.num_released_requests,
         )
         return planner

@@ -86,10 +86,11 @@ def preferred_step_tokens(matmul: str) -> int:
     """The step size at which this executor's prompt chunks reach their speed without freezing the
     agents that decode beside them for long: `--matmul bf16` runs a 256-token chunk in ~25-80 ms
     on a 2-core Xeon, so a step's fixed costs (the scheduler's plan, the RPC, sampling) weigh, and
-    1,024-token steps measured TTFT 0.26 -> 0.22 s for a lone 1,024-token prompt, the 8-agent
-    swarm's TTFT p50 1.00 -> 0.85 s and its makespan 23.9 -> 22.3 s (`bench vs`); with the int16
-    matmul a chunk costs ~2.5x as much and 1,024-token steps made the swarm's TTFT worse (3.3 ->
-    3.9 s: newcomers wait behind longer steps), so 256."""
+    1,024-token steps measured TTFT 0.26 -> 0.22 s for a lone 1,024-token prompt and the 8-agent
+    swarm's makespan ~7% shorter (25.7-25.8 -> 23.8-24.2 s, two runs each; its TTFT p50 moved
+    within the runs' spread, 0.88-1.12 against 0.90-1.18 s) (`bench vs`); with the int16 matmul
+    a chunk costs ~2.5x as much and 1,024-token steps made the swarm's TTFT worse (3.3 -> 3.9 s:
+    newcomers wait behind longer steps), so 256."""
     return BF16_STEP_TOKENS if matmul == "bf16" else DEFAULT_STEP_TOKENS
 
 

@@ -27,6 +27,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, double scale,
                            const c10::optional<at::Tensor>& window_starts = c10::nullopt,
                            const c10::optional<at::Tensor>& window_positions = c10::nullopt, bool tiles = true);
+// Whether attention over a bfloat16 cache with heads of head_dim runs on the AMX tiles (32 or 64, AMX).
+bool attention_on_tiles(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                                 double eps);

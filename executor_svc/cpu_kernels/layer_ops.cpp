@@ -1086,8 +1086,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 
   // Over a bfloat16 cache on an AMX CPU, every row runs on the tiles (see attention_item_amx).
 #if SS_AMX_TILES
-  const bool on_tiles = tiles && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && D <= AMX_MAX_HEAD_DIM &&
-                        amx::request_permission();
+  const bool on_tiles = tiles && k_cache.scalar_type() == at::kBFloat16 && attention_on_tiles(D);
   const int64_t tile_tokens = on_tiles ? AMX_QUERY_TILE_TOKENS : QUERY_TILE_TOKENS;
 #else
   const bool on_tiles = false;
@@ -1546,10 +1545,12 @@ bool has_bf16_dot_products() {
 #endif
 }
 
-bool has_amx_attention() {
+// Whether attention over a bfloat16 cache with these heads runs on the AMX tiles.
+bool attention_on_tiles(int64_t head_dim) {
 #if SS_AMX_TILES
-  return amx::request_permission();
+  return head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && amx::request_permission();
 #else
+  (void)head_dim;
   return false;
 #endif
 }
@@ -1563,9 +1564,10 @@ void register_layer_ops(pybind11::module_& m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),
         py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("window_starts") = py::none(),
         py::arg("window_positions") = py::none(), py::arg("tiles") = true);
-  m.def("has_amx_attention", &has_amx_attention,
-        "whether attention over a bfloat16 KV cache (head_dim 32 or 64) runs on the AMX tiles: this build has "
-        "them and the OS lets the process use them");
+  m.def("attention_on_tiles", &attention_on_tiles,
+        "whether attention over a bfloat16 KV cache with heads of head_dim runs on the AMX tiles: 32 or 64, on a "
+        "build that has them, in a process the OS lets use them",
+        py::arg("head_dim"));
   m.def("rms_norm", &rms_norm, "weight · x / rms(x), float32 math, x's dtype", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns (rms_norm(residual), residual)", py::arg("x"),

@@ -54,20 +54,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head_dim: int = 64) -> torch.dtype:
     """The KV cache's element type. `float16` / `bfloat16` under float32 activations (the C++ CPU
     kernels only: they round each K/V value once, where it is written) halve the bytes a decode
     step reads at long context and double the tokens the KV budget holds; greedy output may then
     differ from the float32 reference on near-ties (the README's CPU section has the measured
     top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: bfloat16 with `--matmul bf16`
-    (an AMX CPU, where attention over a bfloat16 cache runs on the tiles too: ~4x the vector
-    kernels on a prompt chunk at long context); float16 with the C++ kernels' integer matmul
+    where the model's heads fit the AMX tiles' attention (head_dim 32 or 64: ~5x the vector
+    kernels on a prompt chunk at long context; larger heads would take the slower bfloat16 dot
+    products instead, so they keep float16); float16 with the C++ kernels' integer matmul
     (the CPU's default path), which measures the float32 cache's agreement; else the activations'
-    dtype, so `--dtype float32` stays the exact reference."""
+    dtype, so `--dtype float32` stays the exact reference. `head_dim`: the model's (only
+    `--matmul bf16` asks)."""
     if name == "auto":
         if ops.name != "cpu" or matmul not in MATMUL_KERNELS or dtype != torch.float32:
             return dtype
-        return torch.bfloat16 if matmul == "bf16" else torch.float16
+        if matmul == "bf16":
+            from executor_svc.model.cpu_ops import attention_on_tiles  # bf16 runs only where the kernels load
+
+            return torch.bfloat16 if attention_on_tiles(head_dim) else torch.float16
+        return torch.float16
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
         raise ValueError(
@@ -169,7 +175,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.matmul = resolve_matmul(config.matmul, config.dtype, self.device, config.kernels)
         self.ops = resolve_ops(config.kernels, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.ops, self.matmul)
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.ops, self.matmul, self.model_config.head_dim
+        )
         self.preferred_step_tokens = preferred_step_tokens(self.matmul)
         weights = self._load_weights(gguf)
         self.weight_bytes = weights.num_bytes

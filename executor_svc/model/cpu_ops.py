@@ -30,6 +30,12 @@ from executor_svc.weights.model_config import ModelConfig
 from executor_svc.weights.weight_format import cpu_matmul_parts
 
 
+def attention_on_tiles(head_dim: int) -> bool:
+    """Whether attention over a bfloat16 KV cache with heads of `head_dim` runs on the AMX tiles
+    here (head_dim 32 or 64 on an AMX CPU; see layer_ops.cpp)."""
+    return bool(load().attention_on_tiles(head_dim))
+
+
 @dataclass(frozen=True)
 class CpuAttentionMetadata:
     """One step's requests, as the C++ attention reads them; built once per step."""

@@ -199,7 +199,7 @@ def bench_prefill(
     config = model.config
     num_blocks = 2 + max(token_counts) // 16
     cache = KVCache(config, num_blocks, 16, kv_dtype, model.device, model.ops.key_layout)
-    bf16_kv = resolve_kv_cache_dtype("auto", torch.float32, model.ops, "bf16")
+    bf16_kv = resolve_kv_cache_dtype("auto", torch.float32, model.ops, "bf16", config.head_dim)
     bf16_cache = KVCache(config, num_blocks, 16, bf16_kv, model.device, model.ops.key_layout) if bf16_model else None
     per_token = matmul_macs_per_token(model.weights)
     rows = []
@@ -254,7 +254,7 @@ def bench_chunk_costs(
     """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
     ending at each context length, and one decode row's attention there; where attention runs on
     the AMX tiles, both attentions again over a bfloat16 cache."""
-    tiles = kernels.has_amx_attention()
+    tiles = kernels.attention_on_tiles(config.head_dim)
     x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
     matmuls = sum(
         best_of(reps, lambda w=w: integer_matmul(kernels, x[w.shape[1]], w)) for w in layer_shapes(weights).values()

@@ -17,7 +17,7 @@ from executor_svc.engine.model_runner import (
     resolve_ops,
 )
 from executor_svc.kv.kv_cache import bytes_per_block
-from executor_svc.model.cpu_ops import CpuOps
+from executor_svc.model.cpu_ops import CpuOps, attention_on_tiles
 from executor_svc.model.ragged_batch import RequestSlice
 from executor_svc.weights.weight_format import has_int8_dot, has_int16_dot
 from tests.support.tiny_gguf import TinyModelSpec
@@ -61,7 +61,10 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8") == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16") == torch.bfloat16  # attention on the tiles
+    if attention_on_tiles(64):  # an AMX CPU: --matmul bf16's attention on the tiles, over a bfloat16 cache
+        assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", head_dim=64) == torch.bfloat16
+    # heads the tiles do not take would get the slower bfloat16 dot products: float16 stays
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", head_dim=128) == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32

@@ -232,8 +232,9 @@ def test_a_rows_attention_over_a_16_bit_kv_cache_does_not_depend_on_its_batch(dt
 
 # ------------------------------------------------------------------ attention on the AMX tiles
 
-AMX_ATTENTION = cpu_kernels.load().has_amx_attention()
-needs_amx_attention = pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX tiles here (CPU, kernel build or OS)")
+needs_amx_attention = pytest.mark.skipif(
+    not cpu_kernels.load().attention_on_tiles(64), reason="no AMX tiles here (CPU, kernel build or OS)"
+)
 
 
 def spiked_setup(context_lens, num_heads, num_kv_heads, head_dim, spike_at):

@@ -876,7 +876,6 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   const int64_t G = H / Hkv;
   const int64_t nh = it.head_end - it.head_begin;
   const int64_t rows = (it.token_end - it.token_begin) * nh;
-  const int64_t bs = kl.block_size;
   sc.q.resize(rows * D);
   sc.acc.assign(rows * D, 0.f);
   sc.m.assign(rows, NEG_INF);
@@ -906,10 +905,8 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
   const KeySource<C> keys{k_cache, v_cache, table, kl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
-  auto v_row = [&](int64_t key) { return keys.v_row(key); };
   const C* kg[GROUPS];
   int64_t ks[GROUPS];
-  auto locate_groups = [&](int64_t c0) { keys.locate_groups(c0, kg, ks, sc.kt.data(), sc.zeros.data()); };
   // The values' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
   // rows while this one is computed (it does not change any value). A d-major key group is one
@@ -918,7 +915,7 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
   auto prefetch_values = [&](int64_t c) {
     for (int64_t key = c; key < std::min(c + KV_CHUNK, max_keys); key++) {
-      const char* vr = reinterpret_cast<const char*>(v_row(key));
+      const char* vr = reinterpret_cast<const char*>(keys.v_row(key));
       for (int64_t b = 0; b < row_bytes; b += kLine) __builtin_prefetch(vr + b);
     }
   };
@@ -927,8 +924,8 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   for (int64_t c0 = 0; c0 < max_keys; c0 += KV_CHUNK) {
     const int64_t nc = std::min(KV_CHUNK, max_keys - c0);
     if (c0 + KV_CHUNK < max_keys) prefetch_values(c0 + KV_CHUNK);
-    locate_groups(c0);
-    for (int64_t j = 0; j < nc; j++) vp[j] = v_row(c0 + j);
+    keys.locate_groups(c0, kg, ks, sc.kt.data(), sc.zeros.data());
+    for (int64_t j = 0; j < nc; j++) vp[j] = keys.v_row(c0 + j);
     // Rows whose token sees a key of this chunk: a suffix of the item's rows.
     const int64_t t_first = std::max(it.token_begin, c0 - first_position);
     const int64_t i0 = (t_first - it.token_begin) * nh;
@@ -1126,6 +1123,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
     }
   };
   const float fscale = static_cast<float>(scale);
+  // A tree row reads keys window_start.. through its window's positions (see above); others, none.
+  auto window_start_of = [&](int64_t r) { return wsp != nullptr && wsp[r] >= 0 ? wsp[r] : INT64_MAX; };
+  auto window_of = [&](int64_t r) -> const int64_t* { return wsp != nullptr && wsp[r] >= 0 ? wpp + r * W : nullptr; };
   dispatch_float(q.scalar_type(), "paged_attention", [&](auto q_tag) {
     dispatch_kv(k_cache.scalar_type(), [&](auto kv_tag) {
       using T = decltype(q_tag);
@@ -1137,10 +1137,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 #if SS_AMX_TILES
       // On the tiles: each (request, KV head)'s keys packed once, then the items over them.
       thread_local amx::AlignedVector<bf16> packed_keys;
-      std::vector<int64_t> pack_offset(R * Hkv + 1, 0);
+      std::vector<int64_t> pack_offset;  // (request, KV head) x's keys at packed_base + pack_offset[x]
       bf16* packed_base = nullptr;
       if constexpr (std::is_same<C, bf16>::value) {
         if (on_tiles) {
+          pack_offset.assign(R * Hkv + 1, 0);
           for (int64_t x = 0; x < R * Hkv; x++)
             pack_offset[x + 1] = pack_offset[x] + AmxPacked::blocks_for(cp[x / Hkv]) * AmxPacked::values_per_block(D);
           if (static_cast<int64_t>(packed_keys.size()) < pack_offset.back()) packed_keys.resize(pack_offset.back());
@@ -1150,17 +1151,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
             Scratch<C> sc;
             for (int64_t x; (x = next_pack.fetch_add(1)) < R * Hkv;) {
               const int64_t r = x / Hkv;
-              const bool is_tree_row = wsp != nullptr && wsp[r] >= 0;
               const KeySource<bf16> keys{kc, vc, tp + r * max_blocks, kl, x % Hkv, Hkv, D, cp[r],
-                                         is_tree_row ? wsp[r] : INT64_MAX, is_tree_row ? wpp + r * W : nullptr};
+                                         window_start_of(r), window_of(r)};
               pack_keys_for_tiles(keys, sc, AmxPacked(packed_base + pack_offset[x], D));
             }
           };
-          if (num_workers <= 1 || R * Hkv == 1) {
-            pack(0, 1);
-          } else {
-            at::parallel_for(0, std::min(num_threads, R * Hkv), 1, pack);
-          }
+          run_workers(pack);
         }
       }
 #endif
@@ -1172,9 +1168,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 #endif
         for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
           const WorkItem& it = items[i];
-          const bool is_tree_row = wsp != nullptr && wsp[it.request] >= 0;
-          const int64_t window_start = is_tree_row ? wsp[it.request] : INT64_MAX;
-          const int64_t* window = is_tree_row ? wpp + it.request * W : nullptr;
+          const int64_t window_start = window_start_of(it.request);
+          const int64_t* window = window_of(it.request);
 #if SS_AMX_TILES
           if constexpr (std::is_same<C, bf16>::value) {
             if (on_tiles) {

@@ -101,10 +101,10 @@ async def admit(
             f"the prompt ({request.num_prompt_tokens} tokens) does not fit in the executor's KV cache "
             f"({view.num_kv_blocks} blocks of {view.block_size} tokens)",
         )
-    if view.num_waiting >= config.max_queued_requests:
+    if view.num_queued >= config.max_queued_requests:
         raise Refused(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the queue is full ({view.num_waiting} requests waiting, "
+            f"the queue is full ({view.num_queued} requests waiting for a place in the batch, "
             f"max_queued_requests={config.max_queued_requests}); retry later",
         )
     stream = RequestStream(request, limits.tokenizer, accepted.stop_strings, accepted.include_special_tokens)

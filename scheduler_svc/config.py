@@ -43,7 +43,7 @@ class SchedulerConfig:
     max_running_requests: int = field(
         default=16, metadata=flag("--max-running-requests", help="batch size cap (default %(default)s)")
     )
-    # Beyond this Generate answers RESOURCE_EXHAUSTED.
+    # Beyond this many requests waiting past the batch's free places, Generate answers RESOURCE_EXHAUSTED.
     max_queued_requests: int = field(
         default=256, metadata=flag("--max-queued-requests", help="queue cap (default %(default)s)")
     )

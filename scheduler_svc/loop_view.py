@@ -51,6 +51,11 @@ class LoopView:
         return self._read(lambda p: p.num_waiting)
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting beyond the batch's free places (Planner.num_queued): what the queue cap counts."""
+        return self._read(lambda p: p.num_queued)
+
+    @property
     def num_running(self) -> int:
         return self._read(lambda p: len(p.running))
 

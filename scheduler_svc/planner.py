@@ -295,6 +295,14 @@ class Planner:
         return len(self.waiting)
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting beyond the batch's free places: those the next step cannot take in.
+        The queue cap counts these, so whether a burst is refused does not depend on whether a
+        step was planned between its requests (one about to enter the batch is not queued)."""
+        free_places = max(0, self.max_running_requests - len(self.running))
+        return max(0, len(self.waiting) - free_places)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_release)
 

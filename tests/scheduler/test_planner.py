@@ -215,6 +215,17 @@ def test_max_running_requests_caps_the_batch_and_finished_slots_refill_next_step
     assert "c" in scheduled(plan) and [r.request_id for r in plan.new_requests] == ["c"]
 
 
+def test_the_queue_counts_only_requests_beyond_the_batchs_free_places():
+    """What --max-queued-requests caps: the same count whether or not a step was planned between
+    a burst's requests (the one about to enter the batch is not queued)."""
+    p = make_planner(budget=64, max_running=1)
+    for rid in "abc":
+        p.add(req(rid, 3))
+    assert (p.num_waiting, p.num_queued) == (3, 2)  # a takes the free place at the next step
+    FakeExecutor(p).step(p.schedule(now=0.0))
+    assert (len(p.running), p.num_waiting, p.num_queued) == (1, 2, 2)
+
+
 def test_kv_aware_admission_waits_for_room_for_the_whole_prompt():
     p = make_planner(num_blocks=10, budget=64, max_running=4)
     p.add(req("a", 20))  # 6 blocks incl. one token of headroom

@@ -56,16 +56,17 @@ class _Draft:
     depth: int = 0  # the deepest node's depth (a chain's length), reported in RequestResult.draft_depth
     num_leaves: int = 0  # 1 for a chain
     expected_num_accepted_tokens: float = 0.0  # the drafter's estimate, for a tree (a chain has none)
+    tree: DraftTree | None = None  # the drafter's tree, told what verification kept
 
     @classmethod
     def chain(cls, token_ids: list[int]) -> _Draft:
         return cls(token_ids, None, len(token_ids), 1)
 
     @classmethod
-    def tree(cls, tree: DraftTree) -> _Draft:
-        return cls(
-            tree.token_ids, tuple(tree.parent_indexes), tree.depth, tree.num_leaves, tree.expected_num_accepted_tokens
-        )
+    def tree_of(cls, tree: DraftTree) -> _Draft:
+        """The drafter's tree, kept to tell the drafter what verification kept."""
+        parents = tuple(tree.parent_indexes)
+        return cls(tree.token_ids, parents, tree.depth, tree.num_leaves, tree.expected_num_accepted_tokens, tree)
 
 
 NO_DRAFT = _Draft([])
@@ -348,6 +349,8 @@ class Engine:
             # (a finishing request too: commit may snapshot it).
             self.kv.restore_state(state.request_id, num_kept)
         self.kv.commit(state.request_id, state.token_ids, state.num_computed_tokens)
+        if part.draft.tree is not None:
+            self.drafter.observe_tree(part.draft.tree, kept_nodes)
         if emitted:
             self.drafter.append(state.request_id, emitted)
         num_draftable, expected_by_nodes = self._draft_outlook(state)
@@ -500,7 +503,7 @@ class Engine:
             if self._drafts_trees(state):
                 tree = self.drafter.propose_tree(s.request_id, room)
                 if tree.num_nodes:
-                    drafts[s.request_id] = _Draft.tree(tree)
+                    drafts[s.request_id] = _Draft.tree_of(tree)
                 continue
             proposed = self.drafter.propose(s.request_id, room)
             if proposed and state.grammar is not None:

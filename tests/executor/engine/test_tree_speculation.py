@@ -168,6 +168,19 @@ def test_results_report_the_drafts_shape_and_what_the_next_tree_buys(make_tiny_e
         assert any(r.expected_accepted_tokens_by_nodes for r in results)
 
 
+def test_every_verified_tree_calibrates_the_drafter(make_tiny_engine):
+    from executor_svc.sampling.drafter import NodeCalibration
+
+    engine = make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20, draft_shape="tree")
+    engine.drafter.calibration = NodeCalibration(decay=1.0)
+    prompt = [40, 41, 42, 43, 44, 40, 41, 42, 45, 46, 40, 41, 42, 43, 44, 40, 41, 42]
+    reqs = [NewRequest(f"c{i}", prompt, SamplingParams(), 12, ignore_eos=True) for i in range(2)]
+    results = drive_recording_results(engine, reqs, 6)
+    num_nodes, num_accepted = engine.drafter.calibration.totals()
+    assert num_accepted == sum(r.num_accepted_tokens for r in results) > 0
+    assert num_nodes > num_accepted  # a rejected node whose parent was kept is filed too
+
+
 def test_a_result_over_several_runs_sums_the_shapes_and_keeps_the_last_curve():
     from executor_svc.engine.step_messages import RequestResult
 

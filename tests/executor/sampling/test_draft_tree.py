@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from executor_svc.sampling.drafter import (
     Drafter,
     DraftTree,
+    NodeCalibration,
     RequestIndex,
     SwarmIndex,
     grow_tree,
@@ -99,6 +100,49 @@ def test_drafter_next_tree_is_the_full_budget_tree():
     assert drafter.next_tree("r") == drafter.propose_tree("r", 5)
 
 
+def test_calibration_docstring_example_and_its_prior():
+    calibration = NodeCalibration(decay=1.0)
+    assert calibration(0.98) == 0.98 and calibration(0.3) == 0.3  # before any verification: the evidence
+    chain = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.98] * 5, [0.98] * 5)
+    calibration.observe(chain, [0, 1, 2])  # 0..2 kept, 3 rejected, 4 under a rejected node: no outcome
+    assert calibration(0.98) == pytest.approx((3 + 2 * 0.98) / (4 + 2))
+    calibration.observe(DraftTree([6], [-1], [0.98], [0.98]), [])
+    assert calibration(0.98) == pytest.approx((3 + 2 * 0.98) / (5 + 2))
+    assert calibration(0.96) == pytest.approx((3 + 2 * 0.96) / (5 + 2))  # the same bin (0.95-0.99), its own prior
+    assert calibration(0.3) == 0.3  # other bins are untouched
+
+
+def test_calibration_files_every_node_whose_parent_was_kept():
+    calibration = NodeCalibration(decay=1.0)
+    # Root's children 0 (x) and 1 (y); 2 under 0, 3 under 1. Verification kept 1: y.
+    tree = DraftTree([7, 8, 9, 10], [-1, -1, 0, 1], [0.5, 0.4, 0.45, 0.2], [0.5, 0.4, 0.9, 0.5])
+    calibration.observe(tree, [1])
+    assert calibration.totals() == (3.0, 1.0)  # nodes 0, 1 and 3 (node 2's parent was rejected)
+    assert calibration(0.4) == pytest.approx((1 + 2 * 0.4) / 3)  # node 1, kept
+    assert calibration(0.5) == pytest.approx((0 + 2 * 0.5) / 4)  # nodes 0 and 3, rejected
+    assert calibration(0.9) == 0.9
+
+
+def test_verified_trees_calibrate_the_next_ones():
+    """A copy the model keeps leaving: once verification has rejected its sure-looking nodes,
+    the drafter expects less of the same tree, and the path probabilities are the calibrated
+    chances multiplied down the path."""
+    history = letters("p q r s t u v w p q r s t u v w p q r")
+    drafter = Drafter(max_draft_tokens=4, max_ngram=3)
+    drafter.add_request("r", history)
+    before = drafter.next_tree("r")
+    assert before.is_chain() and before.expected_num_accepted_tokens > 3.0  # evidence 0.875-0.98 a node
+    for _ in range(20):
+        drafter.observe_tree(before, [0])  # the first node kept, the second rejected
+    after = drafter.next_tree("r")
+    assert after.token_ids == before.token_ids and after.node_evidence == before.node_evidence
+    assert after.expected_num_accepted_tokens < 0.6 * before.expected_num_accepted_tokens
+    probability = 1.0
+    for evidence, path_probability in zip(after.node_evidence, after.path_probabilities):
+        probability *= drafter.calibration(evidence)
+        assert path_probability == pytest.approx(probability)
+
+
 def swarm_drafter(outputs: dict[str, str], reader_prompt: str) -> Drafter:
     drafter = Drafter(max_draft_tokens=6, use_swarm_index=True, max_ngram=4)
     for request_id, text in outputs.items():
@@ -151,8 +195,8 @@ def test_a_branch_keeps_its_place_in_the_copied_text():
 
 
 def test_nothing_matches_gives_an_empty_tree():
-    assert RequestIndex(letters("a b c d")).propose_tree(8) == DraftTree([], [], [])
-    assert RequestIndex(letters("a b a b")).propose_tree(0) == DraftTree([], [], [])
+    assert RequestIndex(letters("a b c d")).propose_tree(8) == DraftTree([], [], [], [])
+    assert RequestIndex(letters("a b a b")).propose_tree(0) == DraftTree([], [], [], [])
     # min_ngram: a one-token match is not enough
     assert RequestIndex(letters("a x a y a"), min_ngram=2).propose_tree(8).num_nodes == 0
 

@@ -64,8 +64,9 @@ class _Draft:
 
     @classmethod
     def tree_of(cls, tree: DraftTree) -> _Draft:
-        """The drafter's tree, kept to tell the drafter what verification kept."""
-        parents = tuple(tree.parent_indexes)
+        """The drafter's tree. One that does not branch is verified as the chain it is: ordinary
+        verify rows (no ancestor windows in attention, no K/V moves), the same tokens kept."""
+        parents = None if tree.is_chain() else tuple(tree.parent_indexes)
         return cls(tree.token_ids, parents, tree.depth, tree.num_leaves, tree.expected_num_accepted_tokens, tree)
 
 

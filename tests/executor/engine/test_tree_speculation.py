@@ -168,8 +168,15 @@ def test_results_report_the_drafts_shape_and_what_the_next_tree_buys(make_tiny_e
         assert any(r.expected_accepted_tokens_by_nodes for r in results)
 
 
-def test_every_verified_tree_calibrates_the_drafter(make_tiny_engine):
-    from executor_svc.sampling.drafter import NodeCalibration
+def test_every_verified_tree_calibrates_the_drafter_and_a_chain_shaped_one_verifies_as_a_chain(make_tiny_engine):
+    from executor_svc.engine.engine import _Draft
+    from executor_svc.sampling.drafter import DraftTree, NodeCalibration
+
+    chain_shaped = DraftTree([5, 6], [-1, 0], [0.9, 0.8], [0.9, 0.9])
+    branching = DraftTree([5, 6], [-1, -1], [0.5, 0.4], [0.5, 0.4])
+    assert _Draft.tree_of(chain_shaped).parent_indexes is None  # ordinary verify rows
+    assert _Draft.tree_of(branching).parent_indexes == (-1, -1)
+    assert _Draft.tree_of(chain_shaped).tree is chain_shaped
 
     engine = make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20, draft_shape="tree")
     engine.drafter.calibration = NodeCalibration(decay=1.0)

@@ -1135,28 +1135,40 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const C* vc = ptr<C>(v_cache);
       T* op = ptr<T>(out);
 #if SS_AMX_TILES
-      // On the tiles: each (request, KV head)'s keys packed once, then the items over them.
+      // On the tiles, a (request, KV head)'s keys are packed once for all its items. One with
+      // several items (a prompt chunk's token tiles) is packed by a pass before the items, into
+      // a buffer they share; one with a single item (a decode, verify or tree row: its rows fit
+      // one token tile) is packed by the worker that runs the item, right before it, into that
+      // worker's own buffer, which the item then reads from L2: a separate pass over every
+      // decode row's keys wrote them all out first (~13 MB for 16 requests at 1k tokens) and
+      // read them back from L3. Either way the same packed values, so the same bits.
       thread_local amx::AlignedVector<bf16> packed_keys;
       std::vector<int64_t> pack_offset;  // (request, KV head) x's keys at packed_base + pack_offset[x]
       bf16* packed_base = nullptr;
+      auto packs_alone = [&](int64_t r) { return lp[r] <= tile_tokens; };  // its heads' one item each
+      auto keys_of = [&](auto r, auto kv_head) {  // generic: only instantiated over a bfloat16 cache
+        return KeySource<C>{kc, vc, tp + r * max_blocks, kl, kv_head, Hkv, D, cp[r], window_start_of(r), window_of(r)};
+      };
       if constexpr (std::is_same<C, bf16>::value) {
         if (on_tiles) {
           pack_offset.assign(R * Hkv + 1, 0);
-          for (int64_t x = 0; x < R * Hkv; x++)
-            pack_offset[x + 1] = pack_offset[x] + AmxPacked::blocks_for(cp[x / Hkv]) * AmxPacked::values_per_block(D);
+          for (int64_t x = 0; x < R * Hkv; x++) {
+            const int64_t r = x / Hkv;
+            const int64_t shared = packs_alone(r) ? 0 : AmxPacked::blocks_for(cp[r]) * AmxPacked::values_per_block(D);
+            pack_offset[x + 1] = pack_offset[x] + shared;
+          }
           if (static_cast<int64_t>(packed_keys.size()) < pack_offset.back()) packed_keys.resize(pack_offset.back());
           packed_base = packed_keys.data();  // the workers see their own thread_local, not this one
-          std::atomic<int64_t> next_pack{0};
-          auto pack = [&](int64_t, int64_t) {
-            Scratch<C> sc;
-            for (int64_t x; (x = next_pack.fetch_add(1)) < R * Hkv;) {
-              const int64_t r = x / Hkv;
-              const KeySource<bf16> keys{kc, vc, tp + r * max_blocks, kl, x % Hkv, Hkv, D, cp[r],
-                                         window_start_of(r), window_of(r)};
-              pack_keys_for_tiles(keys, sc, AmxPacked(packed_base + pack_offset[x], D));
-            }
-          };
-          run_workers(pack);
+          if (pack_offset.back() > 0) {
+            std::atomic<int64_t> next_pack{0};
+            auto pack = [&](int64_t, int64_t) {
+              Scratch<C> sc;
+              for (int64_t x; (x = next_pack.fetch_add(1)) < R * Hkv;)
+                if (!packs_alone(x / Hkv))
+                  pack_keys_for_tiles(keys_of(x / Hkv, x % Hkv), sc, AmxPacked(packed_base + pack_offset[x], D));
+            };
+            run_workers(pack);
+          }
         }
       }
 #endif
@@ -1173,9 +1185,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 #if SS_AMX_TILES
           if constexpr (std::is_same<C, bf16>::value) {
             if (on_tiles) {
-              const AmxPacked packed(packed_base + pack_offset[it.request * Hkv + it.kv_head], D);
+              bf16* keys_at = packed_base + pack_offset[it.request * Hkv + it.kv_head];
+              if (packs_alone(it.request)) {
+                thread_local amx::AlignedVector<bf16> own_keys;
+                const int64_t size = AmxPacked::blocks_for(cp[it.request]) * AmxPacked::values_per_block(D);
+                if (static_cast<int64_t>(own_keys.size()) < size) own_keys.resize(size);
+                keys_at = own_keys.data();
+                pack_keys_for_tiles(keys_of(it.request, it.kv_head), sc, AmxPacked(keys_at, D));
+              }
               attention_item_amx<T>(it, qp, op, sp[it.request], cp[it.request] - lp[it.request], H, Hkv, D, fscale,
-                                    packed, ax);
+                                    AmxPacked(keys_at, D), ax);
               continue;
             }
           }

@@ -190,6 +190,20 @@ KLayout k_layout(const at::Tensor& k_cache) {
   return {bs * Hkv * D, 1, D * bs, bs, bs};
 }
 
+// Where V element (block, slot in block, kv head, d) lives in v_cache: token-major (contiguous, as
+// K's first layout) or head-major (each block is [Hkv, block_size, D], the tensor permuted to the
+// common shape: one head's values for a block's keys are one contiguous run, which attention reads
+// head by head; token-major interleaves the other heads' rows into every run it reads).
+KLayout v_layout(const at::Tensor& v_cache) {
+  const int64_t bs = v_cache.size(1), Hkv = v_cache.size(2), D = v_cache.size(3);
+  if (v_cache.is_contiguous()) return {bs * Hkv * D, Hkv * D, D, 1, bs};
+  const std::vector<int64_t> head_major = {bs * Hkv * D, D, bs * D, 1};
+  TORCH_CHECK(v_cache.strides().vec() == head_major,
+              "v_cache must be contiguous [num_blocks, block_size, Hkv, D], or head-major: a contiguous [num_blocks, "
+              "Hkv, block_size, D] permuted to that shape");
+  return {bs * Hkv * D, D, bs * D, 1, bs};
+}
+
 // Every score, probability and output row is computed by one fixed sequence whatever the item,
 // so a row's bits depend on its request's keys only:
 //   score(q, k_j) = (fma over d = 0, 1, …, D-1 of q[d]·k_j[d], from 0) · scale, each key j in a
@@ -209,17 +223,14 @@ struct KeySource {
   const C* k_cache;
   const C* v_cache;
   const int32_t* table;
-  KLayout kl;
+  KLayout kl, vl;
   int64_t kv_head, Hkv, D, max_keys, window_start;
   const int64_t* window_positions;
 
   int64_t position_of(int64_t key) const {
     return key >= window_start ? window_positions[key - window_start] : key;
   }
-  const C* v_row(int64_t key) const {
-    const int64_t p = position_of(key), bs = kl.block_size;
-    return v_cache + ((table[p / bs] * bs + p % bs) * Hkv + kv_head) * D;
-  }
+  const C* v_row(int64_t key) const { return v_cache + vl.offset(position_of(key), table, kv_head); }
   // Key group g of the chunk at c0 (16 keys, d-major: D rows of 16): in place where its 16 keys are
   // one block's consecutive d-major slots, else gathered (the same values) into gathered[g]; past
   // the last key, zeros (`zeros`: D × 16 of them).
@@ -871,7 +882,7 @@ inline void to_float_row(const T* src, float* dst, int64_t D) {
 // as they are read, float32 math, but for the bfloat16 dot products over a bfloat16 cache).
 template <typename T, typename C>
 void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
-                    const KLayout& kl, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
+                    const KLayout& kl, const KLayout& vl, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
                     float scale, int64_t window_start, const int64_t* window_positions, Scratch<C>& sc) {
   const int64_t G = H / Hkv;
   const int64_t nh = it.head_end - it.head_begin;
@@ -904,7 +915,7 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));  // never written
   }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
-  const KeySource<C> keys{k_cache, v_cache, table, kl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
+  const KeySource<C> keys{k_cache, v_cache, table, kl, vl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
   const C* kg[GROUPS];
   int64_t ks[GROUPS];
   // The values' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
@@ -1008,8 +1019,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
   check_kv_type(k_cache, v_cache);
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
-  const KLayout kl = k_layout(k_cache);
+  const KLayout kl = k_layout(k_cache), vl = v_layout(v_cache);
   const at::Tensor q = q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
@@ -1147,7 +1157,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       bf16* packed_base = nullptr;
       auto packs_alone = [&](int64_t r) { return lp[r] <= tile_tokens; };  // its heads' one item each
       auto keys_of = [&](auto r, auto kv_head) {  // generic: only instantiated over a bfloat16 cache
-        return KeySource<C>{kc, vc, tp + r * max_blocks, kl, kv_head, Hkv, D, cp[r], window_start_of(r), window_of(r)};
+        return KeySource<C>{kc, vc, tp + r * max_blocks, kl, vl, kv_head, Hkv, D, cp[r], window_start_of(r), window_of(r)};
       };
       if constexpr (std::is_same<C, bf16>::value) {
         if (on_tiles) {
@@ -1199,7 +1209,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
             }
           }
 #endif
-          attention_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, sp[it.request],
+          attention_item<T, C>(it, qp, kc, vc, op, tp + it.request * max_blocks, kl, vl, sp[it.request],
                                cp[it.request] - lp[it.request], H, Hkv, D, fscale, window_start, window, sc);
         }
       });
@@ -1348,12 +1358,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 namespace {
 
-KLayout check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
+struct CacheLayouts {
+  KLayout k, v;
+};
+
+CacheLayouts check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D,
               "k_cache and v_cache must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
   check_kv_type(k_cache, v_cache);
-  return k_layout(k_cache);
+  return {k_layout(k_cache), v_layout(v_cache)};
 }
 
 // One head's D values (already in the cache's type) into K's slot `slot` (flat), head g.
@@ -1375,6 +1388,15 @@ inline void store_row(const T* src, C* dst, int64_t n) {
   } else {
     for (int64_t i = 0; i < n; i++) dst[i] = from_f<C>(to_f(src[i]));
   }
+}
+
+// A token's Hkv value heads (Hkv · D values, head by head) into V's slot `slot` (flat), rounded to
+// the cache's type: one run when token-major, a run per head when head-major.
+template <typename T, typename C>
+inline void store_values(const T* src, C* v_cache, const KLayout& vl, int64_t slot, int64_t Hkv, int64_t D) {
+  C* dst = v_cache + (slot / vl.block_size) * vl.block + (slot % vl.block_size) * vl.slot;
+  if (vl.head == D) return store_row(src, dst, Hkv * D);
+  for (int64_t g = 0; g < Hkv; g++) store_row(src + g * D, dst + g * vl.head, D);
 }
 
 const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::Tensor& holder) {
@@ -1427,7 +1449,7 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
   const int64_t D = x.n / (H + 2 * Hkv);
   TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and at most 512");
   const int64_t T = x.rows;
-  const KLayout kl = check_cache(k_cache, v_cache, Hkv, D);
+  const auto [kl, vl] = check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D / 2 && cos_table.sizes() == sin_table.sizes() &&
                   cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
               "cos_table and sin_table must be float32 [context, ", D / 2, "]");
@@ -1474,7 +1496,7 @@ at::Tensor qkv_rope_write(const at::Tensor& qkv_in, int64_t H, int64_t Hkv, cons
                                     interleaved, key);
               store_key(key, kc, kl, slots[t], g, D);
             }
-            store_row(row + (H + Hkv) * D, vc + slots[t] * Hkv * D, Hkv * D);
+            store_values(row + (H + Hkv) * D, vc, vl, slots[t], Hkv, D);
           }
         }
       });
@@ -1524,7 +1546,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   const int64_t N = k_in.size(0), Hkv = k_in.size(1), D = k_in.size(2);
   check_float_type(k_in, "k");
   TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "k and v must share a dtype");
-  const KLayout kl = check_cache(k_cache, v_cache, Hkv, D);
+  const auto [kl, vl] = check_cache(k_cache, v_cache, Hkv, D);
   TORCH_CHECK(slot_mapping.size(0) == N, "slot_mapping must have one slot per token");
   at::Tensor holder;
   const int64_t* slots = slots_ptr(slot_mapping, k_cache.size(0) * k_cache.size(1), holder);
@@ -1545,7 +1567,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
       for (int64_t t = 0; t < N; t++) {
         store_row(kp + t * k.stride(0), key.data(), Hkv * D);
         for (int64_t g = 0; g < Hkv; g++) store_key(key.data() + g * D, kc, kl, slots[t], g, D);
-        store_row(vp + t * v.stride(0), vc + slots[t] * Hkv * D, Hkv * D);
+        store_values(vp + t * v.stride(0), vc, vl, slots[t], Hkv, D);
       }
     });
   });

@@ -233,7 +233,7 @@ class ModelRunner:
             enable_prefix_caching=config.enable_prefix_caching,
             num_state_snapshots=config.num_state_snapshots,
             kv_dtype=self.kv_dtype,
-            key_layout=self.ops.key_layout,
+            kv_layout=self.ops.kv_layout,
         )
 
     def _capture_decode_graphs(self):

@@ -28,7 +28,7 @@ from executor_svc.model.torch_ops import TorchOps, qkv_rope_write
 
 class TritonOps:
     name = "triton"
-    key_layout = "token_major"  # the KV cache's K layout these ops read (kv_cache.py)
+    kv_layout = "token_major"  # the KV cache's layout these ops read (kv_cache.py)
 
     def __init__(
         self, query_tile_tokens: int = 16, kv_tile_keys: int | None = None, delta_rule_chunk_tokens: int = CHUNK_TOKENS

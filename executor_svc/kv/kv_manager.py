@@ -126,12 +126,12 @@ class KVManager:
         enable_prefix_caching: bool = True,
         num_state_snapshots: int | None = None,
         kv_dtype: torch.dtype | None = None,
-        key_layout: str = "token_major",
+        kv_layout: str = "token_major",
     ) -> "KVManager":
         """Hybrid models take their recurrent-state slots and snapshots out of the budget first; the KV
         blocks get the rest. `num_state_snapshots` None: one per slot, as many as fit in a quarter of
         what the slots leave (none without prefix caching). `dtype`: the recurrent states'; `kv_dtype`:
-        the KV cache's (None: `dtype`); `key_layout`: see kv_cache.py."""
+        the KV cache's (None: `dtype`); `kv_layout`: see kv_cache.py."""
         state_pool = None
         if config.is_hybrid:
             per_row = bytes_per_slot(config, dtype)
@@ -148,7 +148,7 @@ class KVManager:
                     f"each); raise it or lower num_state_slots / num_state_snapshots"
                 )
             state_pool = RecurrentStatePool(config, num_state_slots, dtype, device, num_state_snapshots)
-        cache = KVCache.from_memory_budget(config, budget_bytes, block_size, kv_dtype or dtype, device, key_layout)
+        cache = KVCache.from_memory_budget(config, budget_bytes, block_size, kv_dtype or dtype, device, kv_layout)
         return cls(cache, state_pool, prefix_root, enable_prefix_caching)
 
     # ---------------------------------------------------------------- counts

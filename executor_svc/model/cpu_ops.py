@@ -134,7 +134,9 @@ class CpuLayerStack:
 
 class CpuOps:
     name = "cpu"
-    key_layout = "d_major"  # each block's K as [Hkv, D, block_size]: attention scores a key per lane (kv_cache.py)
+    kv_layout = (
+        "d_major"  # each block's K as [Hkv, D, block_size] (a key per lane), V as [Hkv, block_size, D] (kv_cache.py)
+    )
 
     def __init__(self) -> None:
         self._k = load()

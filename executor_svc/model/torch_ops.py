@@ -19,7 +19,7 @@ from executor_svc.model.ragged_batch import RaggedBatch
 
 class TorchOps:
     name = "torch"
-    key_layout = "token_major"  # the KV cache's K layout these ops read (kv_cache.py)
+    kv_layout = "token_major"  # the KV cache's layout these ops read (kv_cache.py)
 
     def layer_stack(self, config, weights, scale: float) -> None:
         """No fused layer stack here: the model runs its layer loop on these ops (see CpuOps')."""

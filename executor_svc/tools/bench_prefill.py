@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from executor_svc.engine.model_runner import resolve_kv_cache_dtype, resolve_ops
-from executor_svc.kv.kv_cache import KVCache, to_key_layout
+from executor_svc.kv.kv_cache import KVCache, to_key_layout, to_value_layout
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
 from executor_svc.weights.gguf_file import open_gguf
@@ -198,9 +198,9 @@ def bench_prefill(
     `--matmul bf16` over its bfloat16 KV cache, alternating run by run."""
     config = model.config
     num_blocks = 2 + max(token_counts) // 16
-    cache = KVCache(config, num_blocks, 16, kv_dtype, model.device, model.ops.key_layout)
+    cache = KVCache(config, num_blocks, 16, kv_dtype, model.device, model.ops.kv_layout)
     bf16_kv = resolve_kv_cache_dtype("auto", torch.float32, model.ops, "bf16", config.head_dim)
-    bf16_cache = KVCache(config, num_blocks, 16, bf16_kv, model.device, model.ops.key_layout) if bf16_model else None
+    bf16_cache = KVCache(config, num_blocks, 16, bf16_kv, model.device, model.ops.kv_layout) if bf16_model else None
     per_token = matmul_macs_per_token(model.weights)
     rows = []
     for t in token_counts:
@@ -232,14 +232,14 @@ def bench_prefill(
 
 
 def attention_seconds(
-    kernels, config: ModelConfig, kv_dtype, key_layout: str, num_queries: int, context: int, reps: int
+    kernels, config: ModelConfig, kv_dtype, kv_layout: str, num_queries: int, context: int, reps: int
 ) -> float:
     """One request's `num_queries` last tokens of `context` over the paged KV, one layer (random q, K, V)."""
     block_size, generator = 16, torch.Generator().manual_seed(context)
     num_blocks = -(-context // block_size)
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    k_cache = to_key_layout(torch.randn(shape, generator=generator).to(kv_dtype), key_layout)
-    v_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    k_cache = to_key_layout(torch.randn(shape, generator=generator).to(kv_dtype), kv_layout)
+    v_cache = to_value_layout(torch.randn(shape, generator=generator).to(kv_dtype), kv_layout)
     q = torch.randn(num_queries, config.num_heads, config.head_dim, generator=generator)
     one = torch.zeros(1, dtype=torch.long)
     lens, contexts = torch.tensor([num_queries]), torch.tensor([context])
@@ -249,7 +249,7 @@ def attention_seconds(
 
 
 def bench_chunk_costs(
-    kernels, weights, config: ModelConfig, kv_dtype, key_layout: str, chunk: int, contexts: list[int], reps: int
+    kernels, weights, config: ModelConfig, kv_dtype, kv_layout: str, chunk: int, contexts: list[int], reps: int
 ):
     """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
     ending at each context length, and one decode row's attention there; where attention runs on
@@ -261,16 +261,16 @@ def bench_chunk_costs(
     )
     rows = []
     for context in contexts:
-        attention = attention_seconds(kernels, config, kv_dtype, key_layout, min(chunk, context), context, reps)
-        decode_row = attention_seconds(kernels, config, kv_dtype, key_layout, 1, context, reps)
+        attention = attention_seconds(kernels, config, kv_dtype, kv_layout, min(chunk, context), context, reps)
+        decode_row = attention_seconds(kernels, config, kv_dtype, kv_layout, 1, context, reps)
         on_tiles = {}
         if tiles:
             on_tiles = {
                 "tiles_attention_s": attention_seconds(
-                    kernels, config, torch.bfloat16, key_layout, min(chunk, context), context, reps
+                    kernels, config, torch.bfloat16, kv_layout, min(chunk, context), context, reps
                 ),
                 "tiles_decode_row_attention_s": attention_seconds(
-                    kernels, config, torch.bfloat16, key_layout, 1, context, reps
+                    kernels, config, torch.bfloat16, kv_layout, 1, context, reps
                 ),
             }
         rows.append(
@@ -319,7 +319,7 @@ def run(
         "chunk": chunk,
         "matmuls": bench_matmuls(kernels, weights, row_counts, reps, peak),
         "prefill": bench_prefill(kernels, model, kv_dtype, token_counts, chunk, reps, peak, bf16_model),
-        "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, ops.key_layout, chunk, contexts, reps),
+        "chunk_costs": bench_chunk_costs(kernels, weights, config, kv_dtype, ops.kv_layout, chunk, contexts, reps),
     }
 
 

@@ -59,7 +59,7 @@ def run(model_name: str, variants: list[str], context: int, reps: int, t_values,
         rows = 1 if weights.is_packed else 4  # packed-weight kernels need no row padding to stay invariant
         max_b = max(b_values)
         blocks_per_request = -(-(context + max(t_values)) // 16)
-        cache = KVCache(config, 1 + blocks_per_request * max_b, 16, dtype, device, model.ops.key_layout)
+        cache = KVCache(config, 1 + blocks_per_request * max_b, 16, dtype, device, model.ops.kv_layout)
         tables = [cache.allocator.allocate(blocks_per_request) for _ in range(max_b)]
         # Fill each request's cached context once, so attention reads real values.
         for table in tables:

@@ -185,7 +185,7 @@ def all_position_logits(model, token_ids: list[int], kv_dtype) -> torch.Tensor:
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 
-    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, kv_dtype, torch.device("cpu"), model.ops.key_layout)
+    cache = KVCache(model.config, 2 + len(token_ids) // 16, 16, kv_dtype, torch.device("cpu"), model.ops.kv_layout)
     blocks: list[int] = []
     cache.grow(blocks, len(token_ids))
     batch = RaggedBatch.build([RequestSlice(token_ids, 0, blocks, len(token_ids))], 16, torch.device("cpu"))

@@ -101,9 +101,9 @@ def test_allocation_beyond_the_cache_raises_and_frees_nothing_held():
     assert len(kv.block_ids("a")) == 3
 
 
-@pytest.mark.parametrize("key_layout", ["token_major", "d_major"])
-def test_moving_tokens_copies_every_layers_keys_and_values_in_either_key_layout(key_layout):
-    cache = KVCache(TINY, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), key_layout)
+@pytest.mark.parametrize("kv_layout", ["token_major", "d_major"])
+def test_moving_tokens_copies_every_layers_keys_and_values_in_either_kv_layout(kv_layout):
+    cache = KVCache(TINY, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), kv_layout)
     cache.tensor.normal_(generator=torch.Generator().manual_seed(0))
     kv = KVManager(cache, None, root_hash("tiny"), True)
     kv.allocate_slots("a", 11)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.kv.kv_cache import to_key_layout
+from executor_svc.kv.kv_cache import to_key_layout, to_value_layout
 from executor_svc.model.attention import write_kv
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.torch_ops import TorchOps
@@ -376,12 +376,17 @@ def test_qkv_rope_write_matches_the_composed_reference(dtype, qk_norm):
     assert torch.equal(vc, vc_ref)  # V is copied as is
 
 
-# ------------------------------------------------------------------ attention: the K layouts
+# ------------------------------------------------------------------ attention: the KV layouts
 
 
 def d_major(k_cache: torch.Tensor) -> torch.Tensor:
     """The same keys stored d-major (each block [Hkv, D, block_size]), seen in the common shape."""
     return to_key_layout(k_cache, "d_major")
+
+
+def head_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored head-major (each block [Hkv, block_size, D]), seen in the common shape."""
+    return to_value_layout(v_cache, "d_major")
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16, 32, 64])
@@ -390,9 +395,10 @@ def d_major(k_cache: torch.Tensor) -> torch.Tensor:
     [(torch.float32, None), (torch.bfloat16, None)] + MIXED_KV,
     ids=lambda t: str(t).removeprefix("torch."),
 )
-def test_d_major_keys_give_the_token_major_bits(block_size, dtype, kv_dtype):
-    """Where a key group is one d-major run the kernel loads it in place, elsewhere it gathers it:
-    the same values, so the same bits, at every block size (in place from 16 keys a block)."""
+def test_d_major_keys_and_head_major_values_give_the_token_major_bits(block_size, dtype, kv_dtype):
+    """Where a key group is one d-major run the kernel loads it in place, elsewhere it gathers it;
+    a value row is found by the layout's strides: the same values, so the same bits, at every
+    block size (in place from 16 keys a block)."""
     gen = torch.Generator().manual_seed(block_size)
     num_heads, num_kv_heads, head_dim, lens = 9, 3, 64, [1, 70, 300, 129]
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
@@ -410,6 +416,7 @@ def test_d_major_keys_give_the_token_major_bits(block_size, dtype, kv_dtype):
     metadata = OPS.prepare(batch, block_size)
     token_major = OPS.attention(q, k_cache, v_cache, metadata, head_dim**-0.5)
     assert torch.equal(OPS.attention(q, d_major(k_cache), v_cache, metadata, head_dim**-0.5), token_major)
+    assert torch.equal(OPS.attention(q, d_major(k_cache), head_major(v_cache), metadata, head_dim**-0.5), token_major)
     for (r, start, m), s0 in zip(parts, batch.query_starts):  # and it is attention
         slots = [tables[r][p // block_size] * block_size + p % block_size for p in range(start + m)]
         k, v = (c.view(-1, num_kv_heads, head_dim)[slots].float() for c in (k_cache, v_cache))
@@ -423,28 +430,30 @@ def test_a_key_cache_in_neither_layout_is_refused():
     transposed = setup.k_cache.transpose(2, 3).contiguous().transpose(2, 3)  # [.., D, Hkv] storage
     with pytest.raises(RuntimeError, match="d-major"):
         OPS.attention(torch.zeros(1, 6, 32), transposed, setup.v_cache, OPS.prepare(batch, BLOCK_SIZE), 1.0)
+    with pytest.raises(RuntimeError, match="head-major"):
+        OPS.attention(torch.zeros(1, 6, 32), setup.k_cache, transposed, OPS.prepare(batch, BLOCK_SIZE), 1.0)
 
 
 @pytest.mark.parametrize(
     "dtype,kv_dtype", [(torch.float32, torch.float32)] + MIXED_KV, ids=lambda t: str(t).removeprefix("torch.")
 )
-def test_the_kv_writes_store_the_same_keys_in_either_layout(dtype, kv_dtype):
+def test_the_kv_writes_store_the_same_keys_and_values_in_either_layout(dtype, kv_dtype):
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     k, v = randn(5, num_kv_heads, head_dim, dtype=dtype), randn(5, num_kv_heads, head_dim, dtype=dtype, seed=1)
     slots = torch.tensor([17, 3, 40, 41, 8])
     qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=2)
     stored = []
-    for layout in (lambda c: c, d_major):
+    for key_layout, value_layout in ((lambda c: c, lambda c: c), (d_major, head_major)):
         k_cache, v_cache = (
-            layout(torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype)),
-            torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype),
+            key_layout(torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype)),
+            value_layout(torch.zeros(6, 16, num_kv_heads, head_dim, dtype=kv_dtype)),
         )
         OPS.write_kv(k, v, k_cache, v_cache, slots)
         q = rope_write_four_tokens(OPS, qkv, num_heads, num_kv_heads, k_cache, v_cache)
-        stored.append((q, k_cache.contiguous(), v_cache))
+        stored.append((q, k_cache.contiguous(), v_cache.contiguous()))
     for a, b in zip(*stored):
         assert torch.equal(a, b)
-    assert stored[0][1].abs().sum() > 0
+    assert stored[0][1].abs().sum() > 0 and stored[0][2].abs().sum() > 0
 
 
 # ------------------------------------------------------------------ the whole model
@@ -468,7 +477,7 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
     logits = []
     for ops in (REF, OPS):
         model = Transformer(config, weights, torch.device("cpu"), ops=ops, dtype=dtype)
-        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), ops.key_layout)
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), ops.kv_layout)
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             cache.grow(table, len(prompt) + 1)
@@ -535,7 +544,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
     results = []
     for layer_stack in (None, stack):
         model.layer_stack = layer_stack
-        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), OPS.key_layout)
+        cache = KVCache(config, 16, 16, dtype, torch.device("cpu"), OPS.kv_layout)
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             cache.grow(table, len(prompt) + 1)

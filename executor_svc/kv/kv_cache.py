@@ -41,20 +41,37 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 KV_LAYOUTS = ("token_major", "d_major")
 
 
+# How d_major stores a block of K and of V: the order of its (block_size, num_kv_heads, head_dim)
+# dims in memory (K: [num_kv_heads, head_dim, block_size]; V: [num_kv_heads, block_size, head_dim]).
+D_MAJOR_BLOCK_ORDER = {"keys": (1, 2, 0), "values": (1, 0, 2)}
+
+
+def _stored_dims(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation of [num_blocks, block_size, num_kv_heads, head_dim] into a block stored in `order`."""
+    return (0, *(1 + d for d in order))
+
+
+def _shown_dims(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that shows a block stored in `order` as [block_size, num_kv_heads, head_dim]."""
+    return (0, *(1 + order.index(d) for d in range(3)))
+
+
+def _in_layout(cache: torch.Tensor, part: str, kv_layout: str) -> torch.Tensor:
+    if kv_layout == "token_major":
+        return cache.contiguous()
+    order = D_MAJOR_BLOCK_ORDER[part]
+    return cache.permute(_stored_dims(order)).contiguous().permute(_shown_dims(order))
+
+
 def to_key_layout(keys: torch.Tensor, kv_layout: str) -> torch.Tensor:
     """A token-major K cache [num_blocks, block_size, num_kv_heads, head_dim] as a copy stored in
     `kv_layout`, seen in the same shape (for benchmarks and tests that build caches by hand)."""
-    if kv_layout == "token_major":
-        return keys.contiguous()
-    return keys.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    return _in_layout(keys, "keys", kv_layout)
 
 
 def to_value_layout(values: torch.Tensor, kv_layout: str) -> torch.Tensor:
-    """A token-major V cache [num_blocks, block_size, num_kv_heads, head_dim] as a copy stored in
-    `kv_layout` (d_major: head-major values), seen in the same shape (as to_key_layout)."""
-    if kv_layout == "token_major":
-        return values.contiguous()
-    return values.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    """A token-major V cache as a copy stored in `kv_layout`, seen in the same shape (as to_key_layout)."""
+    return _in_layout(values, "values", kv_layout)
 
 
 class KVCache:
@@ -80,22 +97,17 @@ class KVCache:
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer (K, V) views in layer order, made once: the forward pass asks for them every
         # layer of every step.
-        self.layers = [(self._keys(i), self._values(i)) for i in range(len(kv_layers))]
+        self.layers = [(self._view(i, "keys"), self._view(i, "values")) for i in range(len(kv_layers))]
         self._by_model_layer = dict(zip(kv_layers, self.layers))
 
-    def _keys(self, i: int) -> torch.Tensor:
-        keys = self.tensor[i, 0]
+    def _view(self, i: int, part: str) -> torch.Tensor:
+        """Layer i's K ("keys") or V ("values") as [num_blocks, block_size, num_kv_heads, head_dim]."""
+        cache = self.tensor[i, 0 if part == "keys" else 1]
         if self.kv_layout == "token_major":
-            return keys
-        num_blocks, block_size, num_kv_heads, head_dim = keys.shape
-        return keys.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
-
-    def _values(self, i: int) -> torch.Tensor:
-        values = self.tensor[i, 1]
-        if self.kv_layout == "token_major":
-            return values
-        num_blocks, block_size, num_kv_heads, head_dim = values.shape
-        return values.view(num_blocks, num_kv_heads, block_size, head_dim).permute(0, 2, 1, 3)
+            return cache
+        order = D_MAJOR_BLOCK_ORDER[part]
+        num_blocks, *dims = cache.shape
+        return cache.view(num_blocks, *(dims[d] for d in order)).permute(_shown_dims(order))
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Every layer's K and V of flat slots `src_slots` into `dst_slots` (int64 [n] each,

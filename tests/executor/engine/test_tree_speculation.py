@@ -188,6 +188,31 @@ def test_every_verified_tree_calibrates_the_drafter_and_a_chain_shaped_one_verif
     assert num_nodes > num_accepted  # a rejected node whose parent was kept is filed too
 
 
+def test_a_tree_request_whose_tree_does_not_branch_is_offered_what_a_chain_request_is(make_tiny_engine):
+    """Its draftable count stops where the chain's does, though its tree would go on into its own path."""
+    engine = make_tiny_engine(TinyModelSpec(seed=3), kv_cache_bytes=8 << 20, draft_shape="tree")
+    prompt = [40, 41, 42, 43, 44] * 4 + [40, 41]  # one continuation per context: trees do not branch
+    capped, checked = 0, 0
+    step = engine.step
+
+    def checking_step(plan):
+        nonlocal capped, checked
+        response = step(plan)
+        for r in response.outputs:
+            if r.finish_reason is None and not r.expected_accepted_tokens_by_nodes:
+                checked += 1
+                assert r.num_draftable_tokens <= engine.drafter.num_draftable(r.request_id)
+                capped += engine.drafter.next_tree(r.request_id).num_nodes > r.num_draftable_tokens
+        return response
+
+    engine.step = checking_step
+    try:
+        drive(engine, [NewRequest("p", prompt, SamplingParams(), 12, ignore_eos=True)], draft_budget=6)
+    finally:
+        del engine.step
+    assert checked and capped, "no unbranched tree went past the chain: the test tested nothing"
+
+
 def test_a_result_over_several_runs_sums_the_shapes_and_keeps_the_last_curve():
     from executor_svc.engine.step_messages import RequestResult
 

@@ -11,7 +11,7 @@
 //   order within a chunk). A row stops at its own position; the chunk boundaries
 //   never move. A score is one fused multiply-add chain over d per key, each key
 //   in a vector lane of its own (no reductions across lanes), so rows share each
-//   key load: K is stored d-major per cache block (KLayout; a token-major cache
+//   key load: K is stored d-major per cache block (CacheLayout; a token-major cache
 //   is gathered into the same order, the same bits). Work items (request, KV head,
 //   query tile, head range) and row blocks only decide which rows are computed
 //   together, never how a row is computed. Over a bfloat16 cache, q and the
@@ -168,19 +168,20 @@ struct WorkItem {
   int64_t cost;
 };
 
-// Where K element (block, slot in block, kv head, d) lives in k_cache [num_blocks, block_size, Hkv, D]:
-// row-major (contiguous: a token's head is D consecutive values, vLLM's flash layout) or d-major
-// (each block is [Hkv, D, block_size], the tensor permuted to the common shape: one d of 16
-// consecutive keys is one vector load, which is how attention scores keys). KVCache picks the
-// layout for the C++ kernels; no result depends on it. V is always row-major.
-struct KLayout {
+// Where element (block, slot in block, kv head, d) of a K or V cache [num_blocks, block_size, Hkv, D]
+// lives, by its strides (k_layout and v_layout say which layouts each takes). KVCache picks the
+// layouts for the C++ kernels; no result depends on them.
+struct CacheLayout {
   int64_t block, slot, head, d, block_size;
   int64_t offset(int64_t position, const int32_t* table, int64_t kv_head) const {
     return table[position / block_size] * block + (position % block_size) * slot + kv_head * head;
   }
 };
 
-KLayout k_layout(const at::Tensor& k_cache) {
+// K: row-major (contiguous: a token's head is D consecutive values, vLLM's flash layout) or d-major
+// (each block is [Hkv, D, block_size], the tensor permuted to the common shape: one d of 16
+// consecutive keys is one vector load, which is how attention scores keys).
+CacheLayout k_layout(const at::Tensor& k_cache) {
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), D = k_cache.size(3);
   if (k_cache.is_contiguous()) return {bs * Hkv * D, Hkv * D, D, 1, bs};
   const std::vector<int64_t> d_major = {bs * Hkv * D, 1, D * bs, bs};
@@ -190,11 +191,10 @@ KLayout k_layout(const at::Tensor& k_cache) {
   return {bs * Hkv * D, 1, D * bs, bs, bs};
 }
 
-// Where V element (block, slot in block, kv head, d) lives in v_cache: token-major (contiguous, as
-// K's first layout) or head-major (each block is [Hkv, block_size, D], the tensor permuted to the
-// common shape: one head's values for a block's keys are one contiguous run, which attention reads
-// head by head; token-major interleaves the other heads' rows into every run it reads).
-KLayout v_layout(const at::Tensor& v_cache) {
+// V: token-major (contiguous, as K's row-major) or head-major (each block is [Hkv, block_size, D],
+// the tensor permuted to the common shape: one head's values of a block's keys are one run, which
+// is how attention reads them, a head at a time; token-major puts the other heads' rows between).
+CacheLayout v_layout(const at::Tensor& v_cache) {
   const int64_t bs = v_cache.size(1), Hkv = v_cache.size(2), D = v_cache.size(3);
   if (v_cache.is_contiguous()) return {bs * Hkv * D, Hkv * D, D, 1, bs};
   const std::vector<int64_t> head_major = {bs * Hkv * D, D, bs * D, 1};
@@ -223,7 +223,7 @@ struct KeySource {
   const C* k_cache;
   const C* v_cache;
   const int32_t* table;
-  KLayout kl, vl;
+  CacheLayout kl, vl;
   int64_t kv_head, Hkv, D, max_keys, window_start;
   const int64_t* window_positions;
 
@@ -882,8 +882,9 @@ inline void to_float_row(const T* src, float* dst, int64_t D) {
 // as they are read, float32 math, but for the bfloat16 dot products over a bfloat16 cache).
 template <typename T, typename C>
 void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* table,
-                    const KLayout& kl, const KLayout& vl, int64_t query_start, int64_t first_position, int64_t H, int64_t Hkv, int64_t D,
-                    float scale, int64_t window_start, const int64_t* window_positions, Scratch<C>& sc) {
+                    const CacheLayout& kl, const CacheLayout& vl, int64_t query_start, int64_t first_position,
+                    int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window_start,
+                    const int64_t* window_positions, Scratch<C>& sc) {
   const int64_t G = H / Hkv;
   const int64_t nh = it.head_end - it.head_begin;
   const int64_t rows = (it.token_end - it.token_begin) * nh;
@@ -915,10 +916,11 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     if (static_cast<int64_t>(sc.zero_row.size()) != D) sc.zero_row.assign(D, bf16(0.f));  // never written
   }
   const int64_t max_keys = first_position + it.token_end;  // the last token's keys
-  const KeySource<C> keys{k_cache, v_cache, table, kl, vl, it.kv_head, Hkv, D, max_keys, window_start, window_positions};
+  const KeySource<C> keys{k_cache, v_cache, table, kl, vl, it.kv_head, Hkv, D, max_keys,
+                          window_start, window_positions};
   const C* kg[GROUPS];
   int64_t ks[GROUPS];
-  // The values' rows are scattered over the cache (one per token, Hkv heads apart) and, with the
+  // The values' rows are scattered over the cache (runs of a block's keys at best) and, with the
   // weights streaming through the caches every step, come from DRAM: ask for the next chunk's
   // rows while this one is computed (it does not change any value). A d-major key group is one
   // contiguous run the hardware prefetcher follows.
@@ -1001,7 +1003,7 @@ void check_float_type(const at::Tensor& t, const char* name) {
 
 // Causal attention of each query row over its own request's paged KV.
 //   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (float32, bfloat16 or float16;
-//   K row-major or d-major, see KLayout);
+//   K row-major or d-major, see CacheLayout);
 //   query_starts, query_lens, context_lens [R] int; block_tables [R, max_blocks] int32.
 // Optional, for draft trees: window_starts [R] int64 and window_positions [R, W] int64. Where
 // window_starts[r] >= 0, request r (one tree row) reads logical key window_starts[r] + k from
@@ -1019,7 +1021,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be [num_blocks, block_size, Hkv, D]");
   check_kv_type(k_cache, v_cache);
-  const KLayout kl = k_layout(k_cache), vl = v_layout(v_cache);
+  const CacheLayout kl = k_layout(k_cache), vl = v_layout(v_cache);
   const at::Tensor q = q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
@@ -1157,7 +1159,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       bf16* packed_base = nullptr;
       auto packs_alone = [&](int64_t r) { return lp[r] <= tile_tokens; };  // its heads' one item each
       auto keys_of = [&](auto r, auto kv_head) {  // generic: only instantiated over a bfloat16 cache
-        return KeySource<C>{kc, vc, tp + r * max_blocks, kl, vl, kv_head, Hkv, D, cp[r], window_start_of(r), window_of(r)};
+        return KeySource<C>{kc, vc, tp + r * max_blocks, kl, vl, kv_head, Hkv, D, cp[r],
+                            window_start_of(r), window_of(r)};
       };
       if constexpr (std::is_same<C, bf16>::value) {
         if (on_tiles) {
@@ -1359,7 +1362,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 namespace {
 
 struct CacheLayouts {
-  KLayout k, v;
+  CacheLayout k, v;
 };
 
 CacheLayouts check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t Hkv, int64_t D) {
@@ -1371,7 +1374,7 @@ CacheLayouts check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, i
 
 // One head's D values (already in the cache's type) into K's slot `slot` (flat), head g.
 template <typename C>
-inline void store_key(const C* src, C* k_cache, const KLayout& kl, int64_t slot, int64_t g, int64_t D) {
+inline void store_key(const C* src, C* k_cache, const CacheLayout& kl, int64_t slot, int64_t g, int64_t D) {
   C* dst = k_cache + (slot / kl.block_size) * kl.block + (slot % kl.block_size) * kl.slot + g * kl.head;
   if (kl.d == 1) {
     std::memcpy(dst, src, D * sizeof(C));
@@ -1393,7 +1396,7 @@ inline void store_row(const T* src, C* dst, int64_t n) {
 // A token's Hkv value heads (Hkv · D values, head by head) into V's slot `slot` (flat), rounded to
 // the cache's type: one run when token-major, a run per head when head-major.
 template <typename T, typename C>
-inline void store_values(const T* src, C* v_cache, const KLayout& vl, int64_t slot, int64_t Hkv, int64_t D) {
+inline void store_values(const T* src, C* v_cache, const CacheLayout& vl, int64_t slot, int64_t Hkv, int64_t D) {
   C* dst = v_cache + (slot / vl.block_size) * vl.block + (slot % vl.block_size) * vl.slot;
   if (vl.head == D) return store_row(src, dst, Hkv * D);
   for (int64_t g = 0; g < Hkv; g++) store_row(src + g * D, dst + g * vl.head, D);

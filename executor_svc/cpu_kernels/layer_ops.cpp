@@ -173,8 +173,13 @@ struct WorkItem {
 // layouts for the C++ kernels; no result depends on them.
 struct CacheLayout {
   int64_t block, slot, head, d, block_size;
+  // Element d = 0 of head kv_head at flat slot `flat_slot` (block id · block_size + slot in block).
+  int64_t at_slot(int64_t flat_slot, int64_t kv_head) const {
+    return (flat_slot / block_size) * block + (flat_slot % block_size) * slot + kv_head * head;
+  }
+  // The same for a request's token `position`, through its block table.
   int64_t offset(int64_t position, const int32_t* table, int64_t kv_head) const {
-    return table[position / block_size] * block + (position % block_size) * slot + kv_head * head;
+    return at_slot(table[position / block_size] * block_size + position % block_size, kv_head);
   }
 };
 
@@ -1375,7 +1380,7 @@ CacheLayouts check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, i
 // One head's D values (already in the cache's type) into K's slot `slot` (flat), head g.
 template <typename C>
 inline void store_key(const C* src, C* k_cache, const CacheLayout& kl, int64_t slot, int64_t g, int64_t D) {
-  C* dst = k_cache + (slot / kl.block_size) * kl.block + (slot % kl.block_size) * kl.slot + g * kl.head;
+  C* dst = k_cache + kl.at_slot(slot, g);
   if (kl.d == 1) {
     std::memcpy(dst, src, D * sizeof(C));
   } else {
@@ -1397,9 +1402,8 @@ inline void store_row(const T* src, C* dst, int64_t n) {
 // the cache's type: one run when token-major, a run per head when head-major.
 template <typename T, typename C>
 inline void store_values(const T* src, C* v_cache, const CacheLayout& vl, int64_t slot, int64_t Hkv, int64_t D) {
-  C* dst = v_cache + (slot / vl.block_size) * vl.block + (slot % vl.block_size) * vl.slot;
-  if (vl.head == D) return store_row(src, dst, Hkv * D);
-  for (int64_t g = 0; g < Hkv; g++) store_row(src + g * D, dst + g * vl.head, D);
+  if (vl.head == D) return store_row(src, v_cache + vl.at_slot(slot, 0), Hkv * D);
+  for (int64_t g = 0; g < Hkv; g++) store_row(src + g * D, v_cache + vl.at_slot(slot, g), D);
 }
 
 const int64_t* slots_ptr(const at::Tensor& slot_mapping, int64_t num_slots, at::Tensor& holder) {

@@ -477,8 +477,8 @@ class Engine:
         requests drafted 317-320 tokens against chains' 245-272 for the same accepted ones),
         and its curve is left out, so it is priced like a chain, by the scheduler's own
         acceptance estimate. One tree grown per step per tree request
-        (O(max_draft_tokens * max_ngram) trie lookups): next step's propose_tree grows its
-        prefix again rather than keep it, since other requests' output may change it first.
+        (O(max_draft_tokens * max_ngram) trie lookups): next step's propose_tree takes its first
+        nodes while neither index has grown (Drafter.propose_tree).
         """
         if state.finish_reason is not None:
             return 0, []

@@ -54,7 +54,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head_dim: int = 64) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head_dim: int) -> torch.dtype:
     """The KV cache's element type. `float16` / `bfloat16` under float32 activations (the C++ CPU
     kernels only: they round each K/V value once, where it is written) halve the bytes a decode
     step reads at long context and double the tokens the KV budget holds; greedy output may then
@@ -64,8 +64,7 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head
     kernels on a prompt chunk at long context; larger heads would take the slower bfloat16 dot
     products instead, so they keep float16); float16 with the C++ kernels' integer matmul
     (the CPU's default path), which measures the float32 cache's agreement; else the activations'
-    dtype, so `--dtype float32` stays the exact reference. `head_dim`: the model's (only
-    `--matmul bf16` asks)."""
+    dtype, so `--dtype float32` stays the exact reference. `head_dim`: the model's."""
     if name == "auto":
         if ops.name != "cpu" or matmul not in MATMUL_KERNELS or dtype != torch.float32:
             return dtype

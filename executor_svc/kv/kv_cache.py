@@ -97,34 +97,29 @@ class KVCache:
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer (K, V) views in layer order, made once: the forward pass asks for them every
         # layer of every step.
-        self.layers = [(self._view(i, "keys"), self._view(i, "values")) for i in range(len(kv_layers))]
+        keys, values = self._every_layer("keys"), self._every_layer("values")
+        self.layers = [(keys[i], values[i]) for i in range(len(kv_layers))]
         self._by_model_layer = dict(zip(kv_layers, self.layers))
 
-    def _view(self, i: int, part: str) -> torch.Tensor:
-        """Layer i's K ("keys") or V ("values") as [num_blocks, block_size, num_kv_heads, head_dim]."""
-        cache = self.tensor[i, 0 if part == "keys" else 1]
+    def _every_layer(self, part: str) -> torch.Tensor:
+        """Every layer's K ("keys") or V ("values") as [num_kv_layers, num_blocks, block_size,
+        num_kv_heads, head_dim], a view of the storage whatever the layout."""
+        cache = self.tensor[:, 0 if part == "keys" else 1]
         if self.kv_layout == "token_major":
             return cache
         order = D_MAJOR_BLOCK_ORDER[part]
-        num_blocks, *dims = cache.shape
-        return cache.view(num_blocks, *(dims[d] for d in order)).permute(_shown_dims(order))
+        layers, num_blocks, *dims = cache.shape
+        stored = cache.view(layers, num_blocks, *(dims[d] for d in order))
+        return stored.permute(0, *(1 + d for d in _shown_dims(order)))
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Every layer's K and V of flat slots `src_slots` into `dst_slots` (int64 [n] each,
         on the cache's device): a verified tree path moved to where decoding would have put it."""
-        layers, _, num_blocks, block_size, num_kv_heads, head_dim = self.tensor.shape
-        if self.kv_layout == "token_major":
-            flat = self.tensor.view(layers, 2, -1, num_kv_heads, head_dim)  # [L, 2, slots, Hkv, D]
-            flat[:, :, dst_slots] = flat[:, :, src_slots]
-            return
-        values = self.tensor[:, 1].view(layers, num_blocks, num_kv_heads, block_size, head_dim)
-        values[:, dst_slots // block_size, :, dst_slots % block_size] = values[
-            :, src_slots // block_size, :, src_slots % block_size
-        ]
-        keys = self.tensor[:, 0].view(layers, num_blocks, num_kv_heads, head_dim, block_size)
-        keys[:, dst_slots // block_size, :, :, dst_slots % block_size] = keys[
-            :, src_slots // block_size, :, :, src_slots % block_size
-        ]
+        for part in ("keys", "values"):
+            cache = self._every_layer(part)
+            cache[:, dst_slots // self.block_size, dst_slots % self.block_size] = cache[
+                :, src_slots // self.block_size, src_slots % self.block_size
+            ]
 
     @classmethod
     def from_memory_budget(

@@ -134,9 +134,8 @@ class CpuLayerStack:
 
 class CpuOps:
     name = "cpu"
-    kv_layout = (
-        "d_major"  # each block's K as [Hkv, D, block_size] (a key per lane), V as [Hkv, block_size, D] (kv_cache.py)
-    )
+    # Each block's K as [Hkv, D, block_size] (a key per lane), V as [Hkv, block_size, D] (kv_cache.py).
+    kv_layout = "d_major"
 
     def __init__(self) -> None:
         self._k = load()

@@ -305,7 +305,7 @@ def run(
     ops = resolve_ops("cpu", cpu)
     weights = load_weights(gguf, config, torch.float32, cpu, matmul_kernel=MATMUL_KERNELS[matmul])
     model = Transformer(config, weights, cpu, ops, torch.float32)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul, config.head_dim)
     peak = measured_peak(kernels, matmul)
     bf16_model = None
     if peak["amx_macs"]:

@@ -115,7 +115,8 @@ def tiny_kv_bytes_per_block(block_size: int = 16) -> int:
     from executor_svc.model.cpu_ops import CpuOps
 
     cpu = torch.device("cpu")
-    kv_dtype = resolve_kv_cache_dtype("auto", torch.float32, CpuOps, resolve_matmul("auto", "auto", cpu, "auto"))
+    matmul = resolve_matmul("auto", "auto", cpu, "auto")
+    kv_dtype = resolve_kv_cache_dtype("auto", torch.float32, CpuOps, matmul, head_dim=16)
     return 2 * 2 * block_size * 2 * 16 * kv_dtype.itemsize
 
 

@@ -59,18 +59,18 @@ def test_auto_matmul_is_int16_only_with_the_cpu_kernels_and_never_in_the_float32
 def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
     from executor_svc.model.torch_ops import TorchOps
 
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16") == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16", 64) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8", 64) == torch.float16
     if attention_on_tiles(64):  # an AMX CPU: --matmul bf16's attention on the tiles, over a bfloat16 cache
-        assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", head_dim=64) == torch.bfloat16
+        assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", 64) == torch.bfloat16
     # heads the tiles do not take would get the slower bfloat16 dot products: float16 stays
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", head_dim=128) == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact") == torch.float32  # --dtype float32
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact") == torch.bfloat16
-    assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact") == torch.float32
-    assert resolve_kv_cache_dtype("float32", torch.float32, CpuOps, "int16") == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", 128) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact", 64) == torch.float32  # --dtype float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact", 64) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact", 64) == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, CpuOps, "int16", 64) == torch.float32
     with pytest.raises(ValueError, match=r"only the C\+\+ CPU kernels"):
-        resolve_kv_cache_dtype("float16", torch.float32, TorchOps, "exact")
+        resolve_kv_cache_dtype("float16", torch.float32, TorchOps, "exact", 64)
 
 
 def test_a_matmul_the_kernels_cannot_run_is_refused():

@@ -79,6 +79,19 @@ struct DenseLayer {
   Linear qkv, o_proj, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;
   at::Tensor ffn_norm, next_norm;  // next_norm: the next layer's attn_norm, or the final norm
+
+  // down(silu(gate) · up): in one call where both matmuls are bf16 on the AMX tiles (the same bits,
+  // without gate_up's float32 output stored and read back), else the three calls of the layer loop.
+  at::Tensor ffn(const at::Tensor& x) const {
+    if (x.scalar_type() == at::kFloat && swiglu_on_tiles())
+      return qlinear_bf16_swiglu(x, gate_up.parts[0].data, down.parts[0].data, down.parts[0].n);
+    return down(silu_mul(gate_up(x)));
+  }
+
+  bool swiglu_on_tiles() const {
+    const auto one_bf16 = [](const Linear& l) { return l.parts.size() == 1 && l.parts[0].kind == BF16 && !l.bias; };
+    return one_bf16(gate_up) && one_bf16(down) && down.parts[0].k % 32 == 0 && gate_up.parts[0].n == 2 * down.parts[0].k;
+  }
 };
 
 class DenseStack {
@@ -118,7 +131,7 @@ class DenseStack {
                           window_starts, window_positions);
       std::tie(x, residual) =
           add_rms_norm(layer.o_proj(attn.view({attn.size(0), -1})), residual, layer.ffn_norm, eps_);
-      std::tie(x, residual) = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, layer.next_norm, eps_);
+      std::tie(x, residual) = add_rms_norm(layer.ffn(x), residual, layer.next_norm, eps_);
     }
     return x;
   }

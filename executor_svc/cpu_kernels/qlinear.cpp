@@ -1393,14 +1393,36 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
 // runs near its peak instead of waiting on stores. Every row of y is one fixed sequence of
 // TDPBF16PS over K in block order from zero, whatever the number of rows or which tile holds it
 // (padding rows are zeros), so a row's bits do not depend on its batch.
-// A task: 256 rows of A against 128 weight rows of B (~300 and ~150 KB at K = 576, both in L2),
-// each B pair passing the task's row pairs (a 1,024-token prefill ran 4% faster than with tasks of
-// 128 × 64, on a 2-core Xeon VM). Whole 32 × 32 tile pairs store their sums straight into y (a
-// copy through a stack buffer had cost ~20%). The kernel reaches ~22-28% of the tile unit's peak
-// at 256-1,024 rows, about oneDNN's bf16 matmul on the same shapes at 256; the same tile loop
-// alone ran at ~58%: the rest is moving A and B through L2 and writing y (float32, M × N).
+// A task: up to 256 rows of A against up to 1,024 weight rows of B, row pair by row pair: the A pair
+// stays in L1 while the task's B pairs pass it, and consecutive tile pairs store to the same 32 rows
+// of y, line after line (on a 2-core Xeon VM the four layer shapes at 1,024 rows ran 1.2x faster
+// than tasks of 256 × 128 taken panel pair by panel pair, gate_up's 3,072 columns 1.3x). Fewer rows
+// (a 256-token chunk) or columns split the task until every thread has two (bf16_task_shape).
+// Whole 32 × 32 tile pairs store their sums straight into y (a copy through a stack buffer had
+// cost ~20%). The kernel reaches ~35-40% of the tile unit's peak at 256-2,048 rows; the same tile
+// loop alone ran at ~58%: the rest is moving B through L2 and writing y (float32, M × N).
 constexpr int64_t BF16_ROW_PAIRS_PER_TASK = 8;
-constexpr int64_t BF16_PANEL_PAIRS_PER_TASK = 4;
+constexpr int64_t BF16_PANEL_PAIRS_PER_TASK = 32;
+constexpr int64_t BF16_TASKS_PER_THREAD = 2;
+
+struct Bf16TaskShape {
+  int64_t row_pairs, panel_pairs;
+};
+
+// The largest task (row pairs, then panel pairs halved) that still gives every thread
+// BF16_TASKS_PER_THREAD, so that a thread slowed by another process does not hold the step, then
+// evened out (18 panel pairs in two tasks: 9 and 9, not 16 and 2). Any shape gives the same bits.
+Bf16TaskShape bf16_task_shape(int64_t row_pairs, int64_t panel_pairs) {
+  const int64_t wanted = BF16_TASKS_PER_THREAD * at::get_num_threads();
+  Bf16TaskShape t{BF16_ROW_PAIRS_PER_TASK, BF16_PANEL_PAIRS_PER_TASK};
+  const auto blocks = [](int64_t n, int64_t per) { return (n + per - 1) / per; };
+  const auto tasks = [&] { return blocks(row_pairs, t.row_pairs) * blocks(panel_pairs, t.panel_pairs); };
+  while (tasks() < wanted && t.row_pairs > 1) t.row_pairs /= 2;
+  while (tasks() < wanted && t.panel_pairs > 1) t.panel_pairs /= 2;
+  t.row_pairs = blocks(row_pairs, blocks(row_pairs, t.row_pairs));
+  t.panel_pairs = blocks(panel_pairs, blocks(panel_pairs, t.panel_pairs));
+  return t;
+}
 
 // x [M, K] float32 rounded to bf16 (nearest even) as the A tiles read it, [M' / 16][K / 32][16][32],
 // M' = M rounded up to 32 (whole pairs of row tiles; padding rows zero), in the calling thread's buffer.
@@ -1425,9 +1447,11 @@ const uint16_t* bf16_row_tiles(const float* x, int64_t M, int64_t K) {
 }
 
 // Row tiles 2 rp, 2 rp + 1 × panels 2 pp, 2 pp + 1 over all of K: four float32 sum tiles (tmm4 .. 7),
-// stored to c[row tile][panel] (16 × 16 floats, rows `stride` bytes apart).
+// stored to c[row tile][panel] (16 × 16 floats, rows `stride` bytes apart). between(b) runs after
+// block b's products are issued: vector work that the core overlaps with the tile unit's.
+template <class Between>
 SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, int64_t rp, int64_t pp,
-                              float* const (&c)[2][2], int64_t stride) {
+                              float* const (&c)[2][2], int64_t stride, const Between& between) {
   constexpr int64_t TILE = AMX_ROWS * 32;  // bf16 values of one A or B tile
   const uint16_t* a0 = a + 2 * rp * nb * TILE;
   const uint16_t* a1 = a0 + nb * TILE;
@@ -1446,6 +1470,7 @@ SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, 
     _tile_dpbf16ps(5, 0, 3);
     _tile_dpbf16ps(6, 1, 2);
     _tile_dpbf16ps(7, 1, 3);
+    between(b);
   }
   _tile_stored(4, c[0][0], stride);
   _tile_stored(5, c[0][1], stride);
@@ -1453,20 +1478,26 @@ SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, 
   _tile_stored(7, c[1][1], stride);
 }
 
+SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, int64_t rp, int64_t pp,
+                              float* const (&c)[2][2], int64_t stride) {
+  bf16_tile_pair(a, w, nb, rp, pp, c, stride, [](int64_t) {});
+}
+
 // y [M, N] from the A tiles and the bf16 panels (an even number of them).
 void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
   const int64_t nb = K / 32;
   const int64_t row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), panel_pairs = panels / 2;
-  const int64_t row_blocks = (row_pairs + BF16_ROW_PAIRS_PER_TASK - 1) / BF16_ROW_PAIRS_PER_TASK;
-  const int64_t panel_groups = (panel_pairs + BF16_PANEL_PAIRS_PER_TASK - 1) / BF16_PANEL_PAIRS_PER_TASK;
+  const Bf16TaskShape shape = bf16_task_shape(row_pairs, panel_pairs);
+  const int64_t row_blocks = (row_pairs + shape.row_pairs - 1) / shape.row_pairs;
+  const int64_t panel_groups = (panel_pairs + shape.panel_pairs - 1) / shape.panel_pairs;
   parallel_tasks(row_blocks * panel_groups, [&](int64_t task) {
     configure_tiles();
     alignas(64) float edge[2][2][AMX_ROWS * PANEL_ROWS];
     const int64_t g = task % panel_groups, rb = task / panel_groups;
-    const int64_t pp1 = std::min(panel_pairs, (g + 1) * BF16_PANEL_PAIRS_PER_TASK);
-    const int64_t rp1 = std::min(row_pairs, (rb + 1) * BF16_ROW_PAIRS_PER_TASK);
-    for (int64_t pp = g * BF16_PANEL_PAIRS_PER_TASK; pp < pp1; pp++)
-      for (int64_t rp = rb * BF16_ROW_PAIRS_PER_TASK; rp < rp1; rp++) {
+    const int64_t pp1 = std::min(panel_pairs, (g + 1) * shape.panel_pairs);
+    const int64_t rp1 = std::min(row_pairs, (rb + 1) * shape.row_pairs);
+    for (int64_t rp = rb * shape.row_pairs; rp < rp1; rp++)
+      for (int64_t pp = g * shape.panel_pairs; pp < pp1; pp++) {
         const int64_t r0 = 2 * rp * AMX_ROWS, n0 = 2 * pp * PANEL_ROWS;
         if (r0 + 2 * AMX_ROWS <= M && n0 + 2 * PANEL_ROWS <= N) {  // whole tiles: straight into y
           float* const c[2][2] = {{y + r0 * N + n0, y + r0 * N + n0 + PANEL_ROWS},
@@ -1486,6 +1517,64 @@ void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int
           }
       }
   });
+}
+
+// A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) for the down matmul, [M' / 16][I / 32][16][32], from x's A
+// tiles and gate_up's bf16 panels (gate rows 0..I−1, up rows I..2I−1, I a multiple of 32): each task
+// runs gate's tile pair and up's for the same 32 rows × 32 columns into an L1 buffer, and its
+// epilogue writes the down matmul's tile straight away. The same sums, the same silu·up (silu_mul's
+// formula, simd16::silu) and the same rounding as down(silu_mul(gate_up(x))): the same bits, without
+// gate_up's float32 output (M × 2I: 12 MB at 1,024 rows) written, read back and rounded again.
+const uint16_t* bf16_swiglu_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
+  thread_local AlignedVector<uint16_t> buffer;
+  const int64_t nb = K / 32, nbi = I / 32, row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
+  if ((int64_t)buffer.size() < row_pairs * 2 * AMX_ROWS * I) buffer.resize(row_pairs * 2 * AMX_ROWS * I);
+  uint16_t* tiles = buffer.data();
+  const Bf16TaskShape shape = bf16_task_shape(row_pairs, nbi);
+  const int64_t row_blocks = (row_pairs + shape.row_pairs - 1) / shape.row_pairs;
+  const int64_t column_groups = (nbi + shape.panel_pairs - 1) / shape.panel_pairs;
+  parallel_tasks(row_blocks * column_groups, [&](int64_t task) {
+    configure_tiles();
+    // Two sets of gate and up sums: the epilogue of one 32 × 32 block (silu·up, bf16, into the down
+    // matmul's tile) runs a row at a time between the tile products of the next, where the vector
+    // units are otherwise idle (in turn, the silu's division and exp had cost ~30% of gate_up).
+    alignas(64) float sums[2][2][2][2][AMX_ROWS * PANEL_ROWS];  // [set][gate, up][row tile][panel]
+    const int64_t cg = task % column_groups, rb = task / column_groups;
+    const int64_t b1 = std::min(nbi, (cg + 1) * shape.panel_pairs);
+    const int64_t rp1 = std::min(row_pairs, (rb + 1) * shape.row_pairs);
+    constexpr int64_t ROWS_DONE = 2 * AMX_ROWS;  // epilogue rows of one block (2 row tiles)
+    uint16_t* pending = nullptr;                 // the block whose epilogue is due, its tile for row tile 0
+    int pending_set = 0;
+    int64_t row = ROWS_DONE;                     // the pending block's next epilogue row
+    const auto epilogue_rows = [&](int64_t until) SS_INLINE_LAMBDA {
+      for (; row < until; row++) {
+        const int64_t i = row / AMX_ROWS, r = row % AMX_ROWS, at = r * PANEL_ROWS;
+        float(&g)[2][AMX_ROWS * PANEL_ROWS] = sums[pending_set][0][i];
+        float(&u)[2][AMX_ROWS * PANEL_ROWS] = sums[pending_set][1][i];
+        const simd16::V16 lo = simd16::mul(simd16::silu(simd16::load(g[0] + at)), simd16::load(u[0] + at));
+        const simd16::V16 hi = simd16::mul(simd16::silu(simd16::load(g[1] + at)), simd16::load(u[1] + at));
+        _mm512_store_si512(pending + i * nbi * AMX_ROWS * 32 + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi.v, lo.v));
+      }
+    };
+    int set = 0;
+    for (int64_t rp = rb * shape.row_pairs; rp < rp1; rp++)
+      for (int64_t b = cg * shape.panel_pairs; b < b1; b++) {
+        float* const g[2][2] = {{sums[set][0][0][0], sums[set][0][0][1]}, {sums[set][0][1][0], sums[set][0][1][1]}};
+        float* const u[2][2] = {{sums[set][1][0][0], sums[set][1][0][1]}, {sums[set][1][1][0], sums[set][1][1][1]}};
+        // The pending block's 32 rows spread over this block's 2 · nb products.
+        bf16_tile_pair(a, w, nb, rp, b, g, PANEL_ROWS * 4, [&](int64_t k) SS_INLINE_LAMBDA {
+          epilogue_rows((k + 1) * ROWS_DONE / (2 * nb));
+        });
+        bf16_tile_pair(a, w, nb, rp, b + nbi, u, PANEL_ROWS * 4, [&](int64_t k) SS_INLINE_LAMBDA {
+          epilogue_rows((nb + k + 1) * ROWS_DONE / (2 * nb));
+        });
+        epilogue_rows(ROWS_DONE);
+        pending = tiles + (2 * rp * nbi + b) * AMX_ROWS * 32, pending_set = set, row = 0;
+        set ^= 1;
+      }
+    epilogue_rows(ROWS_DONE);
+  });
+  return tiles;
 }
 #endif
 
@@ -1637,15 +1726,24 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, 
 #endif
 }
 
+#if SS_AMX_TILES
+namespace {
+// A weight's bf16 panels for N rows, as bf16_panels (weight_format.py) lays them out.
+void check_bf16_panels(const at::Tensor& wb, int64_t N, const char* name) {
+  TORCH_CHECK(wb.scalar_type() == at::kBFloat16 && wb.dim() == 4 && wb.is_contiguous() && wb.size(0) % 2 == 0 &&
+                  wb.size(2) == PANEL_ROWS && wb.size(3) == 32 && wb.size(0) * PANEL_ROWS >= N,
+              name, " must be a contiguous bfloat16 [even panels, K / 32, 16, 32] tensor (bf16_panels) of ", N, " rows");
+}
+}  // namespace
+#endif
+
 // The bf16 matmul on the AMX tiles (see "bf16 matmul on the AMX tiles"): `--matmul bf16`.
 // wb: the weight's bf16 panels [panels (even), K / 32, 16, 32] (bf16_panels), of N rows.
 at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N) {
   TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
               "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
 #if SS_AMX_TILES
-  TORCH_CHECK(wb.scalar_type() == at::kBFloat16 && wb.dim() == 4 && wb.is_contiguous() && wb.size(0) % 2 == 0 &&
-                  wb.size(2) == PANEL_ROWS && wb.size(3) == 32 && wb.size(0) * PANEL_ROWS >= N,
-              "wb must be a contiguous bfloat16 [even panels, K / 32, 16, 32] tensor (bf16_panels) of ", N, " rows");
+  check_bf16_panels(wb, N, "wb");
   const int64_t K = wb.size(1) * 32;
   const at::Tensor x = float_rows(x_in, K);
   const int64_t M = x.size(0);
@@ -1653,6 +1751,32 @@ at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N)
   if (M == 0 || N == 0) return in_dtype_of(y, x_in);
   const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
   bf16_matmul(a, reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>()), M, K, N, wb.size(0),
+              y.data_ptr<float>());
+  return in_dtype_of(y, x_in);
+#else
+  return {};
+#endif
+}
+
+// A SwiGLU FFN with both matmuls on the AMX tiles: down(silu(gate) · up) for x [M, K], gate_up's bf16
+// panels (2I rows: gate, then up) and down's (N rows, K = I): the bits of
+// qlinear_bf16(silu_mul(qlinear_bf16(x, gate_up)), down), in one call (bf16_swiglu_tiles).
+at::Tensor qlinear_bf16_swiglu(const at::Tensor& x_in, const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N) {
+  TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
+              "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+#if SS_AMX_TILES
+  check_bf16_panels(gate_up_wb, gate_up_wb.size(0) * PANEL_ROWS, "gate_up_wb");
+  check_bf16_panels(down_wb, N, "down_wb");
+  const int64_t K = gate_up_wb.size(1) * 32, I = down_wb.size(1) * 32;
+  TORCH_CHECK(gate_up_wb.size(0) * PANEL_ROWS == 2 * I, "gate_up_wb must hold 2 × ", I, " rows (gate, then up) for a ",
+              "down_wb of K = ", I, " (a multiple of 32)");
+  const at::Tensor x = float_rows(x_in, K);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
+  const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
+  const uint16_t* h = bf16_swiglu_tiles(a, reinterpret_cast<const uint16_t*>(gate_up_wb.data_ptr<at::BFloat16>()), M, K, I);
+  bf16_matmul(h, reinterpret_cast<const uint16_t*>(down_wb.data_ptr<at::BFloat16>()), M, I, N, down_wb.size(0),
               y.data_ptr<float>());
   return in_dtype_of(y, x_in);
 #else
@@ -1825,6 +1949,9 @@ void register_qlinear(pybind11::module_& m) {
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"), py::arg("path") = 0);
   m.def("qlinear_bf16", &qlinear_bf16, "y = bf16(x) · bf16(W)ᵀ, float32 sums, on the AMX tiles (wb: bf16_panels)",
         py::arg("x"), py::arg("wb"), py::arg("N"));
+  m.def("qlinear_bf16_swiglu", &qlinear_bf16_swiglu,
+        "down(silu(gate) · up) with both matmuls on the AMX tiles: qlinear_bf16's bits, gate_up's output never stored",
+        py::arg("x"), py::arg("gate_up_wb"), py::arg("down_wb"), py::arg("N"));
   m.def("qlinear_int8", &qlinear_int8,
         "y = x · Wᵀ in integers: x quantized to unsigned int8 per 32-value block over its range (Q4_0/Q4_1/Q8_0 "
         "weights in panels; batch-invariant; AVX512-VNNI)",

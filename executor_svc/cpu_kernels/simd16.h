@@ -164,6 +164,26 @@ SS_INLINE V16 load_first(const float* p, int64_t n) {
 }
 #endif
 
+// exp(x) for float32 lanes: Cephes' expf (range reduction by ln 2 in two parts, a
+// degree-5 polynomial, scale by 2^n). ~1 ulp; exp(x) for x < -87.3 is not 0 but
+// < 1.2e-38 (callers that need exact zeros mask them).
+SS_INLINE V16 exp(V16 x) {
+  x = min(max(x, set1(-87.3f)), set1(88.3f));
+  const V16 n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  V16 r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  V16 y = set1(1.9875691500E-4f);
+  y = fmadd(y, r, set1(1.3981999507E-3f));
+  y = fmadd(y, r, set1(8.3334519073E-3f));
+  y = fmadd(y, r, set1(4.1665795894E-2f));
+  y = fmadd(y, r, set1(1.6666665459E-1f));
+  y = fmadd(y, r, set1(5.0000001201E-1f));
+  y = fmadd(y, mul(r, r), add(r, set1(1.0f)));
+  return scale_pow2(y, n);
+}
+
+// silu(g) = g / (1 + exp(−g)): SwiGLU's gate, the one formula of silu_mul and the fused bf16 FFN.
+SS_INLINE V16 silu(V16 g) { return div(g, add(set1(1.0f), exp(sub(zero(), g)))); }
 
 }  // namespace simd16
 #endif

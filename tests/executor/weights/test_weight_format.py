@@ -332,6 +332,40 @@ def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its
     assert ((y.double() - expected).abs() <= 1e-5 * expected.abs().max()).all()
 
 
+@needs_amx
+@pytest.mark.parametrize(("intermediate", "num_rows"), [(64, 1), (64, 17), (96, 70), (256, 300)])
+def test_the_bf16_swiglu_gives_the_three_calls_bits(intermediate, num_rows):
+    """qlinear_bf16_swiglu (the C++ layer stack's FFN under `--matmul bf16`) computes gate and up for 32
+    rows × 32 columns at a time and writes the down matmul's input tiles from them: its output is
+    bit-identical to qlinear_bf16 → silu_mul → qlinear_bf16, for padded row counts, gates large enough
+    to saturate exp, several tasks' worth of rows and columns, on one thread or two."""
+    kernels = load()
+    gate_up, _ = packed(Q.Q4_1, rows=2 * intermediate, cols=512, seed=intermediate)
+    down, _ = packed(Q.Q8_0, rows=40, cols=intermediate, seed=num_rows)
+    gu, dn = gate_up.for_kernel(Kernel.BF16).data, down.for_kernel(Kernel.BF16).data
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+    x[:, 7] *= 200  # gates far past exp's range both ways
+    three_calls = kernels.qlinear_bf16(kernels.silu_mul(kernels.qlinear_bf16(x, gu, 2 * intermediate)), dn, 40)
+    assert torch.equal(kernels.qlinear_bf16_swiglu(x, gu, dn, 40), three_calls)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernels.qlinear_bf16_swiglu(x, gu, dn, 40), three_calls)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_a_bf16_swiglu_whose_gate_up_does_not_fit_its_down_is_refused():
+    kernels = load()
+    gate_up, _ = packed(Q.Q4_1, rows=96, cols=512)
+    down, _ = packed(Q.Q4_1, rows=40, cols=64)
+    with pytest.raises(RuntimeError, match=r"gate_up_wb must hold 2 × 64 rows \(gate, then up\)"):
+        kernels.qlinear_bf16_swiglu(
+            torch.randn(4, 512), gate_up.for_kernel(Kernel.BF16).data, down.for_kernel(Kernel.BF16).data, 40
+        )
+
+
 @pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")
 def test_the_bf16_matmul_without_amx_is_refused_by_name():
     w, reference = packed(Q.Q4_1, rows=32)

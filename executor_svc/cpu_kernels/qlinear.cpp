@@ -1737,22 +1737,46 @@ void check_bf16_panels(const at::Tensor& wb, int64_t N, const char* name) {
 }  // namespace
 #endif
 
-// The bf16 matmul on the AMX tiles (see "bf16 matmul on the AMX tiles"): `--matmul bf16`.
-// wb: the weight's bf16 panels [panels (even), K / 32, 16, 32] (bf16_panels), of N rows.
-at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N) {
+namespace {
+// The bf16 matmuls refuse to run, by name, where the tiles cannot.
+void require_bf16_tiles() {
   TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
               "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+}
+
 #if SS_AMX_TILES
-  check_bf16_panels(wb, N, "wb");
-  const int64_t K = wb.size(1) * 32;
+// gate_up's and down's panels for a SwiGLU FFN of N outputs; returns I (down's K).
+int64_t check_swiglu_panels(const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N) {
+  check_bf16_panels(gate_up_wb, gate_up_wb.size(0) * PANEL_ROWS, "gate_up_wb");
+  check_bf16_panels(down_wb, N, "down_wb");
+  const int64_t I = down_wb.size(1) * 32;
+  TORCH_CHECK(gate_up_wb.size(0) * PANEL_ROWS == 2 * I, "gate_up_wb must hold 2 × ", I, " rows (gate, then up) for a ",
+              "down_wb of K = ", I, " (a multiple of 32)");
+  return I;
+}
+
+// y [M, N] in x's dtype from `multiply(x's A tiles, M, y as float32)`, x [M, K] float32 or bfloat16.
+template <class Multiply>
+at::Tensor on_bf16_row_tiles(const at::Tensor& x_in, int64_t K, int64_t N, const Multiply& multiply) {
   const at::Tensor x = float_rows(x_in, K);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
-  const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
-  bf16_matmul(a, reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>()), M, K, N, wb.size(0),
-              y.data_ptr<float>());
+  if (M > 0 && N > 0) multiply(bf16_row_tiles(x.data_ptr<float>(), M, K), M, y.data_ptr<float>());
   return in_dtype_of(y, x_in);
+}
+#endif
+}  // namespace
+
+// The bf16 matmul on the AMX tiles (see "bf16 matmul on the AMX tiles"): `--matmul bf16`.
+// wb: the weight's bf16 panels [panels (even), K / 32, 16, 32] (bf16_panels), of N rows.
+at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N) {
+  require_bf16_tiles();
+#if SS_AMX_TILES
+  check_bf16_panels(wb, N, "wb");
+  const int64_t K = wb.size(1) * 32;
+  return on_bf16_row_tiles(x_in, K, N, [&](const uint16_t* a, int64_t M, float* y) {
+    bf16_matmul(a, reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>()), M, K, N, wb.size(0), y);
+  });
 #else
   return {};
 #endif
@@ -1762,23 +1786,13 @@ at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N)
 // panels (2I rows: gate, then up) and down's (N rows, K = I): the bits of
 // qlinear_bf16(silu_mul(qlinear_bf16(x, gate_up)), down), in one call (bf16_swiglu_tiles).
 at::Tensor qlinear_bf16_swiglu(const at::Tensor& x_in, const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N) {
-  TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
-              "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+  require_bf16_tiles();
 #if SS_AMX_TILES
-  check_bf16_panels(gate_up_wb, gate_up_wb.size(0) * PANEL_ROWS, "gate_up_wb");
-  check_bf16_panels(down_wb, N, "down_wb");
-  const int64_t K = gate_up_wb.size(1) * 32, I = down_wb.size(1) * 32;
-  TORCH_CHECK(gate_up_wb.size(0) * PANEL_ROWS == 2 * I, "gate_up_wb must hold 2 × ", I, " rows (gate, then up) for a ",
-              "down_wb of K = ", I, " (a multiple of 32)");
-  const at::Tensor x = float_rows(x_in, K);
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return in_dtype_of(y, x_in);
-  const uint16_t* a = bf16_row_tiles(x.data_ptr<float>(), M, K);
-  const uint16_t* h = bf16_swiglu_tiles(a, reinterpret_cast<const uint16_t*>(gate_up_wb.data_ptr<at::BFloat16>()), M, K, I);
-  bf16_matmul(h, reinterpret_cast<const uint16_t*>(down_wb.data_ptr<at::BFloat16>()), M, I, N, down_wb.size(0),
-              y.data_ptr<float>());
-  return in_dtype_of(y, x_in);
+  const int64_t I = check_swiglu_panels(gate_up_wb, down_wb, N), K = gate_up_wb.size(1) * 32;
+  return on_bf16_row_tiles(x_in, K, N, [&](const uint16_t* a, int64_t M, float* y) {
+    const uint16_t* h = bf16_swiglu_tiles(a, reinterpret_cast<const uint16_t*>(gate_up_wb.data_ptr<at::BFloat16>()), M, K, I);
+    bf16_matmul(h, reinterpret_cast<const uint16_t*>(down_wb.data_ptr<at::BFloat16>()), M, I, N, down_wb.size(0), y);
+  });
 #else
   return {};
 #endif

@@ -1397,7 +1397,7 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
 // stays in L1 while the task's B pairs pass it, and consecutive tile pairs store to the same 32 rows
 // of y, line after line (on a 2-core Xeon VM the four layer shapes at 1,024 rows ran 1.2x faster
 // than tasks of 256 × 128 taken panel pair by panel pair, gate_up's 3,072 columns 1.3x). Fewer rows
-// (a 256-token chunk) or columns split the task until every thread has two (bf16_task_shape).
+// (a 256-token chunk) or columns split the task until every thread has two (bf16_tasks).
 // Whole 32 × 32 tile pairs store their sums straight into y (a copy through a stack buffer had
 // cost ~20%). The kernel reaches ~35-40% of the tile unit's peak at 256-2,048 rows; the same tile
 // loop alone ran at ~58%: the rest is moving B through L2 and writing y (float32, M × N).
@@ -1405,22 +1405,36 @@ constexpr int64_t BF16_ROW_PAIRS_PER_TASK = 8;
 constexpr int64_t BF16_PANEL_PAIRS_PER_TASK = 32;
 constexpr int64_t BF16_TASKS_PER_THREAD = 2;
 
-struct Bf16TaskShape {
-  int64_t row_pairs, panel_pairs;
+// Pairs of 16-row tiles that hold M activation rows (the last pair padded with zero rows).
+constexpr int64_t bf16_row_pairs(int64_t M) { return (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS); }
+
+// A bf16 matmul's row pairs × panel pairs cut into tasks of whole row pairs and panel pairs.
+struct Bf16Tasks {
+  struct Range {
+    int64_t rp0, rp1, pp0, pp1;  // row pairs [rp0, rp1) × panel pairs [pp0, pp1)
+  };
+  int64_t row_pairs, panel_pairs, rows_per_task, panels_per_task;
+
+  int64_t row_blocks() const { return (row_pairs + rows_per_task - 1) / rows_per_task; }
+  int64_t panel_groups() const { return (panel_pairs + panels_per_task - 1) / panels_per_task; }
+  int64_t count() const { return row_blocks() * panel_groups(); }
+  Range operator[](int64_t task) const {
+    const int64_t g = task % panel_groups(), rb = task / panel_groups();
+    return {rb * rows_per_task, std::min(row_pairs, (rb + 1) * rows_per_task), g * panels_per_task,
+            std::min(panel_pairs, (g + 1) * panels_per_task)};
+  }
 };
 
-// The largest task (row pairs, then panel pairs halved) that still gives every thread
+// The largest tasks (row pairs, then panel pairs halved) that still give every thread
 // BF16_TASKS_PER_THREAD, so that a thread slowed by another process does not hold the step, then
-// evened out (18 panel pairs in two tasks: 9 and 9, not 16 and 2). Any shape gives the same bits.
-Bf16TaskShape bf16_task_shape(int64_t row_pairs, int64_t panel_pairs) {
+// evened out (18 panel pairs in two tasks: 9 and 9, not 16 and 2). Any cut gives the same bits.
+Bf16Tasks bf16_tasks(int64_t row_pairs, int64_t panel_pairs) {
   const int64_t wanted = BF16_TASKS_PER_THREAD * at::get_num_threads();
-  Bf16TaskShape t{BF16_ROW_PAIRS_PER_TASK, BF16_PANEL_PAIRS_PER_TASK};
-  const auto blocks = [](int64_t n, int64_t per) { return (n + per - 1) / per; };
-  const auto tasks = [&] { return blocks(row_pairs, t.row_pairs) * blocks(panel_pairs, t.panel_pairs); };
-  while (tasks() < wanted && t.row_pairs > 1) t.row_pairs /= 2;
-  while (tasks() < wanted && t.panel_pairs > 1) t.panel_pairs /= 2;
-  t.row_pairs = blocks(row_pairs, blocks(row_pairs, t.row_pairs));
-  t.panel_pairs = blocks(panel_pairs, blocks(panel_pairs, t.panel_pairs));
+  Bf16Tasks t{row_pairs, panel_pairs, BF16_ROW_PAIRS_PER_TASK, BF16_PANEL_PAIRS_PER_TASK};
+  while (t.count() < wanted && t.rows_per_task > 1) t.rows_per_task /= 2;
+  while (t.count() < wanted && t.panels_per_task > 1) t.panels_per_task /= 2;
+  t.rows_per_task = (row_pairs + t.row_blocks() - 1) / t.row_blocks();
+  t.panels_per_task = (panel_pairs + t.panel_groups() - 1) / t.panel_groups();
   return t;
 }
 
@@ -1428,7 +1442,7 @@ Bf16TaskShape bf16_task_shape(int64_t row_pairs, int64_t panel_pairs) {
 // M' = M rounded up to 32 (whole pairs of row tiles; padding rows zero), in the calling thread's buffer.
 const uint16_t* bf16_row_tiles(const float* x, int64_t M, int64_t K) {
   thread_local AlignedVector<uint16_t> buffer;
-  const int64_t nb = K / 32, padded = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+  const int64_t nb = K / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
   if ((int64_t)buffer.size() < padded * K) buffer.resize(padded * K);
   uint16_t* tiles = buffer.data();
   at::parallel_for(0, padded * nb, 256, [&](int64_t begin, int64_t end) {
@@ -1486,18 +1500,13 @@ SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, 
 // y [M, N] from the A tiles and the bf16 panels (an even number of them).
 void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
   const int64_t nb = K / 32;
-  const int64_t row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), panel_pairs = panels / 2;
-  const Bf16TaskShape shape = bf16_task_shape(row_pairs, panel_pairs);
-  const int64_t row_blocks = (row_pairs + shape.row_pairs - 1) / shape.row_pairs;
-  const int64_t panel_groups = (panel_pairs + shape.panel_pairs - 1) / shape.panel_pairs;
-  parallel_tasks(row_blocks * panel_groups, [&](int64_t task) {
+  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), panels / 2);
+  parallel_tasks(tasks.count(), [&](int64_t task) {
     configure_tiles();
     alignas(64) float edge[2][2][AMX_ROWS * PANEL_ROWS];
-    const int64_t g = task % panel_groups, rb = task / panel_groups;
-    const int64_t pp1 = std::min(panel_pairs, (g + 1) * shape.panel_pairs);
-    const int64_t rp1 = std::min(row_pairs, (rb + 1) * shape.row_pairs);
-    for (int64_t rp = rb * shape.row_pairs; rp < rp1; rp++)
-      for (int64_t pp = g * shape.panel_pairs; pp < pp1; pp++) {
+    const auto [rp0, rp1, pp0, pp1] = tasks[task];
+    for (int64_t rp = rp0; rp < rp1; rp++)
+      for (int64_t pp = pp0; pp < pp1; pp++) {
         const int64_t r0 = 2 * rp * AMX_ROWS, n0 = 2 * pp * PANEL_ROWS;
         if (r0 + 2 * AMX_ROWS <= M && n0 + 2 * PANEL_ROWS <= N) {  // whole tiles: straight into y
           float* const c[2][2] = {{y + r0 * N + n0, y + r0 * N + n0 + PANEL_ROWS},
@@ -1527,21 +1536,17 @@ void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int
 // gate_up's float32 output (M × 2I: 12 MB at 1,024 rows) written, read back and rounded again.
 const uint16_t* bf16_swiglu_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
   thread_local AlignedVector<uint16_t> buffer;
-  const int64_t nb = K / 32, nbi = I / 32, row_pairs = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
-  if ((int64_t)buffer.size() < row_pairs * 2 * AMX_ROWS * I) buffer.resize(row_pairs * 2 * AMX_ROWS * I);
+  const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
+  if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
   uint16_t* tiles = buffer.data();
-  const Bf16TaskShape shape = bf16_task_shape(row_pairs, nbi);
-  const int64_t row_blocks = (row_pairs + shape.row_pairs - 1) / shape.row_pairs;
-  const int64_t column_groups = (nbi + shape.panel_pairs - 1) / shape.panel_pairs;
-  parallel_tasks(row_blocks * column_groups, [&](int64_t task) {
+  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), nbi);  // gate's panel pairs (up's follow them)
+  parallel_tasks(tasks.count(), [&](int64_t task) {
     configure_tiles();
     // Two sets of gate and up sums: the epilogue of one 32 × 32 block (silu·up, bf16, into the down
     // matmul's tile) runs a row at a time between the tile products of the next, where the vector
     // units are otherwise idle (in turn, the silu's division and exp had cost ~30% of gate_up).
     alignas(64) float sums[2][2][2][2][AMX_ROWS * PANEL_ROWS];  // [set][gate, up][row tile][panel]
-    const int64_t cg = task % column_groups, rb = task / column_groups;
-    const int64_t b1 = std::min(nbi, (cg + 1) * shape.panel_pairs);
-    const int64_t rp1 = std::min(row_pairs, (rb + 1) * shape.row_pairs);
+    const auto [rp0, rp1, b0, b1] = tasks[task];
     constexpr int64_t ROWS_DONE = 2 * AMX_ROWS;  // epilogue rows of one block (2 row tiles)
     uint16_t* pending = nullptr;                 // the block whose epilogue is due, its tile for row tile 0
     int pending_set = 0;
@@ -1557,8 +1562,8 @@ const uint16_t* bf16_swiglu_tiles(const uint16_t* a, const uint16_t* w, int64_t 
       }
     };
     int set = 0;
-    for (int64_t rp = rb * shape.row_pairs; rp < rp1; rp++)
-      for (int64_t b = cg * shape.panel_pairs; b < b1; b++) {
+    for (int64_t rp = rp0; rp < rp1; rp++)
+      for (int64_t b = b0; b < b1; b++) {
         float* const g[2][2] = {{sums[set][0][0][0], sums[set][0][0][1]}, {sums[set][0][1][0], sums[set][0][1][1]}};
         float* const u[2][2] = {{sums[set][1][0][0], sums[set][1][0][1]}, {sums[set][1][1][0], sums[set][1][1][1]}};
         // The pending block's 32 rows spread over this block's 2 · nb products.

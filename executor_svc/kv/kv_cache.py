@@ -95,10 +95,10 @@ class KVCache:
         # (d-major: each block's K bytes are [num_kv_heads, head_dim, block_size], its V bytes
         # [num_kv_heads, block_size, head_dim]).
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer (K, V) views in layer order, made once: the forward pass asks for them every
-        # layer of every step.
-        keys, values = self._every_layer("keys"), self._every_layer("values")
-        self.layers = [(keys[i], values[i]) for i in range(len(kv_layers))]
+        # Every layer's K and V as views, and per-layer (K, V) views in layer order, made once:
+        # the forward pass asks for them every layer of every step, copy_slots every verified tree.
+        self._parts = {part: self._every_layer(part) for part in ("keys", "values")}
+        self.layers = [(self._parts["keys"][i], self._parts["values"][i]) for i in range(len(kv_layers))]
         self._by_model_layer = dict(zip(kv_layers, self.layers))
 
     def _every_layer(self, part: str) -> torch.Tensor:
@@ -115,8 +115,7 @@ class KVCache:
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Every layer's K and V of flat slots `src_slots` into `dst_slots` (int64 [n] each,
         on the cache's device): a verified tree path moved to where decoding would have put it."""
-        for part in ("keys", "values"):
-            cache = self._every_layer(part)
+        for cache in self._parts.values():
             cache[:, dst_slots // self.block_size, dst_slots % self.block_size] = cache[
                 :, src_slots // self.block_size, src_slots % self.block_size
             ]

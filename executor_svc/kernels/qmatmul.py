@@ -1,10 +1,16 @@
 """Dequant-matmul on GGUF blocks as stored: x [M, K] · wᵀ → [M, N], w a `PackedWeight`'s bytes.
 
 The weight is the file's rows, uint8 [N, row_bytes] (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K blocks, or F32/F16/BF16 values). Each program loads a [BLOCK_K, BLOCK_N] tile
-of those bytes, decodes it in registers with gguf-py's arithmetic (scale products
-in float32, exactly as `gguf.quants` dequantizes), rounds it to x's dtype (float32
-stays float32, multiplied in IEEE precision) and accumulates `tl.dot` into float32.
+Q6_K blocks, or F32/F16/BF16 values). Each program loads a [BLOCK_N, BLOCK_K] tile
+of those bytes (K innermost, as a row's bytes lie, so a warp's loads are contiguous),
+decodes it in registers with gguf-py's arithmetic (scale products in float32, exactly
+as `gguf.quants` dequantizes), rounds it to x's dtype (float32 stays float32,
+multiplied in IEEE precision) and accumulates `tl.dot` with its transpose into float32.
+
+On an H200 (the first run on a card), the [BLOCK_K, BLOCK_N] tiles this kernel loaded
+before, N innermost, read 3-10% of the copy bandwidth at M = 1 (Q4_K 148 GB/s): each
+warp's loads touched 32 weight rows. gpu_check's launch sweep (section qmatmul) times
+the K-innermost tiles with the launch candidates (`Launch`) on the next card.
 
 Batch invariance by construction: every output element is one program's sum over
 K in BLOCK_K steps, in order, each step one `tl.dot` of a BLOCK_M × BLOCK_K slab
@@ -24,6 +30,8 @@ GPU path's embedding lookup).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,9 +56,20 @@ Q6_K = tl.constexpr(14)
 BLOCK_M = 16
 BLOCK_K = 64
 SKINNY_MAX_ROWS = 32
-SKINNY_BLOCK_N = 32
-TILED_BLOCK_N = 64
-TILED_GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the programs cover the output: none of it changes a row's bits (see the module docstring)."""
+
+    block_n: int  # output columns (weight rows) per program
+    group_m: int  # M tiles that visit a column tile one after another (1: no grouping)
+    k_steps: int  # BLOCK_K steps per loop iteration, their loads issued together
+    num_warps: int
+
+
+SKINNY = Launch(block_n=32, group_m=1, k_steps=1, num_warps=4)
+TILED = Launch(block_n=64, group_m=8, k_steps=1, num_warps=4)
 
 # The dtype the value pointer is viewed as: each type's float fields (scales, or the values themselves).
 _VALUE_DTYPES = {0: torch.float32, 30: torch.bfloat16}
@@ -165,6 +184,7 @@ def _qmatmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    K_STEPS: tl.constexpr,  # BLOCK_K steps per loop iteration: their loads are in flight together
     DOT_DTYPE: tl.constexpr,  # x's dtype; float32 for bfloat16 under the interpreter
 ):
     # Program order: GROUP_M consecutive M tiles per column tile, so they share its weight tiles in cache.
@@ -179,26 +199,34 @@ def _qmatmul_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w
-    n = cols[None, :].to(tl.int64)  # [1, BLOCK_N]
+    n = cols[:, None].to(tl.int64)  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        k = ks[:, None].to(tl.int64)  # [BLOCK_K, 1]
-        w = _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, (k < K) & (n < N), TYPE)  # [BLOCK_K, BLOCK_N] float32
-        w = w.to(dtype).to(DOT_DTYPE)
-        if DOT_DTYPE == tl.float32:
-            acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+    for k_first in range(0, K, BLOCK_K * K_STEPS):
+        for step in tl.static_range(K_STEPS):
+            ks = k_first + step * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0
+            )  # [BLOCK_M, BLOCK_K]
+            k = ks[None, :].to(tl.int64)  # [1, BLOCK_K]
+            # [BLOCK_N, BLOCK_K] float32: a weight row's bytes run along K, so a warp's loads are contiguous.
+            w = _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, (k < K) & (n < N), TYPE)
+            w = tl.trans(w.to(dtype).to(DOT_DTYPE))
+            if DOT_DTYPE == tl.float32:
+                acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
     out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def qmatmul(x: torch.Tensor, data: torch.Tensor, tensor_type: int, cols: int) -> torch.Tensor:
-    """x [M, cols] · wᵀ → [M, rows] in x's dtype; w is GGUF rows, uint8 data [rows, row_bytes]."""
+def qmatmul(
+    x: torch.Tensor, data: torch.Tensor, tensor_type: int, cols: int, launch: Launch | None = None
+) -> torch.Tensor:
+    """x [M, cols] · wᵀ → [M, rows] in x's dtype; w is GGUF rows, uint8 data [rows, row_bytes].
+
+    `launch` overrides SKINNY / TILED (gpu_check's launch sweep); the bits are the same for any."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("data", data, ndim=2, dtypes=(torch.uint8,))
     check_same_device(x=x, data=data)
@@ -213,11 +241,9 @@ def qmatmul(x: torch.Tensor, data: torch.Tensor, tensor_type: int, cols: int) ->
     out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_out == 0:
         return out
-    if num_rows <= SKINNY_MAX_ROWS:
-        block_n, group_m, num_warps = SKINNY_BLOCK_N, 1, 4
-    else:
-        block_n, group_m, num_warps = TILED_BLOCK_N, TILED_GROUP_M, 4
-    grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(num_out, block_n),)
+    if launch is None:
+        launch = SKINNY if num_rows <= SKINNY_MAX_ROWS else TILED
+    grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(num_out, launch.block_n),)
     _qmatmul_kernel[grid](
         x,
         data,
@@ -230,11 +256,12 @@ def qmatmul(x: torch.Tensor, data: torch.Tensor, tensor_type: int, cols: int) ->
         row_bytes,
         TYPE=tensor_type,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block_n,
         BLOCK_K=BLOCK_K,
-        GROUP_M=group_m,
+        GROUP_M=launch.group_m,
+        K_STEPS=launch.k_steps,
         DOT_DTYPE=tl.float32 if x.dtype == torch.bfloat16 and _is_interpreted(_qmatmul_kernel) else _TL_DTYPES[x.dtype],
-        num_warps=num_warps,
+        num_warps=launch.num_warps,
     )
     return out
 

@@ -1031,6 +1031,9 @@ class GgufSizes:
     bandwidth_types: tuple[str, ...]
     bandwidth_rows: tuple[int, ...]  # M of the bandwidth timings
     bandwidth_shape: tuple[int, int]  # (N, K)
+    launch_types: tuple[str, ...]  # the launch sweep's
+    skinny_launch_rows: tuple[int, ...]  # M of the skinny candidates (decode, verify)
+    tiled_launch_rows: int  # M of the tiled candidates (a prefill chunk), on the bandwidth shape
     model: dict
     model_type: str  # the decode model's GGUF type
     batch_sizes: tuple[int, ...]
@@ -1045,6 +1048,9 @@ class GgufSizes:
             bandwidth_types=("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"),
             bandwidth_rows=(1, 16),
             bandwidth_shape=(14336, 4096),
+            launch_types=("Q4_K", "Q8_0"),
+            skinny_launch_rows=(1, 16),
+            tiled_launch_rows=2048,
             model=BIG_MODEL,
             model_type="Q4_K",
             batch_sizes=(1, 2, 4, 8, 16, 32),
@@ -1060,6 +1066,9 @@ class GgufSizes:
             bandwidth_types=("Q4_K",),
             bandwidth_rows=(1,),
             bandwidth_shape=(64, 256),
+            launch_types=("Q4_K",),
+            skinny_launch_rows=(1,),
+            tiled_launch_rows=40,
             model=dict(TINY_MODEL, num_layers=1),
             model_type="Q8_0",
             batch_sizes=(2,),
@@ -1146,6 +1155,76 @@ def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufS
                 dense_us=1e3 * dense_ms,
                 gbps=gbps,
                 fraction_of_copy=share,
+                summary=summary,
+            )
+
+
+def _launch_candidates(device) -> tuple[list, list]:
+    """The skinny and tiled launches the sweep times: today's first, then the neighbours worth knowing."""
+    from executor_svc.kernels.qmatmul import SKINNY, TILED, Launch
+
+    if device.type == "cpu":  # the interpreter: one of each, to keep the dry run short
+        return [SKINNY, Launch(16, 1, 4, 4)], [TILED]
+    skinny = [SKINNY] + [
+        Launch(block_n, 1, k_steps, num_warps)
+        for block_n in (16, 32, 64)
+        for k_steps in (1, 4)
+        for num_warps in (4, 8)
+        if Launch(block_n, 1, k_steps, num_warps) != SKINNY
+    ]
+    tiled = [TILED] + [
+        Launch(block_n, 8, k_steps, num_warps)
+        for block_n in (64, 128)
+        for k_steps in (1, 2)
+        for num_warps in (4, 8)
+        if Launch(block_n, 8, k_steps, num_warps) != TILED
+    ]
+    return skinny, tiled
+
+
+def section_qmatmul_launches(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
+    """The dequant-matmul's launch candidates timed, for picking SKINNY and TILED on a card: GB/s
+    at decode rows, TFLOP/s at a prefill chunk. A launch may not change a row's bits: each output is
+    compared with the default launch's (a difference fails the row)."""
+    from executor_svc.kernels.qmatmul import qmatmul
+    from executor_svc.tools.random_model import random_gguf_rows
+
+    gen = torch.Generator(device=device).manual_seed(24)
+    n, k = sizes.bandwidth_shape
+    copy_gbps = report.yardsticks.get("copy_gbps")
+    skinny, tiled = _launch_candidates(device)
+    for name in sizes.launch_types:
+        type_id = _gguf_type_ids()[name]
+        data = random_gguf_rows(n, k, type_id, gen, device)
+        runs = [("skinny", m, launch) for m in sizes.skinny_launch_rows for launch in skinny]
+        runs += [("tiled", sizes.tiled_launch_rows, launch) for launch in tiled]
+        for kind, m, launch in runs:
+            if report.over_budget():
+                return
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+            is_same = torch.equal(qmatmul(x, data, type_id, k, launch), qmatmul(x, data, type_id, k))
+            ms = bench.ms(lambda: qmatmul(x, data, type_id, k, launch))
+            gbps = (data.numel() + 2 * m * (k + n)) / ms / 1e6
+            tflops = 2 * m * n * k / ms / 1e9
+            shape = f"n{launch.block_n} g{launch.group_m} s{launch.k_steps} w{launch.num_warps}"
+            share = f" = {100 * gbps / copy_gbps:.0f}% of copy" if copy_gbps else ""
+            rate = f"{gbps:.0f} GB/s{share}" if kind == "skinny" else f"{tflops:.1f} TFLOP/s"
+            summary = f"{1e3 * ms:.0f}us {rate}" + ("" if is_same else " BITS DIFFER FAIL")
+            report.add(
+                "qmatmul",
+                f"launch_{kind}_{name}",
+                "",
+                "bf16",
+                f"M={m} {shape}",
+                batch=m,
+                launch=dict(
+                    block_n=launch.block_n, group_m=launch.group_m, k_steps=launch.k_steps, num_warps=launch.num_warps
+                ),
+                us=1e3 * ms,
+                gbps=gbps,
+                tflops=tflops,
+                fraction_of_copy=gbps / copy_gbps if copy_gbps else None,
+                ok=is_same,
                 summary=summary,
             )
 
@@ -1262,6 +1341,7 @@ def gguf_plan(report: Report, bench: Bench, device) -> list[tuple]:
     plan.append(("qmatmul", "dequant-matmul bandwidth", section_qmatmul_bandwidth, (report, bench, device, sizes)))
     plan.append(("decode", "decode step vs floor", section_decode_floor, (report, bench, device, sizes)))
     plan.append(("decode", "verify cost", section_verify_cost, (report, bench, device, sizes)))
+    plan.append(("qmatmul", "dequant-matmul launches", section_qmatmul_launches, (report, bench, device, sizes)))
     return plan
 
 
@@ -1277,6 +1357,11 @@ def main(argv: list[str] | None = None) -> int:
         help="of --budget-s, the seconds kept for the swarm section (the kernel sections stop before)",
     )
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, out of {','.join(SECTIONS)}")
+    parser.add_argument(
+        "--labels",
+        default="",
+        help="comma-separated: of the kernel sections' checks, run only those whose label contains one (e.g. 'delta net')",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT"), help="where gpu_check.json/.txt go (default $OUT)")
     parser.add_argument("--model-dir", default=None, help="the swarm section's model files (see gpu_swarm.py)")
     args = parser.parse_args(argv)
@@ -1338,7 +1423,11 @@ def main(argv: list[str] | None = None) -> int:
         args_ = (report, bench, shape, device, sizes)
         plan.append(("step", f"decode step {shape['name']}", section_step_timings, args_))
 
-    run_entries(report, [entry for entry in plan if entry[0] in only], device)
+    labels = [label for label in args.labels.split(",") if label]
+    plan = [entry for entry in plan if entry[0] in only]
+    if labels:
+        plan = [entry for entry in plan if entry[0] in ("env", "roofline") or any(x in entry[1] for x in labels)]
+    run_entries(report, plan, device)
     if has_swarm:
         from pathlib import Path
 

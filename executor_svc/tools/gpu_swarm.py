@@ -34,12 +34,14 @@ prompt passes when its tokens are identical, or when they first differ at a near
 reference's logprob of the GPU's token is within the tolerance of its own token's (after a
 difference the two continue from different text, so the comparison of that prompt ends
 there). Tolerances (NEAR_TIE_NATS): float32 1e-3 nats (both compute in float32 with
-different reduction orders: ~1e-5 relative, far below a real kernel bug); bfloat16 0.5
-nats (the logits are rounded to bfloat16, whose steps at the random model's top logits,
-~16–20, are 0.125, and every layer's activations are too: the tiny dry-run model's
-bfloat16 logprobs already sit up to 0.1 from float32's where the tokens agree). A kernel
-bug shows as gaps of nats, or a token outside the reference's top 20 (an infinite gap). A
-divergence beyond the tolerance is a correctness failure and makes the command exit 1.
+different reduction orders: ~1e-5 relative, far below a real kernel bug); bfloat16 1 nat
+(the logits are rounded to bfloat16, whose steps at the random model's top logits, ~16–20,
+are 0.125, and every layer's activations are too: on an H200 the 36-layer Qwen3-8B shape's
+bfloat16 logprobs sat up to 0.63 from float32's where the tokens agreed, and one prompt
+first differed at a gap of 0.52, while the same kernels in float32 matched the reference
+on every token; the tiny dry-run model's sit up to 0.1 apart). A kernel bug shows as gaps
+of nats, or a token outside the reference's top 20 (an infinite gap). A divergence beyond
+the tolerance is a correctness failure and makes the command exit 1.
 
 Everything goes through gpu_check's Report: progress to stderr, the JSON rewritten after each
 measurement (a run cut short keeps what it measured), one table at the end.
@@ -68,7 +70,7 @@ from executor_svc.tools.random_gguf import QWEN3_8B, QWEN35_9B, TINY_QWEN3, TINY
 if TYPE_CHECKING:
     from executor_svc.tools.gpu_check import Report
 
-NEAR_TIE_NATS = {"fp32": 1e-3, "bf16": 0.5}
+NEAR_TIE_NATS = {"fp32": 1e-3, "bf16": 1.0}
 NUM_REFERENCE_LOGPROBS = 20  # the most the API returns (MAX_LOGPROBS)
 # What the served model needs beyond gpu_check's torch and triton, as (import name, package).
 SERVICE_MODULES = (

@@ -48,6 +48,7 @@ are missing instead of installing any.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -1221,9 +1222,7 @@ def section_qmatmul_launches(report: Report, bench: Bench, device, sizes: GgufSi
                 "bf16",
                 f"M={m} {shape}",
                 batch=m,
-                launch=dict(
-                    block_n=launch.block_n, group_m=launch.group_m, k_steps=launch.k_steps, num_warps=launch.num_warps
-                ),
+                launch=dataclasses.asdict(launch),
                 us=1e3 * ms,
                 gbps=gbps,
                 tflops=tflops,

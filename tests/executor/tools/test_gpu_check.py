@@ -52,4 +52,24 @@ def test_dry_run_passes_every_check_and_writes_json(tmp_path):
         ("kernel", "delta_rule_prefill"),
     }
     assert delta_net <= names, delta_net - names
+    assert {("qmatmul", "launch_skinny_Q4_K"), ("qmatmul", "launch_tiled_Q4_K")} <= names
     assert "total" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_labels_pick_checks_within_the_sections(tmp_path):
+    """`--only correct --labels 'delta net'`: the DeltaNet checks, none of the other correct checks."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    run = RUN_WITHOUT_GGUF.replace(
+        "['--dry-run', '--only', ','.join(KERNEL_SECTIONS)]",
+        "['--dry-run', '--only', 'correct', '--labels', 'delta net']",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", run], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = json.loads((tmp_path / "gpu_check.json").read_text())["records"]
+    correct = {record["name"] for record in records if record["section"] == "correct"}
+    assert {"gated_delta_rule", "chunk_gated_delta_rule"} <= correct
+    assert not correct & {"rms_norm", "attention_mixed"}
+    assert {record["section"] for record in records} == {"correct"}

@@ -1,19 +1,27 @@
 """Dequant-matmul on GGUF blocks as stored: x [M, K] · wᵀ → [M, N], w a `PackedWeight`'s bytes.
 
 The weight is the file's rows, uint8 [N, row_bytes] (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K blocks, or F32/F16/BF16 values). Each program loads a [BLOCK_N, BLOCK_K] tile
-of those bytes (K innermost, as a row's bytes lie, so a warp's loads are contiguous),
-decodes it in registers with gguf-py's arithmetic (scale products in float32, exactly
-as `gguf.quants` dequantizes), rounds it to x's dtype (float32 stays float32,
-multiplied in IEEE precision) and accumulates `tl.dot` with its transpose into float32.
+Q6_K blocks, or F32/F16/BF16 values). Each program steps along K by BLOCK_K = 32
+columns: one block of the 32-value types, one sub-block of Q4_K/Q5_K, two scale groups
+of Q6_K. So a step's scale fields are one load per weight row, its quants contiguous
+bytes (K innermost, as a row's bytes lie) at offsets known per step, and no value
+needs index arithmetic of its own (`_dequant_step`). The [BLOCK_N, BLOCK_K] tile is
+decoded in registers with gguf-py's arithmetic (scale products in float32, exactly as
+`gguf.quants` dequantizes: the identity test checks every value bit for bit), rounded
+to x's dtype (float32 stays float32, multiplied in IEEE precision) and accumulated by
+`tl.dot` with its transpose into float32.
 
-On an H200 (the first run on a card), the [BLOCK_K, BLOCK_N] tiles this kernel loaded
-before, N innermost, read 3-10% of the copy bandwidth at M = 1 (Q4_K 148 GB/s): each
-warp's loads touched 32 weight rows. gpu_check's launch sweep (section qmatmul) times
-the K-innermost tiles with the launch candidates (`Launch`) on the next card.
+Why: on an H200 (the first run on a card) the kernel as it was (64-column steps of
+[BLOCK_K, BLOCK_N] tiles, N innermost, every field loaded and indexed per value) read
+3-10% of the copy bandwidth at M = 1 (Q4_K 148 GB/s, F16 27%): bound by instruction
+issue, not bytes. `python -m executor_svc.tools.kernel_sass` counts the main loop's
+instructions for sm_90 without a card: per value a thread decodes, Q4_K went from 38
+to 23, F16 from 15 to 8 (Q6_K stays at 47: its 210-byte blocks leave its fields
+2-byte aligned, so its bytes are not copied ahead as Q4_K's are). gpu_check's launch
+sweep (section qmatmul) times it with the launch candidates (`Launch`) on a card.
 
 Batch invariance by construction: every output element is one program's sum over
-K in BLOCK_K steps, in order, each step one `tl.dot` of a BLOCK_M × BLOCK_K slab
+K in BLOCK_K steps, in order (K_STEPS of them per loop iteration change nothing), each step one `tl.dot` of a BLOCK_M × BLOCK_K slab
 of x rows. BLOCK_M and BLOCK_K are the same for every M and both launch shapes, no
 K is split across programs, and rows never mix, so a row's bits depend on neither
 how many rows share the matmul nor where it sits among them. The two launch shapes
@@ -54,7 +62,7 @@ Q6_K = tl.constexpr(14)
 
 # The reduction's shape: fixed, whatever M (see the module docstring).
 BLOCK_M = 16
-BLOCK_K = 64
+BLOCK_K = 32  # one block of Q4_0/Q4_1/Q8_0, one sub-block of Q4_K/Q5_K: see _dequant_step
 SKINNY_MAX_ROWS = 32
 
 
@@ -95,76 +103,66 @@ def _k_scale_min(s_ptr, sub, mask):
 
 
 @triton.jit
-def _dequant_k_quant(
-    w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr, HAS_HIGH_BIT: tl.constexpr
-):
-    """Q4_K (and Q5_K, HAS_HIGH_BIT): d f16, dmin f16, scales[12], (Q5_K: qh[32]), qs[128]. Value i of
-    the 256: sub-block j = i // 32 (its scale and min), nibble j % 2 of qs[32 · (i // 64) + i % 32];
-    Q5_K adds bit j of qh[i % 32] as the fifth bit."""
-    base = row + (k // 256) * BLOCK_BYTES
-    i = k % 256
-    sub = i // 32
-    d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
-    dmin = tl.load(wv_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
-    scale, minimum = _k_scale_min(w_ptr + base + 4, sub, mask)
-    q = tl.load(w_ptr + base + QS_OFFSET + 32 * (i // 64) + i % 32, mask=mask, other=0).to(tl.int32)
-    q = (q >> (4 * (sub % 2))) & 0xF
-    if HAS_HIGH_BIT:
-        qh = tl.load(w_ptr + base + 16 + i % 32, mask=mask, other=0).to(tl.int32)
-        q = q | (((qh >> sub) & 1) << 4)
-    return (d * scale) * q.to(tl.float32) - dmin * minimum
+def _dequant_step(w_ptr, wv_ptr, row, value_row, k0, K, mask, TYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 … k0 + BLOCK_K of the weight rows as float32 [rows, BLOCK_K], gguf-py's arithmetic.
 
-
-@triton.jit
-def _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, mask, TYPE: tl.constexpr):
-    """Weights [rows n, columns k] (broadcast index tensors) as float32, gguf-py's arithmetic.
-
-    w_ptr: the bytes; wv_ptr: the same bytes viewed as the type's float scalar (float16
-    for the quantized types' scales), so a field at byte offset b is wv_ptr[b // size].
-    One branch is compiled per TYPE; each sets `w`, returned once at the end.
+    row: each row's first byte [rows, 1]; value_row: its first value (float types) or its first
+    byte // 2 (the quantized types' float16 fields); mask [rows, 1], K the row's values (any
+    number for the float types, whole blocks for the others). k0 is a multiple of
+    BLOCK_K = 32, so the step lies in one block (Q4_0, Q4_1, Q8_0), one sub-block (Q4_K, Q5_K),
+    two 16-value scale groups (Q6_K): a block's fields are per-row scalars [rows, 1] and its
+    quants contiguous bytes, with no per-value index arithmetic. Products of scale fields are
+    formed per row, the same operands and roundings as per value. One branch is compiled per
+    TYPE; each sets `w`, returned once at the end.
     """
-    row = n * row_bytes
-    if TYPE == F32:
-        w = tl.load(wv_ptr + (row + 4 * k) // 4, mask=mask, other=0.0)
-    elif TYPE == F16:
-        w = tl.load(wv_ptr + (row + 2 * k) // 2, mask=mask, other=0.0).to(tl.float32)
-    elif TYPE == BF16:
-        w = tl.load(wv_ptr + (row + 2 * k) // 2, mask=mask, other=0.0).to(tl.float32)
+    cols = tl.arange(0, BLOCK_K)[None, :]  # [1, 32]
+    if TYPE == F32 or TYPE == F16 or TYPE == BF16:
+        w = tl.load(wv_ptr + value_row + k0 + cols, mask=mask & (k0 + cols < K), other=0.0).to(tl.float32)
     elif TYPE == Q4_0:  # d f16, qs[16]: value i is nibble (i // 16) of qs[i % 16], minus 8
-        base = row + (k // 32) * 18
-        i = k % 32
-        d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(w_ptr + base + 2 + i % 16, mask=mask, other=0).to(tl.int32)
-        w = d * (((q >> ((i // 16) * 4)) & 0xF) - 8).to(tl.float32)
+        head = row + (k0 // 32) * 18
+        d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(w_ptr + head + 2 + cols % 16, mask=mask, other=0).to(tl.int32)
+        w = d * (((q >> ((cols // 16) * 4)) & 0xF) - 8).to(tl.float32)
     elif TYPE == Q4_1:  # d f16, m f16, qs[16]: d · nibble + m
-        base = row + (k // 32) * 20
-        i = k % 32
-        d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(wv_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(w_ptr + base + 4 + i % 16, mask=mask, other=0).to(tl.int32)
-        w = d * ((q >> ((i // 16) * 4)) & 0xF).to(tl.float32) + m
+        head = row + (k0 // 32) * 20
+        d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(wv_ptr + head // 2 + 1, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(w_ptr + head + 4 + cols % 16, mask=mask, other=0).to(tl.int32)
+        w = d * ((q >> ((cols // 16) * 4)) & 0xF).to(tl.float32) + m
     elif TYPE == Q8_0:  # d f16, qs[32] int8
-        base = row + (k // 32) * 34
-        d = tl.load(wv_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
-        q = _signed_byte(tl.load(w_ptr + base + 2 + k % 32, mask=mask, other=0))
+        head = row + (k0 // 32) * 34
+        d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
+        q = _signed_byte(tl.load(w_ptr + head + 2 + cols, mask=mask, other=0))
         w = q.to(tl.float32) * d
-    elif TYPE == Q4_K:
-        w = _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES=144, QS_OFFSET=16, HAS_HIGH_BIT=False)
-    elif TYPE == Q5_K:
-        w = _dequant_k_quant(w_ptr, wv_ptr, row, k, mask, BLOCK_BYTES=176, QS_OFFSET=48, HAS_HIGH_BIT=True)
+    elif TYPE == Q4_K or TYPE == Q5_K:
+        # d f16, dmin f16, scales[12], (Q5_K: qh[32]), qs[128]. Value i of the 256: sub-block
+        # j = i // 32 (its scale and min), nibble j % 2 of qs[32 · (i // 64) + i % 32]; Q5_K adds
+        # bit j of qh[i % 32] as the fifth bit.
+        head = row + (k0 // 256) * (144 if TYPE == Q4_K else 176)
+        sub = (k0 % 256) // 32
+        d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(wv_ptr + head // 2 + 1, mask=mask, other=0.0).to(tl.float32)
+        scale, minimum = _k_scale_min(w_ptr + head + 4, sub, mask)
+        qs = head + (16 if TYPE == Q4_K else 48) + 32 * (sub // 2)
+        q = (tl.load(w_ptr + qs + cols, mask=mask, other=0).to(tl.int32) >> (4 * (sub % 2))) & 0xF
+        if TYPE == Q5_K:
+            qh = tl.load(w_ptr + head + 16 + cols, mask=mask, other=0).to(tl.int32)
+            q = q | (((qh >> sub) & 1) << 4)
+        w = (d * scale) * q.to(tl.float32) - dmin * minimum
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d f16
         # Value i: half h = i // 128, j = i % 128: nibble j // 64 of ql[64h + j % 64], bits 2 (j // 32) of
         # qh[32h + j % 32] on top, minus 32; scale i // 16.
-        base = row + (k // 256) * 210
-        i = k % 256
-        j = i % 128
-        half = i // 128
-        ql = tl.load(w_ptr + base + 64 * half + j % 64, mask=mask, other=0).to(tl.int32)
-        qh = tl.load(w_ptr + base + 128 + 32 * half + j % 32, mask=mask, other=0).to(tl.int32)
-        q = (((ql >> (4 * (j // 64))) & 0xF) | (((qh >> (2 * (j // 32))) & 3) << 4)) - 32
-        scale = _signed_byte(tl.load(w_ptr + base + 192 + i // 16, mask=mask, other=0)).to(tl.float32)
-        d = tl.load(wv_ptr + (base + 208) // 2, mask=mask, other=0.0).to(tl.float32)
-        w = (d * scale) * q.to(tl.float32)
+        head = row + (k0 // 256) * 210
+        i0 = k0 % 256
+        half = i0 // 128
+        j0 = i0 % 128
+        ql = tl.load(w_ptr + head + 64 * half + j0 % 64 + cols, mask=mask, other=0).to(tl.int32)
+        qh = tl.load(w_ptr + head + 128 + 32 * half + cols, mask=mask, other=0).to(tl.int32)
+        q = (((ql >> (4 * (j0 // 64))) & 0xF) | (((qh >> (2 * (j0 // 32))) & 3) << 4)) - 32
+        d = tl.load(wv_ptr + (head + 208) // 2, mask=mask, other=0.0).to(tl.float32)
+        first = _signed_byte(tl.load(w_ptr + head + 192 + i0 // 16, mask=mask, other=0)).to(tl.float32)
+        second = _signed_byte(tl.load(w_ptr + head + 193 + i0 // 16, mask=mask, other=0)).to(tl.float32)
+        w = tl.where(cols < 16, d * first, d * second) * q.to(tl.float32)
     return w
 
 
@@ -179,6 +177,7 @@ def _qmatmul_kernel(
     K,
     stride_xm,
     row_bytes,
+    row_values,  # row_bytes // the size of wv_ptr's scalar
     TYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -200,18 +199,18 @@ def _qmatmul_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w
     n = cols[:, None].to(tl.int64)  # [BLOCK_N, 1]
+    row, value_row = n * row_bytes, n * row_values
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_first in range(0, K, BLOCK_K * K_STEPS):
         for step in tl.static_range(K_STEPS):
-            ks = k_first + step * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0
-            )  # [BLOCK_M, BLOCK_K]
-            k = ks[None, :].to(tl.int64)  # [1, BLOCK_K]
+            k0 = k_first + step * BLOCK_K
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
             # [BLOCK_N, BLOCK_K] float32: a weight row's bytes run along K, so a warp's loads are contiguous.
-            w = _dequant_tile(w_ptr, wv_ptr, n, k, row_bytes, (k < K) & (n < N), TYPE)
+            in_k = (k0 + tl.arange(0, 1) < K)[None, :]  # [1, 1]: the last iteration's steps may pass K
+            w = _dequant_step(w_ptr, wv_ptr, row, value_row, k0, K, (n < N) & in_k, TYPE, BLOCK_K)
             w = tl.trans(w.to(dtype).to(DOT_DTYPE))
             if DOT_DTYPE == tl.float32:
                 acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision="ieee")
@@ -244,16 +243,18 @@ def qmatmul(
     if launch is None:
         launch = SKINNY if num_rows <= SKINNY_MAX_ROWS else TILED
     grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(num_out, launch.block_n),)
+    values = data.view(_VALUE_DTYPES.get(tensor_type, torch.float16))
     _qmatmul_kernel[grid](
         x,
         data,
-        data.view(_VALUE_DTYPES.get(tensor_type, torch.float16)),
+        values,
         out,
         num_rows,
         num_out,
         cols,
         x.stride(0),
         row_bytes,
+        row_bytes // values.element_size(),
         TYPE=tensor_type,
         BLOCK_M=BLOCK_M,
         BLOCK_N=launch.block_n,

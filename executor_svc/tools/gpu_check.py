@@ -1173,7 +1173,7 @@ def _launch_candidates(device) -> tuple[list, list]:
     skinny = [SKINNY] + [
         Launch(block_n, 1, k_steps, num_warps)
         for block_n in (16, 32, 64)
-        for k_steps in (1, 4)
+        for k_steps in (1, 2, 4)
         for num_warps in (4, 8)
         if Launch(block_n, 1, k_steps, num_warps) != SKINNY
     ]

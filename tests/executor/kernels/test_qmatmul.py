@@ -81,6 +81,19 @@ def test_kernel_matches_dequantize_then_matmul(qtype, m, n, num_blocks):
     assert torch.all((out.double() - expected).abs() <= tolerance + 1e-6)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernel_decodes_every_value_as_gguf_does(qtype):
+    """x = the identity: each output is 1 · one weight plus zeros, exact in float32, so the kernel's
+    decoded values must be gguf-py's bit for bit, at every column of every block (the skinny
+    launch for the first rows, the tiled one for all of them)."""
+    cols = block_cols(qtype, 2 if qtype in K_QUANTS else 3)
+    data = gguf_rows(qtype, 19, cols, seed=5)
+    weights_t = reference_weights(data, qtype, cols).T  # [cols, rows]
+    identity = torch.eye(cols)
+    assert torch.equal(qmatmul(identity, data, int(qtype), cols), weights_t)
+    assert torch.equal(qmatmul(identity[:7], data, int(qtype), cols), weights_t[:7])
+
+
 @pytest.mark.parametrize("qtype", (T.Q4_0, T.Q6_K), ids=lambda t: t.name)
 def test_bf16_activations_round_the_weights_to_bf16(qtype):
     cols = block_cols(qtype, 2)

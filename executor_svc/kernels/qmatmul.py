@@ -21,11 +21,15 @@ to 23, F16 from 15 to 8 (Q6_K stays at 47: its 210-byte blocks leave its fields
 sweep (section qmatmul) times it with the launch candidates (`Launch`) on a card.
 
 Batch invariance by construction: every output element is one program's sum over
-K in BLOCK_K steps, in order (K_STEPS of them per loop iteration change nothing), each step one `tl.dot` of a BLOCK_M × BLOCK_K slab
-of x rows. BLOCK_M and BLOCK_K are the same for every M and both launch shapes, no
-K is split across programs, and rows never mix, so a row's bits depend on neither
-how many rows share the matmul nor where it sits among them. The two launch shapes
-differ only in which output columns a program covers and how it is scheduled:
+K in BLOCK_K steps, in order (K_STEPS of them per loop iteration change nothing), each
+step one `tl.dot` of a BLOCK_M × BLOCK_K slab of x rows. BLOCK_M and BLOCK_K are the
+same for every M and both launch shapes, no K is split across programs, and rows never
+mix, so a row's bits depend on neither how many rows share the matmul nor where it sits
+among them. (`Launch.block_m` above 16 would dequantize a weight tile once for more
+prompt rows; whether the card's matrix instructions then give a row the same bits is
+for gpu_check's launch sweep to show, which compares them: until a card has, both
+launches keep 16.) The two launch shapes differ only in which output columns a program
+covers and how it is scheduled:
 
 - skinny (M ≤ SKINNY_MAX_ROWS: decode and verify rows): narrow BLOCK_N, so a single
   row still spreads the weight stream over many programs;
@@ -61,19 +65,21 @@ Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 
 # The reduction's shape: fixed, whatever M (see the module docstring).
-BLOCK_M = 16
+BLOCK_M = 16  # x rows per program: tl.dot's smallest M
 BLOCK_K = 32  # one block of Q4_0/Q4_1/Q8_0, one sub-block of Q4_K/Q5_K: see _dequant_step
 SKINNY_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How the programs cover the output: none of it changes a row's bits (see the module docstring)."""
+    """How the programs cover the output: none of it changes a row's bits (see the module
+    docstring; block_m only where a card shows it)."""
 
     block_n: int  # output columns (weight rows) per program
     group_m: int  # M tiles that visit a column tile one after another (1: no grouping)
     k_steps: int  # BLOCK_K steps per loop iteration, their loads issued together
     num_warps: int
+    block_m: int = BLOCK_M  # x rows per program
 
 
 SKINNY = Launch(block_n=32, group_m=1, k_steps=1, num_warps=4)
@@ -242,7 +248,7 @@ def qmatmul(
         return out
     if launch is None:
         launch = SKINNY if num_rows <= SKINNY_MAX_ROWS else TILED
-    grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(num_out, launch.block_n),)
+    grid = (triton.cdiv(num_rows, launch.block_m) * triton.cdiv(num_out, launch.block_n),)
     values = data.view(_VALUE_DTYPES.get(tensor_type, torch.float16))
     _qmatmul_kernel[grid](
         x,
@@ -256,7 +262,7 @@ def qmatmul(
         row_bytes,
         row_bytes // values.element_size(),
         TYPE=tensor_type,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=BLOCK_K,
         GROUP_M=launch.group_m,

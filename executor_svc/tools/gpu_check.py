@@ -1178,11 +1178,19 @@ def _launch_candidates(device) -> tuple[list, list]:
         if Launch(block_n, 1, k_steps, num_warps) != SKINNY
     ]
     tiled = [TILED] + [
-        Launch(block_n, 8, k_steps, num_warps)
-        for block_n in (64, 128)
-        for k_steps in (1, 2)
-        for num_warps in (4, 8)
-        if Launch(block_n, 8, k_steps, num_warps) != TILED
+        Launch(block_n, 8, k_steps, num_warps, block_m)
+        for block_m, block_n, k_steps, num_warps in (
+            (16, 128, 1, 4),
+            (16, 64, 2, 4),
+            (16, 64, 1, 8),
+            (64, 64, 1, 4),
+            (64, 128, 1, 4),
+            (64, 128, 1, 8),
+            (64, 64, 2, 4),
+            (128, 64, 1, 4),
+            (128, 128, 1, 8),
+            (128, 128, 2, 8),
+        )
     ]
     return skinny, tiled
 
@@ -1211,7 +1219,7 @@ def section_qmatmul_launches(report: Report, bench: Bench, device, sizes: GgufSi
             ms = bench.ms(lambda: qmatmul(x, data, type_id, k, launch))
             gbps = (data.numel() + 2 * m * (k + n)) / ms / 1e6
             tflops = 2 * m * n * k / ms / 1e9
-            shape = f"n{launch.block_n} g{launch.group_m} s{launch.k_steps} w{launch.num_warps}"
+            shape = f"m{launch.block_m} n{launch.block_n} g{launch.group_m} s{launch.k_steps} w{launch.num_warps}"
             share = f" = {100 * gbps / copy_gbps:.0f}% of copy" if copy_gbps else ""
             rate = f"{gbps:.0f} GB/s{share}" if kind == "skinny" else f"{tflops:.1f} TFLOP/s"
             summary = f"{1e3 * ms:.0f}us {rate}" + ("" if is_same else " BITS DIFFER FAIL")

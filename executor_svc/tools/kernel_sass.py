@@ -84,7 +84,7 @@ def build_sm90(type_id: int, launch: Launch) -> bytes:
 
     constexprs = dict(
         TYPE=type_id,
-        BLOCK_M=qm.BLOCK_M,
+        BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=qm.BLOCK_K,
         GROUP_M=launch.group_m,

@@ -124,12 +124,18 @@ def test_a_rows_bits_do_not_depend_on_m_or_launch_shape(qtype):
 
 @pytest.mark.parametrize(
     "launch",
-    (Launch(block_n=16, group_m=1, k_steps=4, num_warps=4), Launch(block_n=64, group_m=2, k_steps=2, num_warps=8)),
-    ids=("narrow-4-steps", "grouped-2-steps"),
+    (
+        Launch(block_n=16, group_m=1, k_steps=4, num_warps=4),
+        Launch(block_n=64, group_m=2, k_steps=2, num_warps=8),
+        Launch(block_n=64, group_m=8, k_steps=1, num_warps=4, block_m=64),
+    ),
+    ids=("narrow-4-steps", "grouped-2-steps", "64-rows"),
 )
 def test_the_launch_changes_no_bits(launch):
-    """gpu_check sweeps launches on a card to pick SKINNY and TILED: none may change a row's bits,
-    including where K is not a whole number of the launch's steps (the last steps are masked)."""
+    """gpu_check sweeps launches on a card to pick SKINNY and TILED: none may change a row's bits
+    here, including where K is not a whole number of the launch's steps (the last steps are
+    masked). (More rows per program, block_m, keeps them under the interpreter, whose dot keeps
+    each row's order; on a card the sweep checks it.)"""
     cols = block_cols(T.Q8_0, 5)
     data = gguf_rows(T.Q8_0, 70, cols)
     x = torch.randn(SKINNY_MAX_ROWS + 9, cols, generator=torch.Generator().manual_seed(3))

@@ -127,7 +127,7 @@ class TurnRecord:
     cached_tokens: int | None  # None: the target does not say
     drafted_tokens: int | None
     accepted_tokens: int | None
-    token_times_s: list[float] = field(default_factory=list)  # arrival of each token (events split evenly)
+    token_times_s: list[float] = field(default_factory=list)  # arrival of each token (see spread_arrivals)
 
 
 # ------------------------------------------------------------------ targets
@@ -155,8 +155,7 @@ class GrpcTarget:
         ) as stream:
             async for event in stream:
                 if isinstance(event, TokenEvent):
-                    now = time.monotonic()
-                    times.extend([now] * len(event.token_ids))
+                    times.extend(spread_arrivals(times[-1] if times else None, time.monotonic(), len(event.token_ids)))
                     texts.append(event.text)
                 elif isinstance(event, FinishEvent):
                     usage = event.usage
@@ -170,6 +169,16 @@ class GrpcTarget:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def spread_arrivals(previous: float | None, now: float, count: int) -> list[float]:
+    """Arrival times for `count` tokens that came in one message at `now`: spread evenly since the
+    previous token (the first message's all at `now`). A step that brings several tokens (accepted
+    drafts, decode runs) then shows its wait as several short gaps, not one long gap and zeros: a
+    GPU swarm's inter-token latency p50 read 0.0 ms when every gap inside a message counted as 0."""
+    if previous is None or count <= 1:
+        return [now] * count
+    return [previous + (now - previous) * (i + 1) / count for i in range(count)]
 
 
 def parse_sse_line(line: str) -> dict | None:

@@ -59,3 +59,12 @@ def test_openai_stream_lines_are_parsed():
     assert parse_sse_line("data: [DONE]") is None
     assert parse_sse_line(": keep-alive") is None
     assert parse_sse_line("") is None
+
+
+def test_tokens_of_one_message_are_spread_since_the_previous_token():
+    from clients.bench.swarm import spread_arrivals
+
+    assert spread_arrivals(None, 5.0, 3) == [5.0, 5.0, 5.0]  # the first message: no previous token
+    assert spread_arrivals(1.0, 2.0, 1) == [2.0]
+    assert spread_arrivals(1.0, 2.0, 4) == [1.25, 1.5, 1.75, 2.0]
+    assert spread_arrivals(1.0, 2.0, 0) == []

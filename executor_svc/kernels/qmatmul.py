@@ -261,16 +261,29 @@ def qmatmul(
         x.stride(0),
         row_bytes,
         row_bytes // values.element_size(),
+        **kernel_constexprs(tensor_type, launch, _dot_dtype(x.dtype)),
+        num_warps=launch.num_warps,
+    )
+    return out
+
+
+def kernel_constexprs(tensor_type: int, launch: Launch, dot_dtype) -> dict:
+    """The kernel's compile-time arguments for a launch: what `qmatmul` passes, and what the
+    ahead-of-time builds (kernel_sass, the build test) must pass to build the same kernel."""
+    return dict(
         TYPE=tensor_type,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=BLOCK_K,
         GROUP_M=launch.group_m,
         K_STEPS=launch.k_steps,
-        DOT_DTYPE=tl.float32 if x.dtype == torch.bfloat16 and _is_interpreted(_qmatmul_kernel) else _TL_DTYPES[x.dtype],
-        num_warps=launch.num_warps,
+        DOT_DTYPE=dot_dtype,
     )
-    return out
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """x's dtype as tl.dot takes it; the interpreter multiplies bfloat16 as float32."""
+    return tl.float32 if dtype == torch.bfloat16 and _is_interpreted(_qmatmul_kernel) else _TL_DTYPES[dtype]
 
 
 def _row_bytes(tensor_type: int, cols: int) -> int:

@@ -82,15 +82,7 @@ def build_sm90(type_id: int, launch: Launch) -> bytes:
 
     from executor_svc.kernels import qmatmul as qm
 
-    constexprs = dict(
-        TYPE=type_id,
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=qm.BLOCK_K,
-        GROUP_M=launch.group_m,
-        K_STEPS=launch.k_steps,
-        DOT_DTYPE=tl.bfloat16,
-    )
+    constexprs = qm.kernel_constexprs(type_id, launch, tl.bfloat16)
     signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}

@@ -41,8 +41,7 @@ for launch_name, launch in (("skinny", qm.SKINNY), ("tiled", qm.TILED)):
         qm._qmatmul_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*u8", "wv_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
          "stride_xm": "i32", "row_bytes": "i32", "row_values": "i32"},
-        dict(TYPE=12, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=qm.BLOCK_K, GROUP_M=launch.group_m,
-             K_STEPS=launch.k_steps, DOT_DTYPE=tl.bfloat16),
+        qm.kernel_constexprs(12, launch, tl.bfloat16),
         launch.num_warps,
     )
 

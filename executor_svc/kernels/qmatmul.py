@@ -124,17 +124,17 @@ def _dequant_step(w_ptr, wv_ptr, row, value_row, k0, K, mask, TYPE: tl.constexpr
     cols = tl.arange(0, BLOCK_K)[None, :]  # [1, 32]
     if TYPE == F32 or TYPE == F16 or TYPE == BF16:
         w = tl.load(wv_ptr + value_row + k0 + cols, mask=mask & (k0 + cols < K), other=0.0).to(tl.float32)
-    elif TYPE == Q4_0:  # d f16, qs[16]: value i is nibble (i // 16) of qs[i % 16], minus 8
-        head = row + (k0 // 32) * 18
+    elif TYPE == Q4_0 or TYPE == Q4_1:
+        # Q4_0: d f16, qs[16], d · (nibble − 8); Q4_1: d f16, m f16, qs[16], d · nibble + m. Value i
+        # is nibble (i // 16) of qs[i % 16].
+        head = row + (k0 // 32) * (18 if TYPE == Q4_0 else 20)
         d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(w_ptr + head + 2 + cols % 16, mask=mask, other=0).to(tl.int32)
-        w = d * (((q >> ((cols // 16) * 4)) & 0xF) - 8).to(tl.float32)
-    elif TYPE == Q4_1:  # d f16, m f16, qs[16]: d · nibble + m
-        head = row + (k0 // 32) * 20
-        d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(wv_ptr + head // 2 + 1, mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(w_ptr + head + 4 + cols % 16, mask=mask, other=0).to(tl.int32)
-        w = d * ((q >> ((cols // 16) * 4)) & 0xF).to(tl.float32) + m
+        q = tl.load(w_ptr + head + (2 if TYPE == Q4_0 else 4) + cols % 16, mask=mask, other=0).to(tl.int32)
+        q = (q >> ((cols // 16) * 4)) & 0xF
+        if TYPE == Q4_0:
+            w = d * (q - 8).to(tl.float32)
+        else:
+            w = d * q.to(tl.float32) + tl.load(wv_ptr + head // 2 + 1, mask=mask, other=0.0).to(tl.float32)
     elif TYPE == Q8_0:  # d f16, qs[32] int8
         head = row + (k0 // 32) * 34
         d = tl.load(wv_ptr + head // 2, mask=mask, other=0.0).to(tl.float32)

@@ -1128,6 +1128,11 @@ def section_qmatmul_correct(report: Report, dtype_name: str, device, sizes: Gguf
         )
 
 
+def _streamed_gbps(data: torch.Tensor, m: int, n: int, k: int, ms: float) -> float:
+    """A dequant-matmul's GB/s: its weight bytes read once, its bf16 x [m, k] read and y [m, n] written."""
+    return (data.numel() + 2 * m * (k + n)) / ms / 1e6
+
+
 def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufSizes) -> None:
     """Each type's kernel at decode rows: bytes read / time as a share of the copy, beside a dense bf16 matmul."""
     from executor_svc.kernels.qmatmul import dequantize, qmatmul
@@ -1144,7 +1149,7 @@ def section_qmatmul_bandwidth(report: Report, bench: Bench, device, sizes: GgufS
             x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
             ms = bench.ms(lambda: qmatmul(x, data, type_id, k))
             dense_ms = bench.ms(lambda: torch.nn.functional.linear(x, dense))
-            gbps = (data.numel() + 2 * m * (k + n)) / ms / 1e6
+            gbps = _streamed_gbps(data, m, n, k, ms)
             share = gbps / copy_gbps if copy_gbps else None
             summary = f"{1e3 * ms:.0f}us {gbps:.0f} GB/s" + (f" = {100 * share:.0f}% of copy" if share else "")
             summary += f" (dense bf16 {1e3 * dense_ms:.0f}us)"
@@ -1217,7 +1222,7 @@ def section_qmatmul_launches(report: Report, bench: Bench, device, sizes: GgufSi
             x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
             is_same = torch.equal(qmatmul(x, data, type_id, k, launch), qmatmul(x, data, type_id, k))
             ms = bench.ms(lambda: qmatmul(x, data, type_id, k, launch))
-            gbps = (data.numel() + 2 * m * (k + n)) / ms / 1e6
+            gbps = _streamed_gbps(data, m, n, k, ms)
             tflops = 2 * m * n * k / ms / 1e9
             shape = f"m{launch.block_m} n{launch.block_n} g{launch.group_m} s{launch.k_steps} w{launch.num_warps}"
             share = f" = {100 * gbps / copy_gbps:.0f}% of copy" if copy_gbps else ""

@@ -116,7 +116,7 @@ def count(type_name: str, launch: Launch) -> LoopCount:
         ).stdout
     loop = main_loop(sass)
     opcodes = collections.Counter(op for _, op in loop)
-    loads = {op: n for op, n in sorted(opcodes.items()) if op.startswith(("LDG", "LDGSTS"))}
+    loads = {op: n for op, n in sorted(opcodes.items()) if op.startswith("LDG")}  # LDGSTS too
     mma = sum(n for op, n in opcodes.items() if op.startswith(("HMMA", "HGMMA")))
     values = launch.block_n * BLOCK_K * launch.k_steps // (32 * launch.num_warps)
     return LoopCount(type_name, launch, len(loop), values, loads, mma)

@@ -20,6 +20,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from executor_svc.kernels import chunk_gated_delta_rule as delta, qmatmul as qm
+from executor_svc.tools import kernel_sass
 
 CARDS = ((GPUTarget("cuda", 90, 32), "cubin", 232448), (GPUTarget("hip", "gfx1201", 32), "hsaco", 65536))
 
@@ -39,8 +40,7 @@ for launch_name, launch in (("skinny", qm.SKINNY), ("tiled", qm.TILED)):
     build(
         f"qmatmul-{launch_name}",
         qm._qmatmul_kernel,
-        {"x_ptr": "*bf16", "w_ptr": "*u8", "wv_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-         "stride_xm": "i32", "row_bytes": "i32", "row_values": "i32"},
+        kernel_sass.SIGNATURE,
         qm.kernel_constexprs(12, launch, tl.bfloat16),
         launch.num_warps,
     )

@@ -16,20 +16,24 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
 # As on the GPU machine: no gguf package (nothing here may need it), kernels interpreted.
 # The swarm section serves models (gguf and the services needed): test_gpu_swarm.py runs its dry run.
-RUN_WITHOUT_GGUF = (
-    "import sys; sys.modules['gguf'] = None; "
-    "from executor_svc.tools.gpu_check import KERNEL_SECTIONS, main; "
-    "sys.exit(main(['--dry-run', '--only', ','.join(KERNEL_SECTIONS)]))"
-)
+def run_without_gguf(args: str = "'--only', ','.join(KERNEL_SECTIONS)") -> str:
+    """gpu_check's dry run with these arguments (Python list items), in a process without gguf."""
+    return (
+        "import sys; sys.modules['gguf'] = None; "
+        "from executor_svc.tools.gpu_check import KERNEL_SECTIONS, main; "
+        f"sys.exit(main(['--dry-run', {args}]))"
+    )
 
 
 @pytest.mark.slow
 def test_dry_run_passes_every_check_and_writes_json(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
     done = subprocess.run(
-        [sys.executable, "-c", RUN_WITHOUT_GGUF], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", run_without_gguf()], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -60,10 +64,7 @@ def test_dry_run_passes_every_check_and_writes_json(tmp_path):
 def test_labels_pick_checks_within_the_sections(tmp_path):
     """`--only correct --labels 'delta net'`: the DeltaNet checks, none of the other correct checks."""
     env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
-    run = RUN_WITHOUT_GGUF.replace(
-        "['--dry-run', '--only', ','.join(KERNEL_SECTIONS)]",
-        "['--dry-run', '--only', 'correct', '--labels', 'delta net']",
-    )
+    run = run_without_gguf("'--only', 'correct', '--labels', 'delta net'")
     done = subprocess.run(
         [sys.executable, "-c", run], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
     )

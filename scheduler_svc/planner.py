@@ -220,16 +220,29 @@ class StepFailure(enum.Enum):
 class _Room:
     """What the plan being built may still take: free KV blocks and tokens. Decodes and drafts
     take from `num_tokens`; prefill chunks and admissions take from both it and
-    `num_prefill_tokens`, their own (possibly smaller) share of it."""
+    `num_prefill_tokens`, their own (possibly smaller) share of it, and a prompt that ends within
+    `num_stretch_tokens` past that share may take them too (Planner.step_stretch)."""
 
     num_free_blocks: int
     num_tokens: int
     num_prefill_tokens: int = 0
+    num_stretch_tokens: int = 0
+    has_prefill: bool = False  # a prefill chunk or admission has taken tokens this step
+
+    def prefill_tokens_for(self, num_remaining: int) -> int:
+        """Tokens a prompt with `num_remaining` tokens still to compute takes this step: all of them
+        where they fit the prefill share plus the stretch, else the share."""
+        if num_remaining <= self.num_prefill_tokens + self.num_stretch_tokens:
+            return num_remaining
+        return self.num_prefill_tokens
 
     def take_prefill(self, num_tokens: int, num_blocks: int) -> None:
-        self.num_tokens -= num_tokens
-        self.num_prefill_tokens -= num_tokens
+        over = max(0, num_tokens - self.num_prefill_tokens)
+        self.num_stretch_tokens -= over
+        self.num_tokens = max(0, self.num_tokens - num_tokens)
+        self.num_prefill_tokens = max(0, self.num_prefill_tokens - num_tokens)
         self.num_free_blocks -= num_blocks
+        self.has_prefill = True
 
 
 class _CannotPlanAhead(Exception):
@@ -239,6 +252,8 @@ class _CannotPlanAhead(Exception):
 # The step budget when neither the flag nor the executor names one (an executor from before
 # GetInfoResponse.preferred_step_tokens).
 DEFAULT_STEP_TOKENS = 256
+# How far past the executor's preferred step budget a step may go to end a prompt (Planner.step_stretch).
+PREFILL_STRETCH = 0.25
 
 
 def step_tokens(config: SchedulerConfig, preferred_step_tokens: int) -> int:
@@ -274,6 +289,11 @@ class Planner:
         self.num_kv_blocks = num_kv_blocks
         self.num_free_blocks = num_kv_blocks
         self.token_budget = min(step_tokens(config, preferred_step_tokens), max_num_batched_tokens)
+        # Tokens a step may run past the budget the executor prefers so that a prompt ends in it
+        # instead of leaving a remainder to the next step (none past a --max-num-batched-tokens
+        # the user set: that is a cap). See _schedule_prefill_chunks.
+        stretch = 0 if config.max_num_batched_tokens is not None else int(PREFILL_STRETCH * self.token_budget)
+        self.step_stretch = max(0, min(stretch, max_num_batched_tokens - self.token_budget))
         self.watermark_blocks = math.ceil(config.kv_watermark * num_kv_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -418,6 +438,7 @@ class Planner:
         scheduled: dict[str, int] = {}  # tokens to compute by executor request id, in scheduling order
         self._schedule_decodes(plan, scheduled, room, ahead)
         room.num_prefill_tokens = self._prefill_budget(scheduled, room.num_tokens)
+        room.num_stretch_tokens = self.step_stretch if room.num_prefill_tokens == room.num_tokens else 0
         self._schedule_prefill_chunks(scheduled, room)
         self._admit_waiting(plan, scheduled, room)
         drafts, room.num_free_blocks = self._draft_budgets(scheduled, room.num_tokens, room.num_free_blocks)
@@ -510,7 +531,13 @@ class Planner:
         return min(num_tokens, cap)
 
     def _schedule_prefill_chunks(self, scheduled: dict[str, int], room: _Room) -> None:
-        """2. Prefill chunks of running requests, oldest first, cut to the budget and the free KV."""
+        """2. Prefill chunks of running requests, oldest first, cut to the budget and the free KV.
+
+        A prompt whose rest ends within the step's stretch past the budget takes it whole: a
+        remainder of a few dozen tokens would wait a whole further step for its first token, since
+        the next step carries the next prompt's chunk too (the 8-agent swarm under `--matmul bf16`:
+        later turns of ~1,040 new tokens against 1,024-token steps took two steps of ~0.4 s each).
+        """
         for request in self.running:
             if room.num_prefill_tokens == 0:
                 break
@@ -519,14 +546,20 @@ class Planner:
             fits = (
                 request.num_blocks(self.block_size) + room.num_free_blocks
             ) * self.block_size - request.num_expected_computed_tokens
-            n = min(request.num_pending_tokens, room.num_prefill_tokens, fits)
+            n = min(room.prefill_tokens_for(request.num_pending_tokens), fits)
             if n <= 0:
                 continue
             scheduled[request.executor_request_id] = n
             room.take_prefill(n, request.num_new_blocks(n, self.block_size))
 
     def _admit_waiting(self, plan: Plan, scheduled: dict[str, int], room: _Room) -> None:
-        """3. Admission, FIFO, while there is room in the batch, budget, and KV for the whole prompt."""
+        """3. Admission, FIFO, while there is room in the batch, budget, and KV for the whole prompt.
+
+        A newcomer whose prompt (short of its expected prefix hit) would fit one step whole but not
+        what is left of this one waits for the next step rather than start in this one's leftover:
+        it would end in the next step anyway, behind the next prompt's chunk, its first token a
+        whole step later than if it started there. A prompt too long for one step starts at once.
+        """
         if self.config.batching == "static" and not self.running:
             self._static_batch.clear()
         forming_static_batch = self.config.batching == "static" and not self._static_batch
@@ -546,6 +579,10 @@ class Planner:
                 continue
             if need_total > room.num_free_blocks - self.watermark_blocks:
                 break
+            expected_hit = self._expected_prefix_hit(request) if not request.is_known_to_executor else 0
+            num_new = max(1, request.num_pending_tokens - expected_hit)
+            if room.has_prefill and room.prefill_tokens_for(num_new) < num_new <= self.token_budget + self.step_stretch:
+                break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -553,8 +590,16 @@ class Planner:
             if not request.is_known_to_executor:
                 plan.new_requests.append(request)
                 request.is_known_to_executor = True
-                request.expected_prefix_hit = self._expected_prefix_hit(request)
+                request.expected_prefix_hit = expected_hit
+            # The executor computes what its prefix cache does not hold, up to n: a prompt expected to
+            # end within the stretch gets a block more than the guess, which counts whole blocks.
             n = min(request.num_pending_tokens, room.num_prefill_tokens)
+            if num_new > room.num_prefill_tokens and room.prefill_tokens_for(num_new) == num_new:
+                n = min(
+                    request.num_pending_tokens,
+                    num_new + self.block_size,
+                    room.num_prefill_tokens + room.num_stretch_tokens,
+                )
             scheduled[request.executor_request_id] = n
             # Reserve the whole prompt: cached prefix blocks the executor reuses may come out of the free pool too.
             room.take_prefill(n, need_total)

@@ -122,6 +122,65 @@ def test_fifo_admission_and_chunked_prefill_under_the_budget():
     assert plan.num_scheduled_tokens <= 16
 
 
+def distinct_req(request_id, prompt_len, first_token):
+    """A request whose prompt shares no prefix with another's (req's prompts all count from 1)."""
+    return Request(request_id, list(range(first_token, first_token + prompt_len)), SamplingParams(), 100)
+
+
+def preferred_budget_planner(preferred=16, executor_cap=8192):
+    """A planner whose step budget is the executor's preference (no --max-num-batched-tokens)."""
+    config = SchedulerConfig(max_running_requests=4, kv_watermark=0.0)
+    return Planner(config, BLOCK, 100, executor_cap, preferred_step_tokens=preferred)
+
+
+def test_a_prompt_that_ends_within_a_quarter_past_the_executors_budget_takes_one_step():
+    p = preferred_budget_planner(preferred=16)  # a stretch of 4 tokens
+    assert p.step_stretch == 4
+    p.add(distinct_req("a", 20, 1))
+    assert scheduled(p.schedule(now=0.0)) == {"a": 20}
+    p = preferred_budget_planner(preferred=16)
+    p.add(distinct_req("b", 21, 1))
+    ex = FakeExecutor(p)
+    plan = p.schedule(now=0.0)
+    assert scheduled(plan) == {"b": 16}
+    ex.step(plan)
+    assert scheduled(p.schedule(now=0.0)) == {"b": 5}
+    # Never past the executor's guard, nor past a budget the user set.
+    assert preferred_budget_planner(preferred=16, executor_cap=18).step_stretch == 2
+    assert make_planner(budget=16).step_stretch == 0
+
+
+def test_a_newcomer_that_fits_one_step_waits_for_the_next_rather_than_split():
+    for p in (make_planner(budget=16), preferred_budget_planner(preferred=16)):
+        ex = FakeExecutor(p)
+        p.add(distinct_req("a", 10, 1))
+        p.add(distinct_req("b", 12, 100))  # 12 > the 6 (+ the stretch) a leaves, <= a step
+        p.add(distinct_req("c", 3, 200))  # FIFO: nor does anyone behind it go first
+        plan = p.schedule(now=0.0)
+        assert scheduled(plan) == {"a": 10}
+        ex.step(plan)
+        plan = p.schedule(now=0.0)
+        assert scheduled(plan)["b"] == 12  # whole, its first token one step after it started
+        ex.step(plan)
+    p = make_planner(budget=16)
+    p.add(distinct_req("a", 10, 1))
+    p.add(distinct_req("long", 40, 100))  # longer than any step: it starts in a's leftover at once
+    assert scheduled(p.schedule(now=0.0)) == {"a": 10, "long": 6}
+
+
+def test_a_newcomer_is_sized_by_the_prompt_its_expected_prefix_hit_leaves():
+    p = preferred_budget_planner(preferred=16)
+    ex = FakeExecutor(p)
+    p.add(distinct_req("first", 12, 1))
+    ex.run_step()
+    # The next turn extends the first request's tokens: 12 expected cached (3 whole blocks of 4),
+    # 18 new, more than the 15 the decode leaves, within the stretch: it is sent to end in this step.
+    p.add(Request("turn2", list(range(1, 13)) + list(range(500, 518)), SamplingParams(), 100))
+    plan = p.schedule(now=0.0)
+    assert scheduled(plan)["turn2"] >= 18
+    assert plan.new_requests[0].expected_prefix_hit == 12
+
+
 def test_decodes_are_never_starved_by_prefill():
     p = make_planner(budget=8, max_running=8)
     for i in range(6):

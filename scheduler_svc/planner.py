@@ -229,12 +229,14 @@ class _Room:
     num_stretch_tokens: int = 0
     has_prefill: bool = False  # a prefill chunk or admission has taken tokens this step
 
+    def fits_whole(self, num_remaining: int) -> bool:
+        """Whether a prompt with `num_remaining` tokens still to compute ends in this step: within
+        the prefill share plus the stretch."""
+        return num_remaining <= self.num_prefill_tokens + self.num_stretch_tokens
+
     def prefill_tokens_for(self, num_remaining: int) -> int:
-        """Tokens a prompt with `num_remaining` tokens still to compute takes this step: all of them
-        where they fit the prefill share plus the stretch, else the share."""
-        if num_remaining <= self.num_prefill_tokens + self.num_stretch_tokens:
-            return num_remaining
-        return self.num_prefill_tokens
+        """Tokens such a prompt takes this step: all of them where it ends in it, else the share."""
+        return num_remaining if self.fits_whole(num_remaining) else self.num_prefill_tokens
 
     def take_prefill(self, num_tokens: int, num_blocks: int) -> None:
         over = max(0, num_tokens - self.num_prefill_tokens)
@@ -581,7 +583,7 @@ class Planner:
                 break
             expected_hit = self._expected_prefix_hit(request) if not request.is_known_to_executor else 0
             num_new = max(1, request.num_pending_tokens - expected_hit)
-            if room.has_prefill and room.prefill_tokens_for(num_new) < num_new <= self.token_budget + self.step_stretch:
+            if room.has_prefill and not room.fits_whole(num_new) and num_new <= self.token_budget + self.step_stretch:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -594,7 +596,7 @@ class Planner:
             # The executor computes what its prefix cache does not hold, up to n: a prompt expected to
             # end within the stretch gets a block more than the guess, which counts whole blocks.
             n = min(request.num_pending_tokens, room.num_prefill_tokens)
-            if num_new > room.num_prefill_tokens and room.prefill_tokens_for(num_new) == num_new:
+            if num_new > room.num_prefill_tokens and room.fits_whole(num_new):
                 n = min(
                     request.num_pending_tokens,
                     num_new + self.block_size,

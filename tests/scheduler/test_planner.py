@@ -177,8 +177,16 @@ def test_a_newcomer_is_sized_by_the_prompt_its_expected_prefix_hit_leaves():
     # 18 new, more than the 15 the decode leaves, within the stretch: it is sent to end in this step.
     p.add(Request("turn2", list(range(1, 13)) + list(range(500, 518)), SamplingParams(), 100))
     plan = p.schedule(now=0.0)
-    assert scheduled(plan)["turn2"] >= 18
+    # The guess plus a block (22), capped at the 15 left plus the stretch of 4.
+    assert scheduled(plan)["turn2"] == 19
     assert plan.new_requests[0].expected_prefix_hit == 12
+    # Without a prefix to hit, the same 30 tokens take the 15 left and continue next step.
+    p = preferred_budget_planner(preferred=16)
+    ex = FakeExecutor(p)
+    p.add(distinct_req("first", 12, 1))
+    ex.run_step()
+    p.add(distinct_req("fresh", 30, 500))
+    assert scheduled(p.schedule(now=0.0))["fresh"] == 15
 
 
 def test_decodes_are_never_starved_by_prefill():

@@ -18,6 +18,14 @@
 #define SS_AMX_TILES 0
 #endif
 
+// Whether this build has AVX512-BF16's dot products (VDPBF16PS: Zen 4, and every AMX build): the
+// bf16 matmul's vector kernel, and attention's bf16 products off the tiles.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define SS_BF16_DOT 1
+#else
+#define SS_BF16_DOT 0
+#endif
+
 namespace amx {
 
 constexpr int64_t ROWS = 16;      // rows of every tile (activation rows of an A tile, of a C tile)

@@ -23,7 +23,7 @@ enum LinearKind : int64_t {
   EXACT = 1,  // GGUF rows [N, row_bytes]: qlinear (dequantize, float32 dot products)
   INT16 = 2,  // Q4_0/Q4_1/Q8_0 rows in 16-row panels (repack_panels): qlinear_int16
   INT8 = 4,   // the same panels with int8 activations: qlinear_int8 (3 is Triton's, never here)
-  BF16 = 5,   // bf16 panels [panels, K / 32, 16, 32] (bf16_panels): qlinear_bf16 on the AMX tiles
+  BF16 = 5,   // bf16 panels [panels, K / 32, 16, 32] (bf16_panels): qlinear_bf16 (AMX tiles or VDPBF16PS)
 };
 
 struct LinearPart {
@@ -79,12 +79,12 @@ struct DenseLayer {
   Linear qkv, o_proj, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;
   at::Tensor ffn_norm, next_norm;  // next_norm: the next layer's attn_norm, or the final norm
-  bool swiglu_on_tiles;            // gate_up and down one bf16 part each, unbiased (swiglu_fits_tiles)
+  bool swiglu_fused;            // gate_up and down one bf16 part each, unbiased (swiglu_fits_bf16)
 
-  // down(silu(gate) · up): in one call where both matmuls are bf16 on the AMX tiles (the same bits,
+  // down(silu(gate) · up): in one call where both matmuls are bf16 (the same bits,
   // without gate_up's float32 output stored and read back), else the three calls of the layer loop.
   at::Tensor ffn(const at::Tensor& x) const {
-    if (swiglu_on_tiles && x.scalar_type() == at::kFloat)
+    if (swiglu_fused && x.scalar_type() == at::kFloat)
       return qlinear_bf16_swiglu(x, gate_up.parts[0].data, down.parts[0].data, down.parts[0].n);
     return down(silu_mul(gate_up(x)));
   }
@@ -92,7 +92,7 @@ struct DenseLayer {
 
 // Whether qlinear_bf16_swiglu can run a layer's FFN: both weights one bf16 part, no bias, and
 // gate_up twice as many rows as down's K (a multiple of 32).
-bool swiglu_fits_tiles(const Linear& gate_up, const Linear& down) {
+bool swiglu_fits_bf16(const Linear& gate_up, const Linear& down) {
   const auto one_bf16 = [](const Linear& l) { return l.parts.size() == 1 && l.parts[0].kind == BF16 && !l.bias; };
   return one_bf16(gate_up) && one_bf16(down) && down.parts[0].k % 32 == 0 && gate_up.parts[0].n == 2 * down.parts[0].k;
 }
@@ -107,9 +107,9 @@ class DenseStack {
                  const std::vector<PartSpec>& o_proj, const at::Tensor& ffn_norm, const std::vector<PartSpec>& gate_up,
                  const std::vector<PartSpec>& down, const at::Tensor& next_norm) {
     Linear gate_up_l = make_linear(gate_up, c10::nullopt), down_l = make_linear(down, c10::nullopt);
-    const bool swiglu_on_tiles = swiglu_fits_tiles(gate_up_l, down_l);
+    const bool swiglu_fused = swiglu_fits_bf16(gate_up_l, down_l);
     layers_.push_back({make_linear(qkv, qkv_bias), make_linear(o_proj, c10::nullopt), std::move(gate_up_l),
-                       std::move(down_l), q_norm, k_norm, ffn_norm, next_norm, swiglu_on_tiles});
+                       std::move(down_l), q_norm, k_norm, ffn_norm, next_norm, swiglu_fused});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

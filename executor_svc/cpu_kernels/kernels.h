@@ -15,9 +15,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64
 enum Int16Path : int64_t { INT16_AUTO = 0, INT16_ROWS = 1, INT16_PANELS = 2, INT16_AMX = 3 };
 at::Tensor qlinear_int16(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N,
                          int64_t path = INT16_AUTO);
-// bf16(x) · bf16(W)ᵀ with float32 sums on the AMX tiles (`--matmul bf16`); wb: the weight's bf16 panels.
+// bf16(x) · bf16(W)ᵀ with float32 sums (`--matmul bf16`: the AMX tiles, else VDPBF16PS); wb: the weight's bf16 panels.
 at::Tensor qlinear_bf16(const at::Tensor& x, const at::Tensor& wb, int64_t N);
-// down(silu(gate) · up) on the AMX tiles, the bits of qlinear_bf16 → silu_mul → qlinear_bf16, in one call.
+// down(silu(gate) · up), the bits of qlinear_bf16 → silu_mul → qlinear_bf16, in one call.
 at::Tensor qlinear_bf16_swiglu(const at::Tensor& x, const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N);
 // The same panels with int8 activations (AVX512-VNNI builds; `--matmul int8`), the same paths.
 at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K, int64_t N,

@@ -1167,8 +1167,11 @@ void panel_int(const uint8_t* wp, int64_t panel_bytes, int64_t p, int64_t N, con
 // thread (measure_amx_peak_macs), which the two digits halve; what bounds these tiles far below
 // it is moving data through them: each 16 × 16 × 32 product loads 3 KB of tiles and stores 1 KB
 // (Q4) or 2 KB (Q8_0) of sums for the epilogue to read back.
+#if SS_BF16_DOT
+constexpr int64_t AMX_ROWS = amx::ROWS;  // activation rows per tile (and per C tile); the bf16 matmul's A layout
+using amx::AlignedVector;
+#endif
 #if SS_AMX_TILES
-constexpr int64_t AMX_ROWS = amx::ROWS;  // activation rows per tile (and per C tile)
 constexpr int64_t AMX_PANELS_PER_TASK = 4;  // panels that share each row tile's A data in L1
 // Rows per task: as many as keep their A data (4 bytes a value) within ~1 MB, half an L2, while
 // a task passes its panels; each task widens its panels again, so not fewer than needed.
@@ -1179,7 +1182,6 @@ constexpr int64_t amx_rows_per_task(int64_t K) {
 // Tile registers (GCC's tile intrinsics paste their tile operand into the register name, so the
 // kernel spells them as literals): tmm0, tmm1 the two digits' A tiles, tmm2 the weight block's
 // B tile, tmm3 (and for Q8_0 tmm4) the sums of even blocks, tmm5 (and tmm6) those of odd blocks.
-using amx::AlignedVector;
 using amx::configure_tiles;
 using amx::request_permission;
 
@@ -1383,24 +1385,25 @@ void amx_matmul(const uint8_t* wp, int64_t panel_bytes, int64_t panels, int64_t 
 }
 #endif
 
-#if SS_AMX_TILES
-// ------------------------------------------------------------------ bf16 matmul on the AMX tiles (--matmul bf16)
+#if SS_BF16_DOT
+// ------------------------------------------------------------------ bf16 matmul (--matmul bf16)
 //
 // y = bf16(x) · bf16(W)ᵀ with float32 sums over all of K: the weights dequantized once (at load)
-// and rounded to bf16, in the B tiles' layout (bf16_panels in weight_format.py: [panels][K / 32]
-// [16 pairs][16 rows][2]); the activations rounded to bf16 per call. No integer codes and no
-// per-block epilogue: each C tile stays in its register over the whole of K, so the tile unit
-// runs near its peak instead of waiting on stores. Every row of y is one fixed sequence of
-// TDPBF16PS over K in block order from zero, whatever the number of rows or which tile holds it
-// (padding rows are zeros), so a row's bits do not depend on its batch.
+// and rounded to bf16, in the AMX B tiles' layout (bf16_panels in weight_format.py: [panels][K / 32]
+// [16 pairs][16 rows][2]); the activations rounded to bf16 per call, in the A tiles' layout
+// (bf16_row_tiles). No integer codes and no per-block epilogue: each row's sums stay in registers
+// over the whole of K. Two kernels read these layouts, one per CPU: the AMX tiles where the CPU
+// has them and the OS grants them (Sapphire Rapids and later Xeons), else VDPBF16PS in vector
+// registers (AVX512-BF16 without AMX: Zen 4). A machine runs every row through the one it has, and
+// within a kernel every row of y is one fixed sequence of products over K in block order from zero,
+// whatever the number of rows or which tile holds it, so a row's bits do not depend on its batch.
+// The two kernels round their sums differently (the tile unit's order of adds is its own), so
+// `allow_amx_tiles(false)`, a benchmark's switch, changes bf16 bits on an AMX CPU.
 // A task: up to 256 rows of A against up to 1,024 weight rows of B, row pair by row pair: the A pair
 // stays in L1 while the task's B pairs pass it, and consecutive tile pairs store to the same 32 rows
 // of y, line after line (on a 2-core Xeon VM the four layer shapes at 1,024 rows ran 1.2x faster
 // than tasks of 256 × 128 taken panel pair by panel pair, gate_up's 3,072 columns 1.3x). Fewer rows
 // (a 256-token chunk) or columns split the task until every thread has two (bf16_tasks).
-// Whole 32 × 32 tile pairs store their sums straight into y (a copy through a stack buffer had
-// cost ~20%). The kernel reaches ~35-40% of the tile unit's peak at 256-2,048 rows; the same tile
-// loop alone ran at ~58%: the rest is moving B through L2 and writing y (float32, M × N).
 constexpr int64_t BF16_ROW_PAIRS_PER_TASK = 8;
 constexpr int64_t BF16_PANEL_PAIRS_PER_TASK = 32;
 constexpr int64_t BF16_TASKS_PER_THREAD = 2;
@@ -1460,6 +1463,15 @@ const uint16_t* bf16_row_tiles(const float* x, int64_t M, int64_t K) {
   return tiles;
 }
 
+#endif
+
+#if SS_AMX_TILES
+// ------------------------------------------------------------------ bf16 matmul on the AMX tiles
+//
+// Whole 32 × 32 tile pairs store their sums straight into y (a copy through a stack buffer had
+// cost ~20%). The kernel reaches ~35-40% of the tile unit's peak at 256-2,048 rows; the same tile
+// loop alone ran at ~58%: the rest is moving B through L2 and writing y (float32, M × N).
+
 // Row tiles 2 rp, 2 rp + 1 × panels 2 pp, 2 pp + 1 over all of K: four float32 sum tiles (tmm4 .. 7),
 // stored to c[row tile][panel] (16 × 16 floats, rows `stride` bytes apart). between(b) runs after
 // block b's products are issued: vector work that the core overlaps with the tile unit's.
@@ -1498,7 +1510,7 @@ SS_INLINE void bf16_tile_pair(const uint16_t* a, const uint16_t* w, int64_t nb, 
 }
 
 // y [M, N] from the A tiles and the bf16 panels (an even number of them).
-void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
+void bf16_matmul_amx(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
   const int64_t nb = K / 32;
   const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), panels / 2);
   parallel_tasks(tasks.count(), [&](int64_t task) {
@@ -1534,7 +1546,7 @@ void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int
 // epilogue writes the down matmul's tile straight away. The same sums, the same silu·up (silu_mul's
 // formula, simd16::silu) and the same rounding as down(silu_mul(gate_up(x))): the same bits, without
 // gate_up's float32 output (M × 2I: 12 MB at 1,024 rows) written, read back and rounded again.
-const uint16_t* bf16_swiglu_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
+const uint16_t* bf16_swiglu_amx(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
   thread_local AlignedVector<uint16_t> buffer;
   const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
   if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
@@ -1583,6 +1595,124 @@ const uint16_t* bf16_swiglu_tiles(const uint16_t* a, const uint16_t* w, int64_t 
 }
 #endif
 
+#if SS_BF16_DOT
+// ------------------------------------------------------------------ bf16 matmul in vector registers (VDPBF16PS)
+//
+// Where the CPU has AVX512-BF16 but no tile unit (Zen 4), the same layouts multiply in vector
+// registers: one line of a B tile (a pair of K values for a panel's 16 weight rows, 64 bytes) is
+// one VDPBF16PS operand, which adds both products of a pair to each float32 lane, and the other
+// operand is one activation row's pair broadcast to every lane (an embedded broadcast from the A
+// tile's line, no register). A register tile holds ROWS activation rows × PANELS panels of sums
+// (ROWS · PANELS ≤ 24 of the 32 registers) over the whole of K. Lane n of row m is always
+// sum = 0, then sum = VDPBF16PS(sum, x pair, w pair) for each block in order and each of its 16
+// pairs in order, whichever register tile, row count or thread holds it: the same bits.
+// Measured on a 2-core Zen 4 VM (a standalone loop over these layouts, the layer shapes at 256
+// rows): 8 rows × 2 panels and 6 × 4 reach 96-100% of VDPBF16PS's measured peak on one thread,
+// 94-98% on two, rows outer (an 8-row slice of A stays in L1 while the task's B panels stream
+// past it from L2); panel-outer orders ran 85-90% on two threads, and 4 × 6 spilled (55%).
+constexpr int64_t BF16_VDP_ROWS = 8;  // activation rows of a register tile (× 2 panels: 16 sums)
+
+// The sums of rows m0 .. m0 + ROWS − 1 of the A tiles against panels w[0 .. PANELS − 1], over all of K.
+template <int ROWS, int PANELS>
+SS_INLINE void bf16_vdp_tile(const uint16_t* a, int64_t nb, int64_t m0, const uint16_t* const (&w)[PANELS],
+                             __m512 (&sum)[ROWS][PANELS]) {
+  constexpr int64_t TILE = AMX_ROWS * 32;  // bf16 values of one A tile or one panel's block
+  const uint16_t* row[ROWS];
+  for (int i = 0; i < ROWS; i++) {
+    const int64_t m = m0 + i;
+    row[i] = a + (m / AMX_ROWS) * nb * TILE + (m % AMX_ROWS) * 32;
+  }
+  for (int i = 0; i < ROWS; i++)
+    for (int j = 0; j < PANELS; j++) sum[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; q++) {
+      __m512bh line[PANELS];
+      for (int j = 0; j < PANELS; j++) line[j] = (__m512bh)_mm512_loadu_si512(w[j] + b * TILE + q * 32);
+      for (int i = 0; i < ROWS; i++) {
+        int32_t pair;
+        std::memcpy(&pair, row[i] + b * TILE + 2 * q, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < PANELS; j++) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], x, line[j]);
+      }
+    }
+  }
+}
+
+// run(std::integral_constant<int, R>) for R = rows (1 .. MAX): a register tile's row count, fixed
+// at compile time so that its sums stay in registers.
+template <int MAX, class Run>
+SS_INLINE void with_tile_rows(int64_t rows, const Run& run) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_tile_rows<MAX - 1>(rows, run);
+  }
+  run(std::integral_constant<int, MAX>{});
+}
+
+// y [M, N] from the A tiles and the bf16 panels (an even number of them), as bf16_matmul_amx's.
+void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
+  constexpr int64_t TILE = AMX_ROWS * 32;
+  const int64_t nb = K / 32;
+  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), panels / 2);
+  parallel_tasks(tasks.count(), [&](int64_t task) {
+    const auto [rp0, rp1, pp0, pp1] = tasks[task];
+    const int64_t m_end = std::min(M, rp1 * 2 * AMX_ROWS);
+    for (int64_t m0 = rp0 * 2 * AMX_ROWS; m0 < m_end; m0 += BF16_VDP_ROWS)
+      with_tile_rows<BF16_VDP_ROWS>(m_end - m0, [&](auto rows) SS_INLINE_LAMBDA {
+        constexpr int ROWS = decltype(rows)::value;
+        for (int64_t pp = pp0; pp < pp1; pp++) {
+          const uint16_t* const panel[2] = {w + 2 * pp * nb * TILE, w + (2 * pp + 1) * nb * TILE};
+          __m512 sum[ROWS][2];
+          bf16_vdp_tile<ROWS, 2>(a, nb, m0, panel, sum);
+          for (int j = 0; j < 2; j++) {
+            const int64_t n0 = (2 * pp + j) * PANEL_ROWS;
+            if (n0 >= N) continue;
+            const __mmask16 cols = (__mmask16)((1u << std::min<int64_t>(PANEL_ROWS, N - n0)) - 1);
+            for (int i = 0; i < ROWS; i++) _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, cols, sum[i][j]);
+          }
+        }
+      });
+  });
+}
+
+// bf16_swiglu_amx's A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) from VDPBF16PS register tiles of 6 rows ×
+// 4 panels: a gate panel pair and its up pair (32 columns of the down matmul's K, one block), whose
+// silu·up is rounded to bf16 and stored from registers into that block's lines. The same bits as
+// bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows past M are never written (nor read by
+// bf16_matmul_vdp).
+const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
+  constexpr int64_t TILE = AMX_ROWS * 32, ROWS_PER_TILE = 6;
+  thread_local AlignedVector<uint16_t> buffer;
+  const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
+  if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
+  uint16_t* tiles = buffer.data();
+  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), nbi);  // gate's panel pairs (up's follow them)
+  parallel_tasks(tasks.count(), [&](int64_t task) {
+    const auto [rp0, rp1, b0, b1] = tasks[task];
+    const int64_t m_end = std::min(M, rp1 * 2 * AMX_ROWS);
+    for (int64_t m0 = rp0 * 2 * AMX_ROWS; m0 < m_end; m0 += ROWS_PER_TILE)
+      with_tile_rows<ROWS_PER_TILE>(m_end - m0, [&](auto rows) SS_INLINE_LAMBDA {
+        constexpr int ROWS = decltype(rows)::value;
+        for (int64_t b = b0; b < b1; b++) {
+          const uint16_t* const panel[4] = {w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE,
+                                            w + (2 * (b + nbi)) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE};
+          __m512 sum[ROWS][4];  // gate's two panels, then up's
+          bf16_vdp_tile<ROWS, 4>(a, nb, m0, panel, sum);
+          for (int i = 0; i < ROWS; i++) {
+            const int64_t m = m0 + i;
+            const simd16::V16 lo = simd16::mul(simd16::silu({sum[i][0]}), {sum[i][2]});
+            const simd16::V16 hi = simd16::mul(simd16::silu({sum[i][1]}), {sum[i][3]});
+            _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + b) * TILE + (m % AMX_ROWS) * 32,
+                               (__m512i)_mm512_cvtne2ps_pbh(hi.v, lo.v));
+          }
+        }
+      });
+  });
+  return tiles;
+}
+
+#endif
+
 // Row counts from which the engine's int16 matmul takes the AMX tiles, where it has them (a tile
 // is 16 rows: on a 2-core Xeon VM with AMX, Q4_1 layer shapes ran 0.60-0.75x the vpdpwssd tiles
 // at 8 rows, 0.97-1.14x at 12, 1.04-1.22x at 16 and 1.30-1.49x at 32).
@@ -1598,6 +1728,32 @@ bool amx_tiles_usable() {
   return false;
 #endif
 }
+
+#if SS_BF16_DOT
+// The bf16 matmul's kernel on this machine: the AMX tiles where usable (and not turned off by a
+// benchmark), else VDPBF16PS.
+bool bf16_on_tiles() {
+#if SS_AMX_TILES
+  return amx_tiles_allowed.load(std::memory_order_relaxed) && request_permission();
+#else
+  return false;
+#endif
+}
+
+void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
+#if SS_AMX_TILES
+  if (bf16_on_tiles()) return bf16_matmul_amx(a, w, M, K, N, panels, y);
+#endif
+  bf16_matmul_vdp(a, w, M, K, N, panels, y);
+}
+
+const uint16_t* bf16_swiglu(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
+#if SS_AMX_TILES
+  if (bf16_on_tiles()) return bf16_swiglu_amx(a, w, M, K, I);
+#endif
+  return bf16_swiglu_vdp(a, w, M, K, I);
+}
+#endif
 
 #else
 constexpr bool HAS_INT16_DOT = false;
@@ -1731,7 +1887,7 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& w, int64_t type, 
 #endif
 }
 
-#if SS_AMX_TILES
+#if SS_BF16_DOT
 namespace {
 // A weight's bf16 panels for N rows, as bf16_panels (weight_format.py) lays them out.
 void check_bf16_panels(const at::Tensor& wb, int64_t N, const char* name) {
@@ -1743,13 +1899,13 @@ void check_bf16_panels(const at::Tensor& wb, int64_t N, const char* name) {
 #endif
 
 namespace {
-// The bf16 matmuls refuse to run, by name, where the tiles cannot.
-void require_bf16_tiles() {
-  TORCH_CHECK(amx_tiles_usable(), "the bf16 matmul needs the AMX tiles: an AMX-BF16 CPU, a kernel build for it and "
-              "the OS's permission (this process has ", SS_AMX_TILES ? "no permission" : "no such build", ")");
+// The bf16 matmuls refuse to run, by name, where neither kernel can.
+void require_bf16_dot() {
+  TORCH_CHECK(SS_BF16_DOT, "the bf16 matmul needs AVX512-BF16 (Zen 4, or a Xeon with AMX) and a kernel build for it "
+              "(this build has none)");
 }
 
-#if SS_AMX_TILES
+#if SS_BF16_DOT
 // gate_up's and down's panels for a SwiGLU FFN of N outputs; returns I (down's K).
 int64_t check_swiglu_panels(const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N) {
   check_bf16_panels(gate_up_wb, gate_up_wb.size(0) * PANEL_ROWS, "gate_up_wb");
@@ -1772,11 +1928,11 @@ at::Tensor on_bf16_row_tiles(const at::Tensor& x_in, int64_t K, int64_t N, const
 #endif
 }  // namespace
 
-// The bf16 matmul on the AMX tiles (see "bf16 matmul on the AMX tiles"): `--matmul bf16`.
+// The bf16 matmul (see "bf16 matmul"): `--matmul bf16`, on the AMX tiles or in VDPBF16PS registers.
 // wb: the weight's bf16 panels [panels (even), K / 32, 16, 32] (bf16_panels), of N rows.
 at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N) {
-  require_bf16_tiles();
-#if SS_AMX_TILES
+  require_bf16_dot();
+#if SS_BF16_DOT
   check_bf16_panels(wb, N, "wb");
   const int64_t K = wb.size(1) * 32;
   return on_bf16_row_tiles(x_in, K, N, [&](const uint16_t* a, int64_t M, float* y) {
@@ -1787,15 +1943,15 @@ at::Tensor qlinear_bf16(const at::Tensor& x_in, const at::Tensor& wb, int64_t N)
 #endif
 }
 
-// A SwiGLU FFN with both matmuls on the AMX tiles: down(silu(gate) · up) for x [M, K], gate_up's bf16
-// panels (2I rows: gate, then up) and down's (N rows, K = I): the bits of
-// qlinear_bf16(silu_mul(qlinear_bf16(x, gate_up)), down), in one call (bf16_swiglu_tiles).
+// A SwiGLU FFN with both matmuls bf16: down(silu(gate) · up) for x [M, K], gate_up's bf16 panels
+// (2I rows: gate, then up) and down's (N rows, K = I): the bits of
+// qlinear_bf16(silu_mul(qlinear_bf16(x, gate_up)), down), in one call (bf16_swiglu).
 at::Tensor qlinear_bf16_swiglu(const at::Tensor& x_in, const at::Tensor& gate_up_wb, const at::Tensor& down_wb, int64_t N) {
-  require_bf16_tiles();
-#if SS_AMX_TILES
+  require_bf16_dot();
+#if SS_BF16_DOT
   const int64_t I = check_swiglu_panels(gate_up_wb, down_wb, N), K = gate_up_wb.size(1) * 32;
   return on_bf16_row_tiles(x_in, K, N, [&](const uint16_t* a, int64_t M, float* y) {
-    const uint16_t* h = bf16_swiglu_tiles(a, reinterpret_cast<const uint16_t*>(gate_up_wb.data_ptr<at::BFloat16>()), M, K, I);
+    const uint16_t* h = bf16_swiglu(a, reinterpret_cast<const uint16_t*>(gate_up_wb.data_ptr<at::BFloat16>()), M, K, I);
     bf16_matmul(h, reinterpret_cast<const uint16_t*>(down_wb.data_ptr<at::BFloat16>()), M, I, N, down_wb.size(0), y);
   });
 #else
@@ -1806,6 +1962,7 @@ at::Tensor qlinear_bf16_swiglu(const at::Tensor& x_in, const at::Tensor& gate_up
 bool has_int16_dot() { return HAS_INT16_DOT; }
 bool has_int8_dot() { return HAS_INT8_DOT; }
 bool has_amx_tiles() { return amx_tiles_usable(); }
+bool has_bf16_matmul() { return SS_BF16_DOT; }
 bool allow_amx_tiles(bool allowed) { return amx_tiles_allowed.exchange(allowed); }
 
 // This machine's peak multiply-accumulate rates on the calling thread, measured: 10 independent
@@ -1897,6 +2054,33 @@ double measure_int8_peak_macs(int64_t iterations) {
 #endif
 }
 
+// measure_peak_macs for the bf16 matmul's vector instruction: 10 chains of 512-bit VDPBF16PS (32
+// MACs each); 0 without AVX512-BF16.
+double measure_bf16_dot_peak_macs(int64_t iterations) {
+#if SS_BF16_DOT
+  using clock = std::chrono::steady_clock;
+  constexpr int CHAINS = 10;  // named registers, each its own start (identical chains are merged)
+  __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(int16_t(0xbf80));
+  __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f), a3 = _mm512_set1_ps(3.0f),
+         a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f), a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f),
+         a8 = _mm512_set1_ps(8.0f), a9 = _mm512_set1_ps(9.0f);
+  asm volatile("" : "+v"(w), "+v"(x));
+  auto t0 = clock::now();
+  for (int64_t n = 0; n < iterations; n++) {
+    a0 = _mm512_dpbf16_ps(a0, w, x), a1 = _mm512_dpbf16_ps(a1, w, x), a2 = _mm512_dpbf16_ps(a2, w, x);
+    a3 = _mm512_dpbf16_ps(a3, w, x), a4 = _mm512_dpbf16_ps(a4, w, x), a5 = _mm512_dpbf16_ps(a5, w, x);
+    a6 = _mm512_dpbf16_ps(a6, w, x), a7 = _mm512_dpbf16_ps(a7, w, x), a8 = _mm512_dpbf16_ps(a8, w, x);
+    a9 = _mm512_dpbf16_ps(a9, w, x);
+    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
+  }
+  auto t1 = clock::now();
+  return double(CHAINS) * iterations * 32 / std::chrono::duration<double>(t1 - t0).count();
+#else
+  (void)iterations;
+  return 0.0;
+#endif
+}
+
 // The tile unit's peak on the calling thread: TDPBF16PS (16 × 16 × 32 bf16 MACs into float32)
 // into four independent sum tiles, `iterations` rounds of four; 0 without the AMX tiles. The int16
 // matmul's tiles issue two per block (one per digit), so at most half of this is its MACs.
@@ -1966,10 +2150,11 @@ void register_qlinear(pybind11::module_& m) {
   m.def("qlinear_int16", &qlinear_int16,
         "y = x · Wᵀ in integers: x quantized to int16 per 32-value block (Q4_0/Q4_1/Q8_0 weights; batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("k"), py::arg("n"), py::arg("path") = 0);
-  m.def("qlinear_bf16", &qlinear_bf16, "y = bf16(x) · bf16(W)ᵀ, float32 sums, on the AMX tiles (wb: bf16_panels)",
+  m.def("qlinear_bf16", &qlinear_bf16,
+        "y = bf16(x) · bf16(W)ᵀ, float32 sums, on the AMX tiles or with VDPBF16PS (wb: bf16_panels)",
         py::arg("x"), py::arg("wb"), py::arg("N"));
   m.def("qlinear_bf16_swiglu", &qlinear_bf16_swiglu,
-        "down(silu(gate) · up) with both matmuls on the AMX tiles: qlinear_bf16's bits, gate_up's output never stored",
+        "down(silu(gate) · up) with both matmuls bf16: qlinear_bf16's bits, gate_up's output never stored",
         py::arg("x"), py::arg("gate_up_wb"), py::arg("down_wb"), py::arg("N"));
   m.def("qlinear_int8", &qlinear_int8,
         "y = x · Wᵀ in integers: x quantized to unsigned int8 per 32-value block over its range (Q4_0/Q4_1/Q8_0 "
@@ -1983,15 +2168,21 @@ void register_qlinear(pybind11::module_& m) {
   m.def("measure_int8_peak_macs", &measure_int8_peak_macs,
         "this thread's measured peak MACs/s of the int8 matmul's vpdpbusd (0 without AVX512-VNNI)",
         py::arg("iterations") = 20000000);
+  m.def("measure_bf16_dot_peak_macs", &measure_bf16_dot_peak_macs,
+        "this thread's measured peak MACs/s of the bf16 matmul's VDPBF16PS (0 without AVX512-BF16)",
+        py::arg("iterations") = 20000000);
   m.def("has_int16_dot", &has_int16_dot, "whether this build has the integer matmul (AVX2 + FMA)");
   m.def("has_int8_dot", &has_int8_dot, "whether this build has the int8 matmul (AVX512-VNNI)");
   m.def("measure_amx_peak_macs", &measure_amx_peak_macs,
         "this thread's measured peak MACs/s of the tile unit's TDPBF16PS (0 without the AMX tiles)",
         py::arg("iterations") = 2000000);
+  m.def("has_bf16_matmul", &has_bf16_matmul,
+        "whether this build has the bf16 matmul (`--matmul bf16`: AVX512-BF16, on the AMX tiles where usable)");
   m.def("has_amx_tiles", &has_amx_tiles, "whether the int16 matmul can take AMX tiles here (built in, OS permission)");
   m.def("allow_amx_tiles", &allow_amx_tiles,
-        "let the engine's int16 matmul take the AMX tiles (the default) or not, for benchmarks to compare the same "
-        "bits both ways; returns the previous setting",
+        "let the engine's int16 and bf16 matmuls take the AMX tiles (the default) or not, for benchmarks to "
+        "compare: the int16 matmul's bits are the same both ways, the bf16 matmul's VDPBF16PS kernel rounds its "
+        "own way; returns the previous setting",
         py::arg("allowed"));
   m.def("dequant_rows", &dequant_rows, "rows of a GGUF-typed weight as float32", py::arg("w"), py::arg("type"),
         py::arg("k"), py::arg("ids"), py::arg("rows_in_panels") = 0);

@@ -60,18 +60,19 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head
     step reads at long context and double the tokens the KV budget holds; greedy output may then
     differ from the float32 reference on near-ties (the README's CPU section has the measured
     top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: bfloat16 with `--matmul bf16`
-    where the model's heads fit the AMX tiles' attention (head_dim 32 or 64: ~5x the vector
-    kernels on a prompt chunk at long context; larger heads would take the slower bfloat16 dot
-    products instead, so they keep float16); float16 with the C++ kernels' integer matmul
+    where attention over it is the CPU's fastest (cpu_ops.bfloat16_attention_is_fastest: the AMX
+    tiles for heads of 32 or 64, ~5x the vector kernels on a prompt chunk at long context; VDPBF16PS
+    on a CPU without AMX, ~1.5x the float16 cache's kernel on Zen 4), else float16; float16 with
+    the C++ kernels' integer matmul
     (the CPU's default path), which measures the float32 cache's agreement; else the activations'
     dtype, so `--dtype float32` stays the exact reference. `head_dim`: the model's."""
     if name == "auto":
         if ops.name != "cpu" or matmul not in MATMUL_KERNELS or dtype != torch.float32:
             return dtype
         if matmul == "bf16":
-            from executor_svc.model.cpu_ops import attention_on_tiles  # bf16 runs only where the kernels load
+            from executor_svc.model.cpu_ops import bfloat16_attention_is_fastest  # bf16 needs the kernels
 
-            return torch.bfloat16 if attention_on_tiles(head_dim) else torch.float16
+            return torch.bfloat16 if bfloat16_attention_is_fastest(head_dim) else torch.float16
         return torch.float16
     kv_dtype = KV_DTYPES[name]
     if kv_dtype != dtype and ops.name != "cpu":
@@ -128,12 +129,11 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
         if not has_int8_dot():
             raise ValueError("--matmul int8 needs a CPU with AVX512-VNNI (this one has none); use --matmul int16")
     if name == "bf16":
-        from executor_svc.weights.weight_format import has_amx_tiles
+        from executor_svc.weights.weight_format import has_bf16_matmul
 
-        if not has_amx_tiles():
+        if not has_bf16_matmul():
             raise ValueError(
-                "--matmul bf16 needs the AMX tiles (a Xeon with AMX-BF16, and the OS's permission); this CPU has "
-                "none: use --matmul int16"
+                "--matmul bf16 needs AVX512-BF16 (Zen 4, or a Xeon with AMX); this CPU has none: use --matmul int16"
             )
     return name
 

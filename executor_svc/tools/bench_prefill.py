@@ -10,27 +10,29 @@ This prints, on the machine it runs on (its CPU model and vector ISA first):
    issues (int16-pair dot products at its vector width, 512-bit on AVX-512 and 256-bit on AVX2:
    pmaddwd + paddd, or vpdpwssd with VNNI; with `--matmul int8`, AVX512-VNNI's 512-bit vpdpbusd)
    and of float32 FMA, one thread, times the threads; on CPUs with AMX (Sapphire Rapids and later),
-   also the tile unit's TDPBF16PS;
+   also the tile unit's TDPBF16PS, and on AVX512-BF16 CPUs without it (Zen 4) VDPBF16PS;
 2. the integer matmul (`--matmul`: int16, the CPU default, or int8) on each of the model's layer
    shapes at M rows: one-row register tiles forced ("rows"), the vector tiles ("panels": 8 rows,
    4 on AVX2, and one of the rest) and, on AMX CPUs, the AMX tiles ("amx": 16 rows, the engine's
    from 16 rows); all bit-identical (qlinear.cpp), in GMAC/s and as a fraction of the peak of
    their instruction (the AMX tiles issue two TDPBF16PS per product, one per digit of the int16
-   code, so their ceiling is half the tile unit's peak); on AMX CPUs also the opt-in bf16 matmul
-   (`--matmul bf16`: bf16 weights and activations, float32 sums over all of K), against the engine's
-   int16 path and as a fraction of the tile unit's peak;
+   code, so their ceiling is half the tile unit's peak); on AVX512-BF16 CPUs also the opt-in bf16
+   matmul (`--matmul bf16`: bf16 weights and activations, float32 sums over all of K, on the AMX
+   tiles or with VDPBF16PS), against the engine's int16 path and as a fraction of its instruction's
+   peak;
 3. one prompt of T tokens prefilled from an empty cache in chunks of `--chunk` tokens (the
    scheduler's default step budget is 256), as the engine runs it (the model's forward over a
    ragged batch, KV written): tokens/s, the layers' matmul GFLOP/s (2 · weights · T), the
    attention's (4 · heads · head_dim per (query, key) pair, causal), and what share of the
    machine's peak for the matmul's vector instruction the whole prefill reaches; on AMX CPUs
-   also the same prefill with the AMX tiles turned off and with `--matmul bf16` (over the bfloat16
-   KV cache it takes, attention on the tiles too), alternating with it run by run;
+   also the same prefill with the AMX tiles turned off, and on AVX512-BF16 CPUs with `--matmul
+   bf16` (over the KV cache it takes: bfloat16 where attention over one is fastest), alternating
+   with it run by run;
 4. where a chunk's time goes as the prompt grows: one layer's matmuls on a chunk of `--chunk`
    rows against its attention (the chunk's queries over the keys before and in it), at each
-   context length of `--contexts`, with the attention of one decode row there for scale; on AMX
-   CPUs also both attentions over a bfloat16 cache on the tiles (`--matmul bf16`'s, or
-   `--kv-cache-dtype bfloat16`). An agent's later turns prefill at thousands of tokens of
+   context length of `--contexts`, with the attention of one decode row there for scale; where
+   attention over a bfloat16 cache is the CPU's fastest (the AMX tiles; VDPBF16PS without AMX),
+   also both attentions over one (`--matmul bf16`'s, or `--kv-cache-dtype bfloat16`). An agent's later turns prefill at thousands of tokens of
    context, where attention, not the matmuls, is most of a chunk.
 
 Each point is the best of `--reps` runs: the machines are shared, and the minimum is the run
@@ -49,6 +51,7 @@ import torch
 
 from executor_svc.engine.model_runner import resolve_kv_cache_dtype, resolve_ops
 from executor_svc.kv.kv_cache import KVCache, to_key_layout, to_value_layout
+from executor_svc.model.cpu_ops import bfloat16_attention_is_fastest
 from executor_svc.model.ragged_batch import RaggedBatch, RequestSlice
 from executor_svc.model.transformer import Transformer
 from executor_svc.weights.gguf_file import open_gguf
@@ -92,15 +95,30 @@ def amx_tiles(kernels, matmul: str) -> bool:
     return matmul == "int16" and kernels.has_amx_tiles()
 
 
+def bf16_kernel(kernels) -> str | None:
+    """The kernel `--matmul bf16` takes here: the AMX tiles, VDPBF16PS (AVX512-BF16 without AMX), or none."""
+    if not kernels.has_bf16_matmul():
+        return None
+    return "amx" if kernels.has_amx_tiles() else "vdpbf16ps"
+
+
 def measured_peak(kernels, matmul: str) -> dict:
     """MACs/s per thread of int16 pairs and float32 FMA (the best of three), of int8 quads with
-    `matmul` int8, of the AMX tiles' TDPBF16PS where the int16 matmul takes them, and the
-    machine's (times the threads) for the matmul's vector instruction."""
+    `matmul` int8, of the AMX tiles' TDPBF16PS where the int16 matmul takes them, of the bf16
+    matmul's instruction where it runs (TDPBF16PS or VDPBF16PS), and the machine's (times the
+    threads) for the matmul's vector instruction and for the bf16 matmul's."""
     int16, fp32 = max(kernels.measure_peak_macs() for _ in range(3))
     per_thread = int16 if matmul == "int16" else max(kernels.measure_int8_peak_macs() for _ in range(3))
     amx = max(kernels.measure_amx_peak_macs() for _ in range(3)) if amx_tiles(kernels, matmul) else 0.0
+    bf16 = {"amx": kernels.measure_amx_peak_macs, "vdpbf16ps": kernels.measure_bf16_dot_peak_macs}.get(
+        bf16_kernel(kernels)
+    )
+    bf16_per_thread = max(bf16() for _ in range(3)) if bf16 else 0.0
     threads = torch.get_num_threads()
     return {
+        "bf16_kernel": bf16_kernel(kernels),
+        "bf16_macs_per_thread": bf16_per_thread,
+        "bf16_macs": bf16_per_thread * threads,
         "matmul": matmul,
         "int16_macs_per_thread": int16,
         "fp32_macs_per_thread": fp32,
@@ -140,9 +158,10 @@ def bench_matmuls(kernels, weights, row_counts: list[int], reps: int, peak: dict
             point["panels_share_of_peak"] = point["panels_gmacs"] * 1e9 / peak["matmul_macs"]
             if peak["amx_macs"]:
                 point["amx_share_of_peak"] = point["amx_gmacs"] * 1e9 / peak["amx_macs"]
+            if peak["bf16_macs"]:
                 bf16 = w.for_kernel(Kernel.BF16)
                 point["bf16_gmacs"] = m * n * k / best_of(reps, lambda: linear(x, bf16)) / 1e9
-                point["bf16_share_of_peak"] = point["bf16_gmacs"] * 1e9 / peak["amx_macs"]  # one TDPBF16PS a product
+                point["bf16_share_of_peak"] = point["bf16_gmacs"] * 1e9 / peak["bf16_macs"]  # one bf16 product a MAC
             rows.append(point)
     return rows
 
@@ -226,6 +245,7 @@ def bench_prefill(
                 "share_of_peak": (matmul + attention) / seconds / peak["matmul_macs"],
                 "vector_tiles_seconds": vector_seconds if peak["amx_macs"] else None,
                 "bf16_seconds": bf16_seconds if bf16_model is not None else None,
+                "bf16_share_of_peak": (matmul + attention) / bf16_seconds / peak["bf16_macs"] if bf16_model else None,
             }
         )
     return rows
@@ -252,9 +272,10 @@ def bench_chunk_costs(
     kernels, weights, config: ModelConfig, kv_dtype, kv_layout: str, chunk: int, contexts: list[int], reps: int
 ):
     """Per layer: a chunk's matmuls (the prompt kernel's path at `chunk` rows) and its attention
-    ending at each context length, and one decode row's attention there; where attention runs on
-    the AMX tiles, both attentions again over a bfloat16 cache."""
-    tiles = kernels.attention_on_tiles(config.head_dim)
+    ending at each context length, and one decode row's attention there; where attention over a
+    bfloat16 cache is the CPU's fastest (the AMX tiles, or VDPBF16PS without AMX), both attentions
+    again over one."""
+    tiles = bfloat16_attention_is_fastest(config.head_dim)
     x = {k: torch.randn(chunk, k) for k in {w.shape[1] for w in layer_shapes(weights).values()}}
     matmuls = sum(
         best_of(reps, lambda w=w: integer_matmul(kernels, x[w.shape[1]], w)) for w in layer_shapes(weights).values()
@@ -266,10 +287,10 @@ def bench_chunk_costs(
         on_tiles = {}
         if tiles:
             on_tiles = {
-                "tiles_attention_s": attention_seconds(
+                "bf16_kv_attention_s": attention_seconds(
                     kernels, config, torch.bfloat16, kv_layout, min(chunk, context), context, reps
                 ),
-                "tiles_decode_row_attention_s": attention_seconds(
+                "bf16_kv_decode_row_attention_s": attention_seconds(
                     kernels, config, torch.bfloat16, kv_layout, 1, context, reps
                 ),
             }
@@ -308,7 +329,7 @@ def run(
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, ops, matmul, config.head_dim)
     peak = measured_peak(kernels, matmul)
     bf16_model = None
-    if peak["amx_macs"]:
+    if peak["bf16_macs"]:
         bf16_weights = load_weights(gguf, config, torch.float32, cpu, matmul_kernel=Kernel.BF16)
         bf16_model = Transformer(config, bf16_weights, cpu, ops, torch.float32)
     return {
@@ -333,59 +354,82 @@ def print_report(r: dict) -> None:
         + (f", int8 quads {peak['matmul_macs_per_thread'] / 1e9:.1f} GMAC/s" if matmul == "int8" else "")
         + f"; machine {matmul} peak {peak['matmul_macs'] / 1e9:.1f} GMAC/s"
         + (f"; AMX TDPBF16PS {peak['amx_macs_per_thread'] / 1e9:.0f} GMAC/s a thread" if peak["amx_macs"] else "")
+        + (
+            f"; VDPBF16PS {peak['bf16_macs_per_thread'] / 1e9:.1f} GMAC/s a thread (the bf16 matmul's)"
+            if peak["bf16_kernel"] == "vdpbf16ps"
+            else ""
+        )
     )
-    amx = bool(peak["amx_macs"])
+    amx, bf16 = bool(peak["amx_macs"]), peak["bf16_kernel"]
     print(
         f"\nthe {matmul} matmul, GMAC/s (rows: one-row tiles; panels: the vector tiles"
         + ("; amx: the AMX tiles, the engine's from 16 rows" if amx else ", the engine's")
         + "; all bit-identical):"
     )
-    if amx:
-        print("bf16: the opt-in --matmul bf16 (other bits); x: over the engine's int16 (amx, or panels below 16 rows)")
-    amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7} | {'bf16':>7} {'x':>5} {'of AMX':>7}" if amx else ""
-    print(f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}{amx_head}")
+    if bf16:
+        print(
+            f"bf16: the opt-in --matmul bf16 ({'AMX tiles' if bf16 == 'amx' else 'VDPBF16PS'}; other bits), "
+            f"of its instruction's peak; x: over the engine's int16 ({'amx, or ' if amx else ''}panels"
+            f"{' below 16 rows' if amx else ''})"
+        )
+    amx_head = f" {'amx':>7} {'x':>5} {'of AMX':>7}" if amx else ""
+    bf16_head = f" | {'bf16':>7} {'x':>5} {'of peak':>7}" if bf16 else ""
+    print(
+        f"{'weight':>8} {'N':>6} {'K':>6} {'M':>6} | {'rows':>7} {'panels':>7} {'x':>5} {'of peak':>8}"
+        + amx_head
+        + bf16_head
+    )
     for m in r["matmuls"]:
         amx_cells = ""
+        engine = m["amx_gmacs"] if amx and m["m"] >= 16 else m["panels_gmacs"]
         if amx:
-            engine = m["amx_gmacs"] if m["m"] >= 16 else m["panels_gmacs"]
             amx_cells = (
                 f" {m['amx_gmacs']:7.1f} {m['amx_gmacs'] / m['panels_gmacs']:5.2f} {m['amx_share_of_peak']:7.0%}"
-                f" | {m['bf16_gmacs']:7.1f} {m['bf16_gmacs'] / engine:5.2f} {m['bf16_share_of_peak']:7.0%}"
             )
+        if bf16:
+            amx_cells += f" | {m['bf16_gmacs']:7.1f} {m['bf16_gmacs'] / engine:5.2f} {m['bf16_share_of_peak']:7.0%}"
         print(
             f"{m['weight']:>8} {m['n']:>6} {m['k']:>6} {m['m']:>6} | {m['rows_gmacs']:7.1f} {m['panels_gmacs']:7.1f} "
             f"{m['panels_gmacs'] / m['rows_gmacs']:5.2f} {m['panels_share_of_peak']:8.0%}{amx_cells}"
         )
     print(f"\none prompt from an empty cache, chunks of {r['chunk']}, KV {r['kv_cache_dtype']}:")
-    vector_head = f" | {'vector tiles s':>14} {'x':>5} | {'bf16 s':>7} {'x':>5}" if amx else ""
+    if bf16:
+        print("bf16 s: --matmul bf16 over its own KV cache, alternating run by run; x: int16's seconds ÷ bf16's")
+    vector_head = f" | {'vector tiles s':>14} {'x':>5}" if amx else ""
+    vector_head += f" | {'bf16 s':>7} {'x':>5} {'of bf16 peak':>12}" if bf16 else ""
     print(
         f"{'T':>6} | {'s':>7} {'tok/s':>7} {'matmul GFLOP/s':>15} {'attn GFLOP/s':>13} {'of ' + matmul + ' peak':>14}"
         + vector_head
     )
     for p in r["prefill"]:
         vector_cells = (
-            f" | {p['vector_tiles_seconds']:14.3f} {p['vector_tiles_seconds'] / p['seconds']:5.2f}"
-            f" | {p['bf16_seconds']:7.3f} {p['seconds'] / p['bf16_seconds']:5.2f}"
-            if amx
-            else ""
+            f" | {p['vector_tiles_seconds']:14.3f} {p['vector_tiles_seconds'] / p['seconds']:5.2f}" if amx else ""
         )
+        if bf16:
+            vector_cells += (
+                f" | {p['bf16_seconds']:7.3f} {p['seconds'] / p['bf16_seconds']:5.2f} {p['bf16_share_of_peak']:12.0%}"
+            )
         print(
             f"{p['tokens']:>6} | {p['seconds']:7.3f} {p['tokens_per_s']:7.0f} {p['matmul_gflops']:15.1f} "
             f"{p['attention_gflops']:13.1f} {p['share_of_peak']:14.0%}{vector_cells}"
         )
     print(f"\nper layer, a chunk of {r['chunk']} prompt tokens ending at each context (ms), KV {r['kv_cache_dtype']}:")
-    tiles = "tiles_attention_s" in r["chunk_costs"][0]
+    tiles = "bf16_kv_attention_s" in r["chunk_costs"][0]
     if tiles:
-        print("tiles: attention over a bfloat16 cache on the AMX tiles (--matmul bf16); x: KV's attention ÷ the tiles'")
-    tiles_head = f" | {'tiles attn':>10} {'x':>5} {'tiles decode row':>17}" if tiles else ""
+        print(
+            "bf16 KV: attention over a bfloat16 cache (--matmul bf16's: "
+            + ("the AMX tiles" if peak["bf16_kernel"] == "amx" else "VDPBF16PS")
+            + "); x: KV's attention ÷ its"
+        )
+    tiles_head = f" | {'bf16 KV attn':>12} {'x':>5} {'bf16 KV decode row':>19}" if tiles else ""
     print(
         f"{'context':>8} | {'matmuls':>8} {'attention':>10} {'attn/matmuls':>13} | {'1 decode row attn':>18}"
         + tiles_head
     )
     for c in r["chunk_costs"]:
         tiles_cells = (
-            f" | {c['tiles_attention_s'] * 1e3:10.2f} {c['attention_s'] / c['tiles_attention_s']:5.2f}"
-            f" {c['tiles_decode_row_attention_s'] * 1e3:17.3f}"
+            f" | {c['bf16_kv_attention_s'] * 1e3:12.2f} {c['attention_s'] / c['bf16_kv_attention_s']:5.2f}"
+            f" {c['bf16_kv_decode_row_attention_s'] * 1e3:19.3f}"
             if tiles
             else ""
         )

@@ -63,12 +63,13 @@ def has_int8_dot() -> bool:
         return False
 
 
-def has_amx_tiles() -> bool:
-    """Whether this CPU's kernel build can use the AMX tiles (`--matmul bf16` needs them)."""
+def has_bf16_matmul() -> bool:
+    """Whether this CPU's kernel build has the bf16 matmul (`--matmul bf16`: AVX512-BF16, on the AMX
+    tiles where the CPU has them)."""
     from executor_svc.cpu_kernels import CpuKernelsUnavailable
 
     try:
-        return bool(_kernels().has_amx_tiles())
+        return bool(_kernels().has_bf16_matmul())
     except CpuKernelsUnavailable:
         return False
 
@@ -85,8 +86,8 @@ def has_int16_dot() -> bool:
 
 def has_matmul(name: str) -> bool:
     """Whether this CPU's kernel build runs `--matmul name` (exact always; int16 needs AVX2 and FMA,
-    int8 AVX512-VNNI, bf16 the AMX tiles)."""
-    needs = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_amx_tiles}
+    int8 AVX512-VNNI, bf16 AVX512-BF16)."""
+    needs = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_bf16_matmul}
     return name not in needs or needs[name]()
 
 
@@ -107,8 +108,8 @@ class Kernel(IntEnum):
     INT8 = 4
     # The weight dequantized once and rounded to bf16, in the AMX tiles' layout (bf16_panels):
     # `data` is bfloat16 [even panels, cols / 32, 16, 32]; activations rounded to bf16, float32
-    # sums over all of K on the tile unit (qlinear.cpp, "bf16 matmul on the AMX tiles"):
-    # `--matmul bf16`, AMX CPUs only.
+    # sums over all of K, on the tile unit or with VDPBF16PS (qlinear.cpp, "bf16 matmul"):
+    # `--matmul bf16`, AVX512-BF16 CPUs (Zen 4, Xeons with AMX).
     BF16 = 5
 
     @property
@@ -118,7 +119,7 @@ class Kernel(IntEnum):
 
 
 # `--matmul` modes whose packed weights take a kernel of their own → that kernel (int16 and int8
-# multiply in integers; bf16 on the AMX tiles).
+# multiply in integers; bf16 in bf16 products).
 MATMUL_KERNELS = {"int16": Kernel.INT16, "int8": Kernel.INT8, "bf16": Kernel.BF16}
 
 

@@ -201,6 +201,7 @@ def all_position_logits(model, token_ids: list[int], kv_dtype) -> torch.Tensor:
         ("float32", "int16", "bfloat16"),
         ("float32", "int8", "float16"),
         ("float32", "bf16", "float16"),
+        ("float32", "bf16", "bfloat16"),
         ("bfloat16", "exact", "bfloat16"),
     ],
 )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from executor_svc.config import EngineConfig
+from executor_svc.cpu_kernels import load
 from executor_svc.engine.model_runner import (
     ModelRunner,
     preferred_step_tokens,
@@ -61,10 +62,14 @@ def test_auto_kv_cache_is_float16_only_on_the_cpus_default_path():
 
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int16", 64) == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "int8", 64) == torch.float16
+    kernels = load()
     if attention_on_tiles(64):  # an AMX CPU: --matmul bf16's attention on the tiles, over a bfloat16 cache
         assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", 64) == torch.bfloat16
-    # heads the tiles do not take would get the slower bfloat16 dot products: float16 stays
-    assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", 128) == torch.float16
+        # heads the tiles do not take would get its slower bfloat16 dot products: float16 stays
+        assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", 128) == torch.float16
+    elif kernels.has_bf16_dot_products():  # Zen 4: VDPBF16PS attention beats the float16 cache's kernel
+        for head_dim in (64, 128):
+            assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "bf16", head_dim) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, CpuOps, "exact", 64) == torch.float32  # --dtype float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CpuOps, "exact", 64) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, TorchOps, "exact", 64) == torch.float32
@@ -101,17 +106,18 @@ def test_the_step_size_it_prefers_follows_its_matmul():
     assert preferred_step_tokens("int16") == preferred_step_tokens("int8") == preferred_step_tokens("exact") == 256
 
 
-def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_amx(monkeypatch):
+def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_avx512_bf16(monkeypatch):
     """`auto` never picks bf16 (decodes are slower, and it is not the exact-integer path); asked for,
-    it runs where the AMX tiles are and is refused by name, with the way out, where they are not."""
+    it runs where AVX512-BF16 is (the AMX tiles or VDPBF16PS) and is refused by name, with the way
+    out, where it is not."""
     import executor_svc.weights.weight_format as weight_format
 
     assert resolve_matmul("auto", "auto", CPU, "cpu") != "bf16"
-    if weight_format.has_amx_tiles():
+    if weight_format.has_bf16_matmul():
         assert resolve_matmul("bf16", "auto", CPU, "cpu") == "bf16"
-    monkeypatch.setattr(weight_format, "has_amx_tiles", lambda: False)  # a CPU without AMX
+    monkeypatch.setattr(weight_format, "has_bf16_matmul", lambda: False)  # a CPU without AVX512-BF16
     assert not weight_format.has_matmul("bf16") and weight_format.has_matmul("exact")
-    with pytest.raises(ValueError, match="--matmul bf16 needs the AMX tiles .* use --matmul int16"):
+    with pytest.raises(ValueError, match="--matmul bf16 needs AVX512-BF16 .* use --matmul int16"):
         resolve_matmul("bf16", "auto", CPU, "cpu")
 
 

@@ -193,6 +193,19 @@ def test_the_integer_matmuls_register_tiles_are_bit_identical(kernel, qtype, num
 
 AMX_TILES = 3  # qlinear_int16's `path` that forces the AMX tiles (PANELS = 2, ROWS = 1)
 needs_amx = pytest.mark.skipif(not load().has_amx_tiles(), reason="no AMX tiles here (CPU, kernel build or OS)")
+needs_bf16 = pytest.mark.skipif(not load().has_bf16_matmul(), reason="no bf16 matmul here (AVX512-BF16)")
+
+
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def bf16_kernel(request):
+    """The bf16 matmul's kernel under test: the AMX tiles (AMX CPUs only), or VDPBF16PS in vector
+    registers (every AVX512-BF16 CPU: Zen 4's own, and on an AMX CPU with its tiles switched off)."""
+    kernels = load()
+    if request.param == "amx" and not kernels.has_amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, kernel build or OS)")
+    allowed = kernels.allow_amx_tiles(request.param == "amx")
+    yield request.param
+    kernels.allow_amx_tiles(allowed)
 
 
 @needs_amx
@@ -314,14 +327,17 @@ def test_bf16_panels_hold_the_bf16_values_in_the_tiles_layout():
     )
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda t: t.name)
 @pytest.mark.parametrize(("num_weight_rows", "k"), [(37, 512), (64, 768), (100, 1536)])
-def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its_batch(qtype, num_weight_rows, k):
+def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its_batch(
+    bf16_kernel, qtype, num_weight_rows, k
+):
     """`--matmul bf16`: the product of the bf16-rounded activations and weights, float32 sums over all
-    of K (within float32's rounding of the float64 product), and each row one fixed sequence of tile
-    products over K: bit-identical alone, in any slice of rows, padded (rows not a multiple of 16 or
-    32, weight rows not of 32) or not, on one thread or two."""
+    of K (within float32's rounding of the float64 product), and each row one fixed sequence of products
+    over K (tile products, or VDPBF16PS in register tiles of 8 rows and a tail): bit-identical alone,
+    in any slice of rows, padded (rows not a multiple of 8, 16 or 32, weight rows not of 32) or not,
+    on one thread or two."""
     w, reference = packed(qtype, rows=num_weight_rows, cols=k, seed=k)
     wb = w.for_kernel(Kernel.BF16)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(num_weight_rows))
@@ -332,11 +348,12 @@ def test_the_bf16_matmul_sums_bf16_products_and_a_rows_bits_do_not_depend_on_its
     assert ((y.double() - expected).abs() <= 1e-5 * expected.abs().max()).all()
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize(("intermediate", "num_rows"), [(64, 1), (64, 17), (96, 70), (256, 300)])
-def test_the_bf16_swiglu_gives_the_three_calls_bits(intermediate, num_rows):
+def test_the_bf16_swiglu_gives_the_three_calls_bits(bf16_kernel, intermediate, num_rows):
     """qlinear_bf16_swiglu (the C++ layer stack's FFN under `--matmul bf16`) computes gate and up for 32
-    rows × 32 columns at a time and writes the down matmul's input tiles from them: its output is
+    rows × 32 columns at a time (VDPBF16PS: 6 rows, so register tiles that straddle two 16-row A
+    tiles) and writes the down matmul's input tiles from them: its output is
     bit-identical to qlinear_bf16 → silu_mul → qlinear_bf16, for padded row counts, gates large enough
     to saturate exp, several tasks' worth of rows and columns, on one thread or two."""
     kernels = load()
@@ -355,7 +372,7 @@ def test_the_bf16_swiglu_gives_the_three_calls_bits(intermediate, num_rows):
         torch.set_num_threads(threads)
 
 
-@needs_amx
+@needs_bf16
 def test_a_bf16_swiglu_whose_gate_up_does_not_fit_its_down_is_refused():
     kernels = load()
     gate_up, _ = packed(Q.Q4_1, rows=96, cols=512)
@@ -366,10 +383,10 @@ def test_a_bf16_swiglu_whose_gate_up_does_not_fit_its_down_is_refused():
         )
 
 
-@pytest.mark.skipif(load().has_amx_tiles(), reason="this machine has AMX tiles")
-def test_the_bf16_matmul_without_amx_is_refused_by_name():
+@pytest.mark.skipif(load().has_bf16_matmul(), reason="this machine has the bf16 matmul")
+def test_the_bf16_matmul_without_avx512_bf16_is_refused_by_name():
     w, reference = packed(Q.Q4_1, rows=32)
-    with pytest.raises(RuntimeError, match="the bf16 matmul needs the AMX tiles"):
+    with pytest.raises(RuntimeError, match="the bf16 matmul needs AVX512-BF16"):
         load().qlinear_bf16(torch.randn(4, 512), bf16_panels(torch.from_numpy(reference)), 32)
 
 

@@ -425,10 +425,91 @@ inline float softmax_chunk(float* s, int64_t n, float scale, float& m, float& l)
 // are rounded to bfloat16 too, and every q·k and p·v product runs as vdpbf16ps (two products per
 // float32 lane per instruction, twice the fused multiply-adds' rate). Per row, one fixed sequence:
 //   score(q, k_j) = over d-pairs e = 0, 2, …: acc ← acc + q[e+1]k_j[e+1] + q[e]k_j[e] (vdpbf16ps);
-//   p_j = bf16(exp(s_j·scale − m)); acc ← acc·alpha, then over key pairs (j, j+1) from 0:
-//   acc ← acc + p_{j+1} v_{j+1} + p_j v_j, a row's odd last key paired with a zero row.
+//   per 64-key chunk, p_j = bf16(2^(s_j · scale · log2 e − m)) with the tiles' softmax (softmax_block:
+//   m moves only when a chunk exceeds it by 2^8, l a 16-lane sum); acc ← acc·alpha, then over key
+//   pairs (j, j+1) from 0: acc ← acc + p_{j+1} v_{j+1} + p_j v_j, a row's odd last key paired with
+//   a zero row; out = acc / (l's lanes summed by simd16's tree). On a 2-core Zen 4 VM (one layer of
+//   9 heads × 64, 256 queries at 4k of context, one thread) that softmax, written as bf16 in the same
+//   pass, took the kernel from 54% to 65% of VDPBF16PS's measured peak (9.2 → 7.7 ms on two threads;
+//   the float32 softmax, then its rounding pass, had been ~30% of its time), and p · v over 6 rows
+//   instead of 4 to 66% (7.5 ms).
 // The float32 path above stays the reference (`--kv-cache-dtype float32`).
-constexpr int BF_SCORE_ROWS = 8, BF_SCORE_GROUPS = 2, BF_PV_ROWS = 4;
+constexpr int BF_SCORE_ROWS = 8, BF_SCORE_GROUPS = 2, BF_PV_ROWS = 6;
+
+constexpr float BF16_MAX_LIFT = 8.f;  // log2 units: probabilities stay ≤ 2^8 before a row's max moves
+
+// 2^x for x ≤ BF16_MAX_LIFT: n = round(x), 2^(x − n) by a degree-3 minimax polynomial (relative
+// error < 7.5e-5 on [−½, ½], under bf16's half ulp 2^−9: p is rounded to bf16 for the tile anyway;
+// degree 4 cost two more instructions a row for nothing the tile keeps), scaled by 2^n. Below
+// 2^−125 it stays at ~2^−125, a weight that adds nothing: a denormal result costs a microcode
+// assist per instruction (at 2^−126 the polynomial's 0.99993 made every masked lane one, and
+// 1,024-query attention ran 1.4x slower), and a real model's attention sinks put most keys that
+// far down.
+SS_INLINE __m512 exp2_for_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(5.51715009e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.42610961e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.93260968e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.99928057e-1f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to 0..16
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// One row's block of scores s (16 · GROUPS) → its probabilities p (bf16); updates the row's
+// reference max m (log2 units) and its 16-lane sum l; returns the factor its accumulators take
+// first (1 unless m moved). p_j = 2^(s_j · c − m), the product and the subtraction one fused step;
+// m moves when the block's top score exceeds (m + BF16_MAX_LIFT) · (1 / c), to the top score · c
+// (c > 0, so the top score's product is the top product). Few instructions (it is what the dot
+// products do not hide: the tile unit holds the vector ports while it works): only a row's last
+// block (keys past its position masked off) takes masks. GROUPS: 2 for the tiles' 32-key blocks,
+// 4 for the VDPBF16PS kernel's 64-key chunks; l += the groups' probabilities summed pairwise.
+template <int GROUPS>
+SS_INLINE float softmax_block(const float* s, int64_t visible, float c, float inv_c, float& m, __m512& l, bf16* p) {
+  static_assert(GROUPS == 2 || GROUPS == 4, "a block is two or four 16-key groups");
+  const bool whole = visible >= 16 * GROUPS;
+  __mmask16 k[GROUPS];
+  __m512 x[GROUPS];
+  for (int g = 0; g < GROUPS; g++) {
+    k[g] = 0xFFFF;
+    x[g] = _mm512_loadu_ps(s + 16 * g);
+  }
+  if (!whole) {
+    const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+    for (int g = 0; g < GROUPS; g++) {
+      k[g] = first_lanes(visible - 16 * g);
+      x[g] = _mm512_mask_mov_ps(neg_inf, k[g], x[g]);
+    }
+  }
+  __m512 top = _mm512_max_ps(x[0], x[1]);
+  if constexpr (GROUPS == 4) top = _mm512_max_ps(top, _mm512_max_ps(x[2], x[3]));
+  float alpha = 1.f;
+  if (m == NEG_INF) {
+    m = _mm512_reduce_max_ps(top) * c;
+  } else if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((m + BF16_MAX_LIFT) * inv_c), _CMP_GT_OQ)) {
+    const float m_new = _mm512_reduce_max_ps(top) * c;
+    alpha = std::exp2(m - m_new);
+    m = m_new;
+    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
+  }
+  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
+  __m512 q[GROUPS];
+  for (int g = 0; g < GROUPS; g++) {
+    q[g] = exp2_for_bf16(_mm512_fmsub_ps(x[g], vc, vm));
+    if (!whole) q[g] = _mm512_maskz_mov_ps(k[g], q[g]);
+  }
+  __m512 sum = _mm512_add_ps(q[0], q[1]);
+  if constexpr (GROUPS == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(q[2], q[3]));
+  l = _mm512_add_ps(l, sum);
+  for (int g = 0; g < GROUPS; g += 2)
+    _mm512_storeu_si512(p + 16 * g, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q[g + 1], q[g])));
+  return alpha;
+}
+
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
@@ -536,11 +617,13 @@ void accumulate_chunk_bf16(float* acc, int64_t rows, int64_t D, const float* alp
     shared &= ~int64_t{1};
     float* a = acc + r0 * D;
     const bf16* pr = p + r0 * KV_CHUNK;
-    if (mr == BF_PV_ROWS) {
-      accumulate_block_bf16<BF_PV_ROWS>(a, D, alpha + r0, pr, 0, shared, v);
-    } else {
-      for (int64_t r = 0; r < mr; r++)
-        accumulate_block_bf16<1>(a + r * D, D, alpha + r0 + r, pr + r * KV_CHUNK, 0, shared, v);
+    switch (mr) {  // a row's sequence is the same in any of these
+      case 6: accumulate_block_bf16<6>(a, D, alpha + r0, pr, 0, shared, v); break;
+      case 5: accumulate_block_bf16<5>(a, D, alpha + r0, pr, 0, shared, v); break;
+      case 4: accumulate_block_bf16<4>(a, D, alpha + r0, pr, 0, shared, v); break;
+      case 3: accumulate_block_bf16<3>(a, D, alpha + r0, pr, 0, shared, v); break;
+      case 2: accumulate_block_bf16<2>(a, D, alpha + r0, pr, 0, shared, v); break;
+      default: accumulate_block_bf16<1>(a, D, alpha + r0, pr, 0, shared, v); break;
     }
     for (int64_t r = 0; r < mr; r++) {
       const int64_t nr = n[r0 + r];
@@ -568,7 +651,7 @@ inline int64_t unpacked_position(int64_t d) {
 // sequence whatever rows share its tile (a tile computes each of its rows on its own):
 //   keys in blocks of 32 from key 0; s_j = q · k_j (bf16 q and k, the tile's float32 sums);
 //   t_j = s_j · scale · log2 e; the row's reference max m (log2 units) is set by its first
-//   block and moves to a block's max only when that exceeds m + AMX_MAX_LIFT (then acc and l
+//   block and moves to a block's max only when that exceeds m + BF16_MAX_LIFT (then acc and l
 //   are scaled by 2^(m_old − m_new) — rarely, so the accumulators can stay in tile registers);
 //   p_j = 2^(t_j − m) (a degree-4 polynomial: p is rounded to bf16 for the tile anyway), zero
 //   past the row's position; l (16 lanes) += p_0..15 + p_16..31; acc += bf16(p) · V;
@@ -579,30 +662,7 @@ inline int64_t unpacked_position(int64_t d) {
 // here, so greedy output does not depend on batching, chunking or speculation.
 constexpr int64_t AMX_KEY_BLOCK = 32;        // keys per tile product (one bf16 pair per 32-bit lane)
 constexpr int64_t AMX_QUERY_TILE_TOKENS = 64;  // tokens of one request per work item (no effect on results)
-constexpr float AMX_MAX_LIFT = 8.f;           // log2 units: probabilities stay ≤ 2^8 before m moves
 constexpr int64_t AMX_MAX_HEAD_DIM = 64;      // accumulators: D / 16 tiles of tmm0 .. tmm3
-
-// 2^x for x ≤ AMX_MAX_LIFT: n = round(x), 2^(x − n) by a degree-3 minimax polynomial (relative
-// error < 7.5e-5 on [−½, ½], under bf16's half ulp 2^−9: p is rounded to bf16 for the tile anyway;
-// degree 4 cost two more instructions a row for nothing the tile keeps), scaled by 2^n. Below
-// 2^−125 it stays at ~2^−125, a weight that adds nothing: a denormal result costs a microcode
-// assist per instruction (at 2^−126 the polynomial's 0.99993 made every masked lane one, and
-// 1,024-query attention ran 1.4x slower), and a real model's attention sinks put most keys that
-// far down.
-SS_INLINE __m512 exp2_for_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(5.51715009e-2f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.42610961e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.93260968e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.99928057e-1f));
-  return _mm512_scalef_ps(y, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to 0..16
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 // A request's keys and values for one KV head, packed as the tiles load them, for keys [0, keys):
 // per 32-key block, K's B tiles [group of 16 keys][32-d half][16 d-pairs][16 keys × (d, d+1)], then
@@ -709,40 +769,6 @@ SS_INLINE void score_tiles(const bf16* q16, int64_t D, const AmxPacked& pk, int6
   _tile_stored(5, s + 16, AMX_KEY_BLOCK * 4);
 }
 
-// One row's block of scores s (32) → its probabilities p (32, bf16); updates the row's reference
-// max m (log2 units) and its 16-lane sum l; returns the factor its accumulators take first (1
-// unless m moved). p_j = 2^(s_j · c − m), the product and the subtraction one fused step; m moves
-// when the block's top score exceeds (m + AMX_MAX_LIFT) · (1 / c), to the top score · c (c > 0, so
-// the top score's product is the top product). The tile unit holds the vector ports while it
-// works, so every instruction here is time it does not hide: only a row's last block (keys past
-// its position masked off) takes masks.
-SS_INLINE float softmax_block(const float* s, int64_t visible, float c, float inv_c, float& m, __m512& l, bf16* p) {
-  const bool whole = visible >= AMX_KEY_BLOCK;
-  __mmask16 k0 = 0xFFFF, k1 = 0xFFFF;
-  __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
-  if (!whole) {
-    const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
-    k0 = first_lanes(visible), k1 = first_lanes(visible - 16);
-    s0 = _mm512_mask_mov_ps(neg_inf, k0, s0), s1 = _mm512_mask_mov_ps(neg_inf, k1, s1);
-  }
-  const __m512 top = _mm512_max_ps(s0, s1);
-  float alpha = 1.f;
-  if (m == NEG_INF) {
-    m = _mm512_reduce_max_ps(top) * c;
-  } else if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((m + AMX_MAX_LIFT) * inv_c), _CMP_GT_OQ)) {
-    const float m_new = _mm512_reduce_max_ps(top) * c;
-    alpha = std::exp2(m - m_new);
-    m = m_new;
-    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
-  }
-  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
-  __m512 p0 = exp2_for_bf16(_mm512_fmsub_ps(s0, vc, vm)), p1 = exp2_for_bf16(_mm512_fmsub_ps(s1, vc, vm));
-  if (!whole) p0 = _mm512_maskz_mov_ps(k0, p0), p1 = _mm512_maskz_mov_ps(k1, p1);
-  l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-  _mm512_store_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
-  return alpha;
-}
-
 // Rows [0, n) of a row tile (q16: 16 rows × D bf16, zeros past n; num_keys: each row's keys, in
 // token order) over the packed keys; writes each row's acc (unpack order) and l. Software-
 // pipelined so that the tile unit and the vectors take turns in small pieces: block b + 1's scores
@@ -771,7 +797,7 @@ void amx_row_tile(const bf16* q16, int64_t D, const int64_t* num_keys, int64_t n
         alpha[r] = 1.f;
         continue;
       }
-      alpha[r] = softmax_block(sb + r * AMX_KEY_BLOCK, visible, c, inv_c, m[r], l[r], pb + r * AMX_KEY_BLOCK);
+      alpha[r] = softmax_block<2>(sb + r * AMX_KEY_BLOCK, visible, c, inv_c, m[r], l[r], pb + r * AMX_KEY_BLOCK);
       rescale |= alpha[r] != 1.f;
     }
   };
@@ -917,7 +943,11 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
       const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
       to_float_row(q + ((query_start + t) * H + it.kv_head * G + h) * D, sc.q.data() + i * D, D);
     }
+  // The bfloat16 dot products' softmax (softmax_block): scores in log2 units, c = scale · log2 e,
+  // and a 16-lane sum l per row, summed by simd16's tree at the end.
+  [[maybe_unused]] const float c = scale * 1.44269504088896341f, inv_c = 1.f / c;
   if (bf16_dots) {
+    sc.l.assign(rows * 16, 0.f);
     sc.q16.resize(rows * D);
     for (int64_t x = 0; x < rows * D; x++) sc.q16[x] = bf16(sc.q[x]);
     sc.p16.resize(rows * KV_CHUNK);
@@ -963,21 +993,24 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
     for (int64_t i = i0; i < rows; i++) {
       const int64_t t = it.token_begin + i / nh;
       sc.n[i] = std::min(KV_CHUNK, first_position + t + 1 - c0);
-      sc.alpha[i] = softmax_chunk(sc.s.data() + i * KV_CHUNK, sc.n[i], scale, sc.m[i], sc.l[i]);
     }
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Cache) {
       if (bf16_dots) {
-        bf16* p16 = sc.p16.data() + i0 * KV_CHUNK;  // the probabilities, rounded for vdpbf16ps
-        for (int64_t x = 0; x < active * KV_CHUNK; x += 32)
-          _mm512_storeu_si512(p16 + x, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s0 + x + 16),
-                                                                                     _mm512_loadu_ps(s0 + x))));
-        accumulate_chunk_bf16(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, p16, sc.n.data() + i0, vp,
-                              sc.zero_row.data());
+        for (int64_t i = i0; i < rows; i++) {  // the probabilities, rounded to bf16 for vdpbf16ps
+          __m512 l = _mm512_loadu_ps(sc.l.data() + 16 * i);
+          sc.alpha[i] = softmax_block<GROUPS>(sc.s.data() + i * KV_CHUNK, sc.n[i], c, inv_c, sc.m[i], l,
+                                              sc.p16.data() + i * KV_CHUNK);
+          _mm512_storeu_ps(sc.l.data() + 16 * i, l);
+        }
+        accumulate_chunk_bf16(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, sc.p16.data() + i0 * KV_CHUNK,
+                              sc.n.data() + i0, vp, sc.zero_row.data());
         continue;
       }
     }
 #endif
+    for (int64_t i = i0; i < rows; i++)
+      sc.alpha[i] = softmax_chunk(sc.s.data() + i * KV_CHUNK, sc.n[i], scale, sc.m[i], sc.l[i]);
     accumulate_chunk<C>(sc.acc.data() + i0 * D, active, D, sc.alpha.data() + i0, s0, sc.n.data() + i0, vp);
   }
   for (int64_t t = it.token_begin; t < it.token_end; t++)
@@ -988,7 +1021,8 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
       const float l = sc.l[i];
 #if defined(__AVX512BF16__)
       if (bf16_dots) {
-        for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / l);
+        const float l16 = simd16::reduce_add(simd16::load(sc.l.data() + 16 * i));
+        for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / l16);
         continue;
       }
 #endif

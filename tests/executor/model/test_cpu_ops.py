@@ -230,11 +230,10 @@ def test_a_rows_attention_over_a_16_bit_kv_cache_does_not_depend_on_its_batch(dt
         assert torch.equal(row, solo[0]), parts
 
 
-# ------------------------------------------------------------------ attention on the AMX tiles
+# ------------------------------------------------------------------ attention in bfloat16 products
+# (the AMX tiles, or VDPBF16PS: both take softmax_block's reference max, which moves late)
 
-needs_amx_attention = pytest.mark.skipif(
-    not cpu_kernels.load().attention_on_tiles(64), reason="no AMX tiles here (CPU, kernel build or OS)"
-)
+needs_bf16_attention = pytest.mark.skipif(not BF16_DOTS, reason="no bfloat16 dot products here (AVX512-BF16)")
 
 
 def spiked_setup(context_lens, num_heads, num_kv_heads, head_dim, spike_at):
@@ -250,12 +249,12 @@ def spiked_setup(context_lens, num_heads, num_kv_heads, head_dim, spike_at):
     return setup
 
 
-@needs_amx_attention
+@needs_bf16_attention
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 64)])
-def test_attention_on_the_tiles_matches_the_vector_kernels_and_float64(num_heads, num_kv_heads, head_dim):
-    """A bfloat16 cache on an AMX CPU: prompt chunks at 2.5k tokens of context, a decode there and
-    short rows, with a max that moves late; against float64 on the same bf16-rounded q, K, V and
-    against the vector kernels (tiles=False)."""
+def test_bfloat16_attention_matches_float64_and_the_tiles_the_vector_kernels(num_heads, num_kv_heads, head_dim):
+    """A bfloat16 cache (the AMX tiles where the CPU has them, else VDPBF16PS): prompt chunks at 2.5k
+    tokens of context, a decode there and short rows, with a max that moves late; against float64 on
+    the same bf16-rounded q, K, V and, on an AMX CPU, against the vector kernels (tiles=False)."""
     kernels = cpu_kernels.load()
     setup = spiked_setup([2500, 40, 3], num_heads, num_kv_heads, head_dim, spike_at=1000)
     parts = [(0, 2400, 100), (1, 0, 40), (0, 999, 1), (2, 0, 3), (0, 2499, 1)]
@@ -276,7 +275,10 @@ def test_attention_on_the_tiles_matches_the_vector_kernels_and_float64(num_heads
         head_dim**-0.5,
         tiles=False,
     )
-    torch.testing.assert_close(full, vector, **TOL[torch.bfloat16])
+    if kernels.attention_on_tiles(head_dim):
+        torch.testing.assert_close(full, vector, **TOL[torch.bfloat16])
+    else:
+        assert torch.equal(full, vector)  # no tiles here: the one VDPBF16PS kernel either way
     for (r, start, count), out in zip(parts, outs):
         q_r = setup.q[r][start : start + count].to(torch.bfloat16).double()
         k, v = (t[r][: start + count].to(torch.bfloat16).double() for t in (setup.k, setup.v))
@@ -284,10 +286,11 @@ def test_attention_on_the_tiles_matches_the_vector_kernels_and_float64(num_heads
         torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
 
 
-@needs_amx_attention
-def test_a_rows_bits_on_the_tiles_do_not_depend_on_its_tile_or_batch():
-    """A row's tile may run on past its position (later rows of its chunk) and share blocks with
-    rows whose max moves: the row's bits stay its decode's, whatever the chunk, batch or threads."""
+@needs_bf16_attention
+def test_a_rows_bits_over_a_bfloat16_cache_do_not_depend_on_its_tile_or_batch():
+    """A row's tile (AMX) or work item (VDPBF16PS) may run on past its position (later rows of its
+    chunk) and share blocks with rows whose max moves: the row's bits stay its decode's, whatever
+    the chunk, batch or threads."""
     setup = spiked_setup([1200, 300], 9, 3, 64, spike_at=700)
     position = 1000
     threads = torch.get_num_threads()

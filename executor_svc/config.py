@@ -67,8 +67,9 @@ class EngineConfig:
             "codes: faster, top-1 agreement with exact >= 99%%) or int8 (activations in 8 bits per block over its "
             "range: prompts ~1.4x faster than int16 on Zen 4, top-1 agreement ~98%%; needs AVX512-VNNI) or bf16 "
             "(weights dequantized once and rounded to bf16, activations rounded to bf16, float32 sums on the AMX "
-            "tiles: prompts ~1.4x faster than int16, its matmuls 2-3x, a lone decode ~2.6x slower, top-1 agreement "
-            "~99-99.5%%; needs AMX); auto: int16 on the CPU unless --dtype float32 (default %(default)s)",
+            "tiles or with VDPBF16PS: prompts ~1.3-3x faster than int16, a lone decode slower, top-1 agreement "
+            "~99-99.5%%; needs AVX512-BF16: Zen 4, Xeons with AMX); auto: int16 on the CPU unless --dtype float32 "
+            "(default %(default)s)",
         ),
     )
     kv_cache_bytes: int = field(

@@ -2029,52 +2029,53 @@ std::tuple<double, double> measure_peak_macs(int64_t iterations) {
 #endif
 }
 
-// measure_peak_macs for the int8 matmul's instruction: 10 chains of 512-bit vpdpbusd (64 MACs
-// each); 0 where the build has no int8 matmul.
-double measure_int8_peak_macs(int64_t iterations) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
+namespace {
+// MACs per second of `dot` (macs_per_dot each) on the calling thread: ten independent chains,
+// `iterations` rounds. Named registers (an array here is kept on the stack, and the loop measures
+// store forwarding), each chain its own start (GCC merges identical chains), pinned by asm.
+template <class Start, class Dot>
+double ten_chains_macs(int64_t iterations, double macs_per_dot, const Start& start, const Dot& dot) {
   using clock = std::chrono::steady_clock;
-  constexpr int CHAINS = 10;  // named registers: an array here is kept on the stack (store forwarding)
-  __m512i w = _mm512_set1_epi8(1), x = _mm512_set1_epi8(-1);
-  __m512i a0 = _mm512_set1_epi32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
-  asm volatile("" : "+v"(w), "+v"(x), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8),
-               "+v"(a9));
+  auto a0 = start(0), a1 = start(1), a2 = start(2), a3 = start(3), a4 = start(4), a5 = start(5), a6 = start(6),
+       a7 = start(7), a8 = start(8), a9 = start(9);
+  asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
   auto t0 = clock::now();
   for (int64_t n = 0; n < iterations; n++) {
-    a0 = _mm512_dpbusd_epi32(a0, w, x), a1 = _mm512_dpbusd_epi32(a1, w, x), a2 = _mm512_dpbusd_epi32(a2, w, x);
-    a3 = _mm512_dpbusd_epi32(a3, w, x), a4 = _mm512_dpbusd_epi32(a4, w, x), a5 = _mm512_dpbusd_epi32(a5, w, x);
-    a6 = _mm512_dpbusd_epi32(a6, w, x), a7 = _mm512_dpbusd_epi32(a7, w, x), a8 = _mm512_dpbusd_epi32(a8, w, x);
-    a9 = _mm512_dpbusd_epi32(a9, w, x);
+    a0 = dot(a0), a1 = dot(a1), a2 = dot(a2), a3 = dot(a3), a4 = dot(a4), a5 = dot(a5), a6 = dot(a6), a7 = dot(a7);
+    a8 = dot(a8), a9 = dot(a9);
     asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
   }
   auto t1 = clock::now();
-  return double(CHAINS) * iterations * 64 / std::chrono::duration<double>(t1 - t0).count();
+  return 10.0 * iterations * macs_per_dot / std::chrono::duration<double>(t1 - t0).count();
+}
+}  // namespace
+#endif
+
+// measure_peak_macs for the int8 matmul's instruction: 512-bit vpdpbusd (64 MACs each); 0 where
+// the build has no int8 matmul.
+double measure_int8_peak_macs(int64_t iterations) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  __m512i w = _mm512_set1_epi8(1), x = _mm512_set1_epi8(-1);
+  asm volatile("" : "+v"(w), "+v"(x));
+  return ten_chains_macs(
+      iterations, 64, [](int i) { return _mm512_set1_epi32(i); },
+      [&](__m512i a) SS_INLINE_LAMBDA { return _mm512_dpbusd_epi32(a, w, x); });
 #else
+  (void)iterations;
   return 0.0;
 #endif
 }
 
-// measure_peak_macs for the bf16 matmul's vector instruction: 10 chains of 512-bit VDPBF16PS (32
-// MACs each); 0 without AVX512-BF16.
+// measure_peak_macs for the bf16 matmul's vector instruction: 512-bit VDPBF16PS (32 MACs each); 0
+// without AVX512-BF16.
 double measure_bf16_dot_peak_macs(int64_t iterations) {
 #if SS_BF16_DOT
-  using clock = std::chrono::steady_clock;
-  constexpr int CHAINS = 10;  // named registers, each its own start (identical chains are merged)
   __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(int16_t(0xbf80));
-  __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f), a3 = _mm512_set1_ps(3.0f),
-         a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f), a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f),
-         a8 = _mm512_set1_ps(8.0f), a9 = _mm512_set1_ps(9.0f);
   asm volatile("" : "+v"(w), "+v"(x));
-  auto t0 = clock::now();
-  for (int64_t n = 0; n < iterations; n++) {
-    a0 = _mm512_dpbf16_ps(a0, w, x), a1 = _mm512_dpbf16_ps(a1, w, x), a2 = _mm512_dpbf16_ps(a2, w, x);
-    a3 = _mm512_dpbf16_ps(a3, w, x), a4 = _mm512_dpbf16_ps(a4, w, x), a5 = _mm512_dpbf16_ps(a5, w, x);
-    a6 = _mm512_dpbf16_ps(a6, w, x), a7 = _mm512_dpbf16_ps(a7, w, x), a8 = _mm512_dpbf16_ps(a8, w, x);
-    a9 = _mm512_dpbf16_ps(a9, w, x);
-    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
-  }
-  auto t1 = clock::now();
-  return double(CHAINS) * iterations * 32 / std::chrono::duration<double>(t1 - t0).count();
+  return ten_chains_macs(
+      iterations, 32, [](int i) { return _mm512_set1_ps(float(i)); },
+      [&](__m512 a) SS_INLINE_LAMBDA { return _mm512_dpbf16_ps(a, w, x); });
 #else
   (void)iterations;
   return 0.0;

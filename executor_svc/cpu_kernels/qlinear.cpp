@@ -1649,16 +1649,26 @@ SS_INLINE void with_tile_rows(int64_t rows, const Run& run) {
   run(std::integral_constant<int, MAX>{});
 }
 
+// The tasks' rows (of M) in register tiles of MAX rows and a shorter last one, each run as
+// run(rows, m0, pp0, pp1): its row count (a std::integral_constant), first row and the task's
+// panel pairs [pp0, pp1). Rows outer: a tile's slice of A stays in L1 while the panels pass it.
+template <int MAX, class Run>
+void for_each_vdp_tile(const Bf16Tasks& tasks, int64_t M, const Run& run) {
+  parallel_tasks(tasks.count(), [&](int64_t task) {
+    const auto [rp0, rp1, pp0, pp1] = tasks[task];
+    const int64_t m_end = std::min(M, rp1 * 2 * AMX_ROWS);
+    for (int64_t m0 = rp0 * 2 * AMX_ROWS; m0 < m_end; m0 += MAX)
+      with_tile_rows<MAX>(m_end - m0, [&](auto rows) SS_INLINE_LAMBDA { run(rows, m0, pp0, pp1); });
+  });
+}
+
 // y [M, N] from the A tiles and the bf16 panels (an even number of them), as bf16_matmul_amx's.
 void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
   constexpr int64_t TILE = AMX_ROWS * 32;
   const int64_t nb = K / 32;
-  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), panels / 2);
-  parallel_tasks(tasks.count(), [&](int64_t task) {
-    const auto [rp0, rp1, pp0, pp1] = tasks[task];
-    const int64_t m_end = std::min(M, rp1 * 2 * AMX_ROWS);
-    for (int64_t m0 = rp0 * 2 * AMX_ROWS; m0 < m_end; m0 += BF16_VDP_ROWS)
-      with_tile_rows<BF16_VDP_ROWS>(m_end - m0, [&](auto rows) SS_INLINE_LAMBDA {
+  for_each_vdp_tile<BF16_VDP_ROWS>(
+      bf16_tasks(bf16_row_pairs(M), panels / 2), M,
+      [&](auto rows, int64_t m0, int64_t pp0, int64_t pp1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;
         for (int64_t pp = pp0; pp < pp1; pp++) {
           const uint16_t* const panel[2] = {w + 2 * pp * nb * TILE, w + (2 * pp + 1) * nb * TILE};
@@ -1672,7 +1682,6 @@ void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
           }
         }
       });
-  });
 }
 
 // bf16_swiglu_amx's A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) from VDPBF16PS register tiles of 6 rows ×
@@ -1686,12 +1695,9 @@ const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M,
   const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
   if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
   uint16_t* tiles = buffer.data();
-  const Bf16Tasks tasks = bf16_tasks(bf16_row_pairs(M), nbi);  // gate's panel pairs (up's follow them)
-  parallel_tasks(tasks.count(), [&](int64_t task) {
-    const auto [rp0, rp1, b0, b1] = tasks[task];
-    const int64_t m_end = std::min(M, rp1 * 2 * AMX_ROWS);
-    for (int64_t m0 = rp0 * 2 * AMX_ROWS; m0 < m_end; m0 += ROWS_PER_TILE)
-      with_tile_rows<ROWS_PER_TILE>(m_end - m0, [&](auto rows) SS_INLINE_LAMBDA {
+  for_each_vdp_tile<ROWS_PER_TILE>(
+      bf16_tasks(bf16_row_pairs(M), nbi), M,  // over gate's panel pairs (up's follow them)
+      [&](auto rows, int64_t m0, int64_t b0, int64_t b1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;
         for (int64_t b = b0; b < b1; b++) {
           const uint16_t* const panel[4] = {w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE,
@@ -1707,7 +1713,6 @@ const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M,
           }
         }
       });
-  });
   return tiles;
 }
 

@@ -107,9 +107,10 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
     `int8`: the same with activations quantized to 8 bits per block over its range, twice the
     MACs per instruction (AVX512-VNNI) for ~98% top-1 agreement with exact instead of ~100%,
     so only when asked for. `bf16`: weights dequantized once and rounded to bf16, activations
-    rounded to bf16, float32 sums on the AMX tiles (AMX CPUs only), every row through the same
-    kernel: prompts ~1.4x faster than int16 (its matmuls 2-3x), a lone decode ~2.6x slower (bf16
-    weights are 2-4x the bytes to read), ~99-99.5% top-1 agreement, so opt-in too. `auto`: int16
+    rounded to bf16, float32 sums on the AMX tiles or with VDPBF16PS (AVX512-BF16 CPUs: Xeons
+    with AMX, Zen 4), every row through the same kernel: prompts ~1.4x faster than int16 on the
+    Xeon (its matmuls 2-3x), ~1.3-1.5x on Zen 4, a lone decode slower (bf16 weights are 2-4x the
+    bytes to read: ~2.6x on the Xeon, 1.4x on Zen 4), ~99-99.5% top-1 agreement, so opt-in too. `auto`: int16
     with the C++ kernels on a CPU that has them, unless `--dtype float32` was asked for, which
     stays the exact reference mode."""
     if name not in MATMULS:

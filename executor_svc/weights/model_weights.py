@@ -136,7 +136,8 @@ def load_weights(
     default) or dequantized to `dtype` (`--kernels torch` on a GPU); norms and biases in `dtype`.
     `matmul_kernel` (Kernel.INT16 or INT8): packed Q4_0/Q4_1/Q8_0 weights multiply with activations
     quantized to int16 (`--matmul int16`) or int8 (`--matmul int8`) per 32-value block; BF16
-    (`--matmul bf16`): the layers' weights dequantized and rounded to bf16 for the AMX tiles.
+    (`--matmul bf16`): the layers' weights dequantized and rounded to bf16 in the AMX tiles' layout
+    (which the VDPBF16PS kernel reads too).
     `triton`: packed weights go to `device` as plain GGUF rows, for the Triton dequant-matmul."""
     if packed is None:
         packed = device.type == "cpu" or triton

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -67,5 +68,15 @@ struct CacheLineAllocator {
 };
 template <class T>
 using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
+#if SS_BF16_DOT
+// The 32-bit pair of bf16 values at p (p[0], p[1]) in every lane: one VDPBF16PS operand that
+// multiplies a row's pair by 16 columns' pairs (the bf16 matmul's activations, attention's q and p).
+inline __attribute__((always_inline)) __m512bh broadcast_pair(const void* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+#endif
 
 }  // namespace amx

@@ -530,11 +530,6 @@ SS_INLINE __m512i key_pairs(const bf16* row, int64_t stride, __m512i idx) {
   return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(d0), d1, 1));
 }
 
-SS_INLINE __m512i pair_at(const bf16* p) {  // the 32-bit (p[0], p[1]) in every lane
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return _mm512_set1_epi32(bits);
-}
 
 // s[r][16 g + j] for MR rows of bfloat16 q (D apart) against the chunk's key groups.
 template <int MR>
@@ -548,7 +543,7 @@ SS_INLINE void score_rows_bf16(const bf16* q, int64_t D, const bf16* const* kg, 
       __m512i k[BF_SCORE_GROUPS];
       for (int g = 0; g < BF_SCORE_GROUPS; g++) k[g] = key_pairs(kg[g0 + g] + e * ks[g0 + g], ks[g0 + g], idx);
       for (int r = 0; r < MR; r++) {
-        const __m512bh qb = as_bh(pair_at(q + r * D + e));
+        const __m512bh qb = amx::broadcast_pair(q + r * D + e);
         for (int g = 0; g < BF_SCORE_GROUPS; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(k[g]), qb);
       }
     }
@@ -588,7 +583,7 @@ SS_INLINE void accumulate_pairs_bf16(float* acc, int64_t D, const float* alpha, 
       pairs[2 * b + 1] = _mm512_unpackhi_epi16(x0, x1);
     }
     for (int r = 0; r < MR; r++) {
-      const __m512bh pb = as_bh(pair_at(p + r * KV_CHUNK + j));
+      const __m512bh pb = amx::broadcast_pair(p + r * KV_CHUNK + j);
       for (int c = 0; c < 2 * CB; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], as_bh(pairs[c]), pb);
     }
   }
@@ -617,14 +612,9 @@ void accumulate_chunk_bf16(float* acc, int64_t rows, int64_t D, const float* alp
     shared &= ~int64_t{1};
     float* a = acc + r0 * D;
     const bf16* pr = p + r0 * KV_CHUNK;
-    switch (mr) {  // a row's sequence is the same in any of these
-      case 6: accumulate_block_bf16<6>(a, D, alpha + r0, pr, 0, shared, v); break;
-      case 5: accumulate_block_bf16<5>(a, D, alpha + r0, pr, 0, shared, v); break;
-      case 4: accumulate_block_bf16<4>(a, D, alpha + r0, pr, 0, shared, v); break;
-      case 3: accumulate_block_bf16<3>(a, D, alpha + r0, pr, 0, shared, v); break;
-      case 2: accumulate_block_bf16<2>(a, D, alpha + r0, pr, 0, shared, v); break;
-      default: accumulate_block_bf16<1>(a, D, alpha + r0, pr, 0, shared, v); break;
-    }
+    with_tile_rows<BF_PV_ROWS>(mr, [&](auto rows) SS_INLINE_LAMBDA {  // a row's sequence is the same in any of these
+      accumulate_block_bf16<decltype(rows)::value>(a, D, alpha + r0, pr, 0, shared, v);
+    });
     for (int64_t r = 0; r < mr; r++) {
       const int64_t nr = n[r0 + r];
       for (int64_t j = shared; j < nr; j += 2) {
@@ -925,7 +915,6 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   sc.q.resize(rows * D);
   sc.acc.assign(rows * D, 0.f);
   sc.m.assign(rows, NEG_INF);
-  sc.l.assign(rows, 0.f);
   sc.s.resize(rows * KV_CHUNK);
   sc.alpha.resize(rows);
   sc.n.resize(rows);
@@ -937,6 +926,8 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
   constexpr bool kBf16Cache = false;
 #endif
   const bool bf16_dots = kBf16Cache && D % 32 == 0;
+  // A row's sum l: one float, or with the bfloat16 dot products 16 lanes (softmax_block).
+  sc.l.assign(bf16_dots ? rows * 16 : rows, 0.f);
   // Row i = (token t, head h): q row (query_start + t, kv_head * G + h).
   for (int64_t t = it.token_begin; t < it.token_end; t++)
     for (int64_t h = it.head_begin; h < it.head_end; h++) {
@@ -944,10 +935,9 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
       to_float_row(q + ((query_start + t) * H + it.kv_head * G + h) * D, sc.q.data() + i * D, D);
     }
   // The bfloat16 dot products' softmax (softmax_block): scores in log2 units, c = scale · log2 e,
-  // and a 16-lane sum l per row, summed by simd16's tree at the end.
+  // and the 16 lanes of l summed by simd16's tree at the end.
   [[maybe_unused]] const float c = scale * 1.44269504088896341f, inv_c = 1.f / c;
   if (bf16_dots) {
-    sc.l.assign(rows * 16, 0.f);
     sc.q16.resize(rows * D);
     for (int64_t x = 0; x < rows * D; x++) sc.q16[x] = bf16(sc.q[x]);
     sc.p16.resize(rows * KV_CHUNK);
@@ -1018,14 +1008,14 @@ void attention_item(const WorkItem& it, const T* q, const C* k_cache, const C* v
       const int64_t i = (t - it.token_begin) * nh + (h - it.head_begin);
       T* o = out + ((query_start + t) * H + it.kv_head * G + h) * D;
       const float* a = sc.acc.data() + i * D;
-      const float l = sc.l[i];
 #if defined(__AVX512BF16__)
       if (bf16_dots) {
-        const float l16 = simd16::reduce_add(simd16::load(sc.l.data() + 16 * i));
-        for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / l16);
+        const float l = simd16::reduce_add(simd16::load(sc.l.data() + 16 * i));
+        for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[unpacked_position(d)] / l);
         continue;
       }
 #endif
+      const float l = sc.l[i];
       for (int64_t d = 0; d < D; d++) o[d] = from_f<T>(a[d] / l);
     }
 }
@@ -1628,13 +1618,7 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   });
 }
 
-bool has_bf16_dot_products() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool has_bf16_dot_products() { return SS_BF16_DOT; }
 
 // Whether attention over a bfloat16 cache with these heads runs on the AMX tiles.
 bool attention_on_tiles(int64_t head_dim) {
@@ -1648,8 +1632,9 @@ bool attention_on_tiles(int64_t head_dim) {
 
 void register_layer_ops(pybind11::module_& m) {
   m.def("has_bf16_dot_products", &has_bf16_dot_products,
-        "whether attention over a bfloat16 KV cache rounds q and the probabilities to bfloat16 and "
-        "multiplies in hardware (AVX512_BF16), rather than in float32");
+        "whether this build has AVX512-BF16's dot products: the bf16 matmul (`--matmul bf16`, on the AMX tiles "
+        "where usable, else VDPBF16PS), and attention over a bfloat16 KV cache that rounds q and the "
+        "probabilities to bfloat16 and multiplies in hardware rather than in float32");
   m.def("paged_attention", &paged_attention,
         "causal attention of each query row over its own request's paged KV (float32 math, batch-invariant)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_starts"), py::arg("query_lens"),

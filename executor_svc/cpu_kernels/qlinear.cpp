@@ -1601,8 +1601,8 @@ const uint16_t* bf16_swiglu_amx(const uint16_t* a, const uint16_t* w, int64_t M,
 // Where the CPU has AVX512-BF16 but no tile unit (Zen 4), the same layouts multiply in vector
 // registers: one line of a B tile (a pair of K values for a panel's 16 weight rows, 64 bytes) is
 // one VDPBF16PS operand, which adds both products of a pair to each float32 lane, and the other
-// operand is one activation row's pair broadcast to every lane (an embedded broadcast from the A
-// tile's line, no register). A register tile holds ROWS activation rows × PANELS panels of sums
+// operand is one activation row's pair broadcast to every lane (amx::broadcast_pair: a
+// vpbroadcastd from the A tile's line). A register tile holds ROWS activation rows × PANELS panels of sums
 // (ROWS · PANELS ≤ 24 of the 32 registers) over the whole of K. Lane n of row m is always
 // sum = 0, then sum = VDPBF16PS(sum, x pair, w pair) for each block in order and each of its 16
 // pairs in order, whichever register tile, row count or thread holds it: the same bits.
@@ -1630,23 +1630,11 @@ SS_INLINE void bf16_vdp_tile(const uint16_t* a, int64_t nb, int64_t m0, const ui
       __m512bh line[PANELS];
       for (int j = 0; j < PANELS; j++) line[j] = (__m512bh)_mm512_loadu_si512(w[j] + b * TILE + q * 32);
       for (int i = 0; i < ROWS; i++) {
-        int32_t pair;
-        std::memcpy(&pair, row[i] + b * TILE + 2 * q, 4);
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        const __m512bh x = amx::broadcast_pair(row[i] + b * TILE + 2 * q);
         for (int j = 0; j < PANELS; j++) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], x, line[j]);
       }
     }
   }
-}
-
-// run(std::integral_constant<int, R>) for R = rows (1 .. MAX): a register tile's row count, fixed
-// at compile time so that its sums stay in registers.
-template <int MAX, class Run>
-SS_INLINE void with_tile_rows(int64_t rows, const Run& run) {
-  if constexpr (MAX > 1) {
-    if (rows < MAX) return with_tile_rows<MAX - 1>(rows, run);
-  }
-  run(std::integral_constant<int, MAX>{});
 }
 
 // The tasks' rows (of M) in register tiles of MAX rows and a shorter last one, each run as
@@ -1737,13 +1725,7 @@ bool amx_tiles_usable() {
 #if SS_BF16_DOT
 // The bf16 matmul's kernel on this machine: the AMX tiles where usable (and not turned off by a
 // benchmark), else VDPBF16PS.
-bool bf16_on_tiles() {
-#if SS_AMX_TILES
-  return amx_tiles_allowed.load(std::memory_order_relaxed) && request_permission();
-#else
-  return false;
-#endif
-}
+bool bf16_on_tiles() { return amx_tiles_allowed.load(std::memory_order_relaxed) && amx_tiles_usable(); }
 
 void bf16_matmul(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t panels, float* y) {
 #if SS_AMX_TILES
@@ -1967,7 +1949,6 @@ at::Tensor qlinear_bf16_swiglu(const at::Tensor& x_in, const at::Tensor& gate_up
 bool has_int16_dot() { return HAS_INT16_DOT; }
 bool has_int8_dot() { return HAS_INT8_DOT; }
 bool has_amx_tiles() { return amx_tiles_usable(); }
-bool has_bf16_matmul() { return SS_BF16_DOT; }
 bool allow_amx_tiles(bool allowed) { return amx_tiles_allowed.exchange(allowed); }
 
 // This machine's peak multiply-accumulate rates on the calling thread, measured: 10 independent
@@ -2182,8 +2163,6 @@ void register_qlinear(pybind11::module_& m) {
   m.def("measure_amx_peak_macs", &measure_amx_peak_macs,
         "this thread's measured peak MACs/s of the tile unit's TDPBF16PS (0 without the AMX tiles)",
         py::arg("iterations") = 2000000);
-  m.def("has_bf16_matmul", &has_bf16_matmul,
-        "whether this build has the bf16 matmul (`--matmul bf16`: AVX512-BF16, on the AMX tiles where usable)");
   m.def("has_amx_tiles", &has_amx_tiles, "whether the int16 matmul can take AMX tiles here (built in, OS permission)");
   m.def("allow_amx_tiles", &allow_amx_tiles,
         "let the engine's int16 and bf16 matmuls take the AMX tiles (the default) or not, for benchmarks to "

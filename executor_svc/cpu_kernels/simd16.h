@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -23,6 +24,16 @@
 
 #define SS_INLINE inline __attribute__((always_inline))
 #define SS_INLINE_LAMBDA __attribute__((always_inline))  // after a lambda's parameters
+
+// run(std::integral_constant<int, R>{}) for R = rows (1 .. MAX): a register tile's row count fixed at
+// compile time, so that its accumulators stay in registers, for a kernel's last, shorter tile.
+template <int MAX, class Run>
+SS_INLINE void with_tile_rows(int64_t rows, const Run& run) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_tile_rows<MAX - 1>(rows, run);
+  }
+  run(std::integral_constant<int, MAX>{});
+}
 
 #if SS_SIMD16
 namespace simd16 {

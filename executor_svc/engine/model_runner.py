@@ -62,7 +62,7 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, ops, matmul: str, head
     top-1 agreement: float16 778/778, bfloat16 776/778). `auto`: bfloat16 with `--matmul bf16`
     where attention over it is the CPU's fastest (cpu_ops.bfloat16_attention_is_fastest: the AMX
     tiles for heads of 32 or 64, ~5x the vector kernels on a prompt chunk at long context; VDPBF16PS
-    on a CPU without AMX, ~1.5x the float16 cache's kernel on Zen 4), else float16; float16 with
+    on a CPU without AMX, 1.4-1.9x the float16 cache's kernel on Zen 4), else float16; float16 with
     the C++ kernels' integer matmul
     (the CPU's default path), which measures the float32 cache's agreement; else the activations'
     dtype, so `--dtype float32` stays the exact reference. `head_dim`: the model's."""
@@ -130,9 +130,9 @@ def resolve_matmul(name: str, dtype_name: str, device: torch.device, kernels: st
         if not has_int8_dot():
             raise ValueError("--matmul int8 needs a CPU with AVX512-VNNI (this one has none); use --matmul int16")
     if name == "bf16":
-        from executor_svc.weights.weight_format import has_bf16_matmul
+        from executor_svc.weights.weight_format import has_bf16_dot
 
-        if not has_bf16_matmul():
+        if not has_bf16_dot():
             raise ValueError(
                 "--matmul bf16 needs AVX512-BF16 (Zen 4, or a Xeon with AMX); this CPU has none: use --matmul int16"
             )

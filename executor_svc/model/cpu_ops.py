@@ -39,8 +39,8 @@ def attention_on_tiles(head_dim: int) -> bool:
 def bfloat16_attention_is_fastest(head_dim: int) -> bool:
     """Whether attention over a bfloat16 KV cache is this CPU's fastest for heads of `head_dim`
     (`--matmul bf16` then takes one by default): on the AMX tiles, or as VDPBF16PS dot products on
-    a CPU without AMX (Zen 4: a 256-token chunk at 1-8k of context 1.5x the float16 cache's kernel,
-    `bench_prefill --kv-cache-dtype`). On an AMX CPU, heads the tiles do not take would get
+    a CPU without AMX (Zen 4: a 256-token chunk at 1-8k of context 1.8-1.9x the float16 cache's
+    kernel, `bench_prefill`'s chunk-cost table). On an AMX CPU, heads the tiles do not take would get
     VDPBF16PS, which measured slower there than float16's kernel (13.9 against 10.6 ms)."""
     kernels = load()
     if kernels.has_amx_tiles():

@@ -97,7 +97,7 @@ def amx_tiles(kernels, matmul: str) -> bool:
 
 def bf16_kernel(kernels) -> str | None:
     """The kernel `--matmul bf16` takes here: the AMX tiles, VDPBF16PS (AVX512-BF16 without AMX), or none."""
-    if not kernels.has_bf16_matmul():
+    if not kernels.has_bf16_dot_products():
         return None
     return "amx" if kernels.has_amx_tiles() else "vdpbf16ps"
 
@@ -110,13 +110,12 @@ def measured_peak(kernels, matmul: str) -> dict:
     int16, fp32 = max(kernels.measure_peak_macs() for _ in range(3))
     per_thread = int16 if matmul == "int16" else max(kernels.measure_int8_peak_macs() for _ in range(3))
     amx = max(kernels.measure_amx_peak_macs() for _ in range(3)) if amx_tiles(kernels, matmul) else 0.0
-    bf16 = {"amx": kernels.measure_amx_peak_macs, "vdpbf16ps": kernels.measure_bf16_dot_peak_macs}.get(
-        bf16_kernel(kernels)
-    )
+    bf16_name = bf16_kernel(kernels)
+    bf16 = {"amx": kernels.measure_amx_peak_macs, "vdpbf16ps": kernels.measure_bf16_dot_peak_macs}.get(bf16_name)
     bf16_per_thread = max(bf16() for _ in range(3)) if bf16 else 0.0
     threads = torch.get_num_threads()
     return {
-        "bf16_kernel": bf16_kernel(kernels),
+        "bf16_kernel": bf16_name,
         "bf16_macs_per_thread": bf16_per_thread,
         "bf16_macs": bf16_per_thread * threads,
         "matmul": matmul,

@@ -63,13 +63,13 @@ def has_int8_dot() -> bool:
         return False
 
 
-def has_bf16_matmul() -> bool:
-    """Whether this CPU's kernel build has the bf16 matmul (`--matmul bf16`: AVX512-BF16, on the AMX
-    tiles where the CPU has them)."""
+def has_bf16_dot() -> bool:
+    """Whether this CPU's kernel build has AVX512-BF16's dot products, which the bf16 matmul needs
+    (`--matmul bf16`: on the AMX tiles where the CPU has them, else VDPBF16PS)."""
     from executor_svc.cpu_kernels import CpuKernelsUnavailable
 
     try:
-        return bool(_kernels().has_bf16_matmul())
+        return bool(_kernels().has_bf16_dot_products())
     except CpuKernelsUnavailable:
         return False
 
@@ -87,7 +87,7 @@ def has_int16_dot() -> bool:
 def has_matmul(name: str) -> bool:
     """Whether this CPU's kernel build runs `--matmul name` (exact always; int16 needs AVX2 and FMA,
     int8 AVX512-VNNI, bf16 AVX512-BF16)."""
-    needs = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_bf16_matmul}
+    needs = {"int16": has_int16_dot, "int8": has_int8_dot, "bf16": has_bf16_dot}
     return name not in needs or needs[name]()
 
 

@@ -113,9 +113,9 @@ def test_bf16_is_taken_only_when_asked_for_and_the_cpu_has_avx512_bf16(monkeypat
     import executor_svc.weights.weight_format as weight_format
 
     assert resolve_matmul("auto", "auto", CPU, "cpu") != "bf16"
-    if weight_format.has_bf16_matmul():
+    if weight_format.has_bf16_dot():
         assert resolve_matmul("bf16", "auto", CPU, "cpu") == "bf16"
-    monkeypatch.setattr(weight_format, "has_bf16_matmul", lambda: False)  # a CPU without AVX512-BF16
+    monkeypatch.setattr(weight_format, "has_bf16_dot", lambda: False)  # a CPU without AVX512-BF16
     assert not weight_format.has_matmul("bf16") and weight_format.has_matmul("exact")
     with pytest.raises(ValueError, match="--matmul bf16 needs AVX512-BF16 .* use --matmul int16"):
         resolve_matmul("bf16", "auto", CPU, "cpu")

@@ -193,7 +193,7 @@ def test_the_integer_matmuls_register_tiles_are_bit_identical(kernel, qtype, num
 
 AMX_TILES = 3  # qlinear_int16's `path` that forces the AMX tiles (PANELS = 2, ROWS = 1)
 needs_amx = pytest.mark.skipif(not load().has_amx_tiles(), reason="no AMX tiles here (CPU, kernel build or OS)")
-needs_bf16 = pytest.mark.skipif(not load().has_bf16_matmul(), reason="no bf16 matmul here (AVX512-BF16)")
+needs_bf16 = pytest.mark.skipif(not load().has_bf16_dot_products(), reason="no bf16 matmul here (AVX512-BF16)")
 
 
 @pytest.fixture(params=["amx", "vdpbf16ps"])
@@ -383,7 +383,7 @@ def test_a_bf16_swiglu_whose_gate_up_does_not_fit_its_down_is_refused():
         )
 
 
-@pytest.mark.skipif(load().has_bf16_matmul(), reason="this machine has the bf16 matmul")
+@pytest.mark.skipif(load().has_bf16_dot_products(), reason="this machine has the bf16 matmul")
 def test_the_bf16_matmul_without_avx512_bf16_is_refused_by_name():
     w, reference = packed(Q.Q4_1, rows=32)
     with pytest.raises(RuntimeError, match="the bf16 matmul needs AVX512-BF16"):

@@ -1609,7 +1609,8 @@ const uint16_t* bf16_swiglu_amx(const uint16_t* a, const uint16_t* w, int64_t M,
 // Measured on a 2-core Zen 4 VM (a standalone loop over these layouts, the layer shapes at 256
 // rows): 8 rows × 2 panels and 6 × 4 reach 96-100% of VDPBF16PS's measured peak on one thread,
 // 94-98% on two, rows outer (an 8-row slice of A stays in L1 while the task's B panels stream
-// past it from L2); panel-outer orders ran 85-90% on two threads, and 4 × 6 spilled (55%).
+// past it from L2); panel-outer orders ran 85-90% on two threads, and 4 × 6 spilled (55%). In the
+// library 6 × 4 spilled too (bf16_swiglu_vdp), so both kernels take 8 × 2.
 constexpr int64_t BF16_VDP_ROWS = 8;  // activation rows of a register tile (× 2 panels: 16 sums)
 
 // The sums of rows m0 .. m0 + ROWS − 1 of the A tiles against panels w[0 .. PANELS − 1], over all of K.
@@ -1672,13 +1673,15 @@ void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
       });
 }
 
-// bf16_swiglu_amx's A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) from VDPBF16PS register tiles of 6 rows ×
-// 4 panels: a gate panel pair and its up pair (32 columns of the down matmul's K, one block), whose
-// silu·up is rounded to bf16 and stored from registers into that block's lines. The same bits as
-// bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows past M are never written (nor read by
-// bf16_matmul_vdp).
+// bf16_swiglu_amx's A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) from VDPBF16PS register tiles of 8 rows
+// × 2 panels, the matmul's: for a block of 32 columns of the down matmul's K, gate's panel pair
+// (its sums parked in L1), then up's, whose silu·up is rounded to bf16 and stored into that block's
+// lines. The same bits as bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows past M are never
+// written (nor read by bf16_matmul_vdp). A single 6 × 4 tile over both pairs (24 sums) had GCC
+// spill its sums to the stack after every block of K; on a 2-core Zen 4 VM that ran 1.04-1.06x
+// slower at 1,024 rows (/tmp/s/sw.py in round 3's notes, alternated builds).
 const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
-  constexpr int64_t TILE = AMX_ROWS * 32, ROWS_PER_TILE = 6;
+  constexpr int64_t TILE = AMX_ROWS * 32, ROWS_PER_TILE = BF16_VDP_ROWS;
   thread_local AlignedVector<uint16_t> buffer;
   const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
   if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
@@ -1688,14 +1691,21 @@ const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M,
       [&](auto rows, int64_t m0, int64_t b0, int64_t b1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;
         for (int64_t b = b0; b < b1; b++) {
-          const uint16_t* const panel[4] = {w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE,
-                                            w + (2 * (b + nbi)) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE};
-          __m512 sum[ROWS][4];  // gate's two panels, then up's
-          bf16_vdp_tile<ROWS, 4>(a, nb, m0, panel, sum);
+          const uint16_t* const gate[2] = {w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE};
+          const uint16_t* const up[2] = {w + (2 * (b + nbi)) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE};
+          alignas(64) float g[ROWS][2][16];
+          {
+            __m512 sum[ROWS][2];
+            bf16_vdp_tile<ROWS, 2>(a, nb, m0, gate, sum);
+            for (int i = 0; i < ROWS; i++)
+              for (int j = 0; j < 2; j++) _mm512_store_ps(g[i][j], sum[i][j]);
+          }
+          __m512 sum[ROWS][2];
+          bf16_vdp_tile<ROWS, 2>(a, nb, m0, up, sum);
           for (int i = 0; i < ROWS; i++) {
             const int64_t m = m0 + i;
-            const simd16::V16 lo = simd16::mul(simd16::silu({sum[i][0]}), {sum[i][2]});
-            const simd16::V16 hi = simd16::mul(simd16::silu({sum[i][1]}), {sum[i][3]});
+            const simd16::V16 lo = simd16::mul(simd16::silu(simd16::load(g[i][0])), {sum[i][0]});
+            const simd16::V16 hi = simd16::mul(simd16::silu(simd16::load(g[i][1])), {sum[i][1]});
             _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + b) * TILE + (m % AMX_ROWS) * 32,
                                (__m512i)_mm512_cvtne2ps_pbh(hi.v, lo.v));
           }

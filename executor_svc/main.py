@@ -9,11 +9,13 @@ import time
 
 import structlog
 
+from executor_svc.config import EngineConfig
 from executor_svc.engine.calibration_cache import calibrate, default_cache_dir
 from executor_svc.engine.engine import Engine
-from executor_svc.flags import build_parser, config_from_args
+from executor_svc.flags import build_parser
 from executor_svc.observability.executor_metrics import ExecutorMetrics
 from executor_svc.server import engine_thread_pool, start_server
+from service_common.config_flags import config_or_usage_error
 from service_common.heap import freeze_startup_heap
 from service_common.observability.logs import configure_logging
 from service_common.observability.service_telemetry import start_service_telemetry
@@ -21,7 +23,7 @@ from service_common.observability.service_telemetry import start_service_telemet
 log = structlog.get_logger()
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, config: EngineConfig) -> None:
     """Listen first (health NOT_SERVING: a scheduler waiting for this executor sees it is on its
     way), then build the engine and calibrate it (or reuse the calibration cached for this setup),
     then serve."""
@@ -40,7 +42,6 @@ async def run(args: argparse.Namespace) -> None:
     )
     listen_s = time.monotonic() - t0
     log.info("executor_listening", address=args.listen, state="starting")
-    config = config_from_args(args)
     engine = await loop.run_in_executor(engine_thread, Engine, config)
     engine_s = time.monotonic() - t0 - listen_s
     if args.no_calibration:
@@ -80,9 +81,11 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_or_usage_error(parser, EngineConfig, args)
     configure_logging(args.log_format, args.log_level)
-    asyncio.run(run(args))
+    asyncio.run(run(args, config))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import structlog
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import serve
-from service_common.config_flags import add_config_flags, config_from_flags
+from service_common.config_flags import add_config_flags, config_from_flags, config_or_usage_error
 from service_common.heap import freeze_startup_heap
 from service_common.observability.flags import add_log_flags, add_observability_flags
 from service_common.observability.logs import configure_logging
@@ -70,9 +70,11 @@ async def run(config: SchedulerConfig, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_or_usage_error(parser, SchedulerConfig, args)
     configure_logging(args.log_format, args.log_level)
-    asyncio.run(run(config_from_args(args), args))
+    asyncio.run(run(config, args))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -124,7 +125,26 @@ def config_from_flags(config_cls: type, args: argparse.Namespace) -> Any:
     values = {}
     for f, spec in flag_fields(config_cls):
         values[f.name] = field_value(spec, getattr(args, dest(spec)), hints[f.name])
-    return config_cls(**values)
+    try:
+        return config_cls(**values)
+    except ValueError as exc:  # the class names its fields; the person typed flags
+        raise ValueError(in_flag_names(str(exc), config_cls)) from exc
+
+
+def in_flag_names(message: str, config_cls: type) -> str:
+    """`message` with each flag field's name replaced by its flag ("max_draft_tokens must be >= 0"
+    -> "--max-draft-tokens must be >= 0")."""
+    for f, spec in flag_fields(config_cls):
+        message = re.sub(rf"(?<![\w-]){re.escape(f.name)}(?![\w-])", spec.name, message)
+    return message
+
+
+def config_or_usage_error(parser: argparse.ArgumentParser, config_cls: type, args: argparse.Namespace) -> Any:
+    """config_from_flags, or argparse's usage error (exit status 2) naming the flag, before anything starts."""
+    try:
+        return config_from_flags(config_cls, args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def field_value(spec: Flag, value: Any, field_type: Any) -> Any:

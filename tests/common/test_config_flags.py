@@ -148,7 +148,47 @@ def test_only_a_boolean_field_takes_a_switch():
         add_config_flags(argparse.ArgumentParser(), Count)
 
 
-def test_a_bad_value_fails_in_the_config_naming_the_field():
+def test_a_bad_value_fails_in_the_config_naming_the_flag():
     parser = executor_parser()
-    with pytest.raises(ValueError, match="block_size must be a power of two, got 24"):
+    with pytest.raises(ValueError, match="^--block-size must be a power of two, got 24$"):
         config_from_flags(EngineConfig, parser.parse_args(["--block-size", "24"]))
+
+
+@pytest.mark.parametrize(
+    "main,argv,expected",
+    [
+        ("executor", ["--draft-max-ngram", "0"], "swarmserve-executor: error: --draft-max-ngram must be >= 1, got 0"),
+        ("executor", ["--max-draft-tokens", "-1"], "error: --max-draft-tokens must be >= 0, got -1"),
+        (
+            "scheduler",
+            ["--max-num-batched-tokens", "0"],
+            "swarmserve-scheduler: error: --max-num-batched-tokens must be positive, got 0",
+        ),
+    ],
+)
+def test_a_flag_its_config_refuses_is_a_usage_error_before_anything_starts(main, argv, expected, capsys):
+    """Exit status 2 and the flag as typed, from the service's own command (not a traceback after
+    it started listening, as the executor gave before)."""
+    from executor_svc.main import main as executor_main
+    from scheduler_svc.main import main as scheduler_main
+
+    with pytest.raises(SystemExit) as exited:
+        {"executor": executor_main, "scheduler": scheduler_main}[main](argv)
+    assert exited.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_refusals_name_the_flag_not_the_field():
+    @dataclass(frozen=True)
+    class Config:
+        max_tokens: int = field(default=1, metadata=flag("--max-tokens"))
+        max_tokens_total: int = field(default=2, metadata=flag("--budget"))
+
+        def __post_init__(self):
+            if self.max_tokens > self.max_tokens_total:
+                raise ValueError(f"max_tokens ({self.max_tokens}) exceeds max_tokens_total")
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, Config)
+    with pytest.raises(ValueError, match=r"^--max-tokens \(5\) exceeds --budget$"):
+        config_from_flags(Config, parser.parse_args(["--max-tokens", "5"]))

@@ -95,7 +95,11 @@ class Engine:
         self.tokenizer = self.model_runner.tokenizer
         self.kv = self.model_runner.kv
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.drafter = Drafter(max_draft_tokens=config.max_draft_tokens, use_swarm_index=config.use_swarm_index)
+        self.drafter = Drafter(
+            max_draft_tokens=config.max_draft_tokens,
+            max_ngram=config.draft_max_ngram,
+            use_swarm_index=config.use_swarm_index,
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, RequestState] = {}
         # Ids of requests the engine ended itself (a finish reason), newest last: a plan built ahead of

@@ -32,6 +32,7 @@ context never held. Greedy output of one model, so the same on every machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable, Sequence
 
 from executor_svc.config import DEFAULT_MAX_NGRAM
@@ -42,12 +43,7 @@ ANY_PATH_MIN_NGRAM = 2  # a one-token context is followed by nearly everything: 
 
 def accepted_by_chain(draft: Sequence[int], output: Sequence[int]) -> int:
     """Draft tokens a verify step keeps: the longest prefix of the draft equal to the output."""
-    accepted = 0
-    for drafted, true in zip(draft, output):
-        if drafted != true:
-            break
-        accepted += 1
-    return accepted
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(draft, output)))
 
 
 def kept_path(tree: DraftTree, output: Sequence[int]) -> list[int]:

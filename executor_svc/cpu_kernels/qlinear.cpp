@@ -1678,15 +1678,15 @@ void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
 // (its sums parked in L1), then up's, whose silu·up is rounded to bf16 and stored into that block's
 // lines. The same bits as bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows past M are never
 // written (nor read by bf16_matmul_vdp). A single 6 × 4 tile over both pairs (24 sums) had GCC
-// spill its sums to the stack after every block of K; on a 2-core Zen 4 VM that ran 1.04-1.06x
-// slower at 1,024 rows (/tmp/s/sw.py in round 3's notes, alternated builds).
+// spill its sums to the stack after every block of K; on a 2-core Zen 4 VM qlinear_bf16_swiglu ran
+// 1.03-1.04x slower that way at 1,024 rows (three alternated runs of each build).
 const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
-  constexpr int64_t TILE = AMX_ROWS * 32, ROWS_PER_TILE = BF16_VDP_ROWS;
+  constexpr int64_t TILE = AMX_ROWS * 32;
   thread_local AlignedVector<uint16_t> buffer;
   const int64_t nb = K / 32, nbi = I / 32, padded = bf16_row_pairs(M) * 2 * AMX_ROWS;
   if ((int64_t)buffer.size() < padded * I) buffer.resize(padded * I);
   uint16_t* tiles = buffer.data();
-  for_each_vdp_tile<ROWS_PER_TILE>(
+  for_each_vdp_tile<BF16_VDP_ROWS>(
       bf16_tasks(bf16_row_pairs(M), nbi), M,  // over gate's panel pairs (up's follow them)
       [&](auto rows, int64_t m0, int64_t b0, int64_t b1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;

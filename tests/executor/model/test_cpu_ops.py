@@ -259,26 +259,24 @@ def test_bfloat16_attention_matches_float64_and_the_tiles_the_vector_kernels(num
     setup = spiked_setup([2500, 40, 3], num_heads, num_kv_heads, head_dim, spike_at=1000)
     parts = [(0, 2400, 100), (1, 0, 40), (0, 999, 1), (2, 0, 3), (0, 2499, 1)]
     outs, full, batch = run_attention(setup, parts, torch.float32, kv_dtype=torch.bfloat16)
-    meta = OPS.prepare(batch, BLOCK_SIZE)
-    q = torch.zeros(batch.num_padded_tokens, num_heads, head_dim)
-    for (r, start, count), s0 in zip(parts, batch.query_starts):
-        q[s0 : s0 + count] = setup.q[r][start : start + count]
-    k_cache, v_cache = (c.to(torch.bfloat16) for c in (setup.k_cache, setup.v_cache))  # as run_attention wrote them
-    vector = kernels.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta.query_starts,
-        meta.query_lens,
-        meta.context_lens,
-        meta.block_tables,
-        head_dim**-0.5,
-        tiles=False,
-    )
-    if kernels.attention_on_tiles(head_dim):
+    if kernels.attention_on_tiles(head_dim):  # without tiles, tiles=False runs the same VDPBF16PS kernel
+        meta = OPS.prepare(batch, BLOCK_SIZE)
+        q = torch.zeros(batch.num_padded_tokens, num_heads, head_dim)
+        for (r, start, count), s0 in zip(parts, batch.query_starts):
+            q[s0 : s0 + count] = setup.q[r][start : start + count]
+        k_cache, v_cache = (c.to(torch.bfloat16) for c in (setup.k_cache, setup.v_cache))  # as run_attention wrote them
+        vector = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_starts,
+            meta.query_lens,
+            meta.context_lens,
+            meta.block_tables,
+            head_dim**-0.5,
+            tiles=False,
+        )
         torch.testing.assert_close(full, vector, **TOL[torch.bfloat16])
-    else:
-        assert torch.equal(full, vector)  # no tiles here: the one VDPBF16PS kernel either way
     for (r, start, count), out in zip(parts, outs):
         q_r = setup.q[r][start : start + count].to(torch.bfloat16).double()
         k, v = (t[r][: start + count].to(torch.bfloat16).double() for t in (setup.k, setup.v))

@@ -9,6 +9,11 @@
 // Per layer:  qkv = x·Wqkvᵀ (+ bias) → q/k norm, RoPE, K/V into the cache → attention →
 //             x, residual = add_rms_norm(attn·Woᵀ, residual, ffn_norm) →
 //             x, residual = add_rms_norm(silu(gate)·up·Wdownᵀ, residual, next layer's attn_norm).
+//
+// The last layer's output feeds only the LM head, so past its K/V writes it runs on the rows that
+// need logits alone (llama.cpp's trim of unused outputs): a prompt's last token rather than all
+// of a chunk's, none for a chunk mid-prompt. Every kernel here computes a row on its own (the
+// same bits whatever rows share the call), so those rows' bits are the full layer's.
 
 #include "kernels.h"
 
@@ -63,6 +68,11 @@ struct Linear {
 
 using PartSpec = std::tuple<at::Tensor, int64_t, int64_t, int64_t, int64_t>;  // (data, kind, type, k, n)
 
+// A step's query rows as paged_attention takes them: (query_starts, query_lens, context_lens,
+// block_tables, window_starts, window_positions) — cpu_ops.py's CpuAttentionMetadata.
+using AttentionRows = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                                 c10::optional<at::Tensor>>;
+
 Linear make_linear(const std::vector<PartSpec>& specs, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(!specs.empty(), "a matmul weight needs at least one part");
   Linear l;
@@ -116,24 +126,35 @@ class DenseStack {
 
   // x: the first layer's normed input; residual: the residual stream (both [T, hidden], updated
   // IN PLACE for residual). kv: each layer's (K, V) cache, [num_blocks, block_size, Hkv, D] each.
-  // Returns the final norm of the last residual: the LM head's input.
+  // `attention`: the step's requests as paged_attention reads them. `logits_rows` (with the
+  // attention of those rows alone, `logits_attention`): the rows the LM head reads, where they
+  // are fewer than the step's; the last layer then runs past its K/V write on them alone.
+  // Returns the final norm of the last residual for the LM head: for `logits_rows` where given
+  // (in that order), else for every row.
   at::Tensor forward(at::Tensor x, at::Tensor residual, const std::vector<std::pair<at::Tensor, at::Tensor>>& kv,
-                     const at::Tensor& cos_table,
-                     const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                     const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens,
-                     const at::Tensor& block_tables, const c10::optional<at::Tensor>& window_starts,
-                     const c10::optional<at::Tensor>& window_positions) const {
+                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions,
+                     const at::Tensor& slot_mapping, const AttentionRows& attention,
+                     const c10::optional<at::Tensor>& logits_rows,
+                     const c10::optional<AttentionRows>& logits_attention) const {
     TORCH_CHECK(static_cast<int64_t>(kv.size()) == num_layers(), "kv must hold ", num_layers(), " layers' (K, V)");
+    TORCH_CHECK(logits_rows.has_value() == logits_attention.has_value(), "logits_rows and logits_attention come together");
     for (int64_t i = 0; i < num_layers(); i++) {
       const DenseLayer& layer = layers_[i];
       at::Tensor k_cache = kv[i].first;
       at::Tensor v_cache = kv[i].second;
       const at::Tensor qkv = layer.qkv(x);
-      const at::Tensor q = qkv_rope_write(qkv, H_, Hkv_, layer.q_norm, layer.k_norm, eps_, cos_table, sin_table,
-                                          positions, slot_mapping, k_cache, v_cache, false);
+      at::Tensor q = qkv_rope_write(qkv, H_, Hkv_, layer.q_norm, layer.k_norm, eps_, cos_table, sin_table, positions,
+                                    slot_mapping, k_cache, v_cache, false);
+      const AttentionRows* rows = &attention;
+      if (i == num_layers() - 1 && logits_rows.has_value()) {  // the LM head's rows from here on
+        if (logits_rows->numel() == 0) return x.new_empty({0, x.size(1)});
+        q = q.index_select(0, *logits_rows);
+        residual = residual.index_select(0, *logits_rows);
+        rows = &*logits_attention;
+      }
+      const auto& [starts, lens, contexts, tables, window_starts, window_positions] = *rows;
       const at::Tensor attn =
-          paged_attention(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale_,
-                          window_starts, window_positions);
+          paged_attention(q, k_cache, v_cache, starts, lens, contexts, tables, scale_, window_starts, window_positions);
       std::tie(x, residual) =
           add_rms_norm(layer.o_proj(attn.view({attn.size(0), -1})), residual, layer.ffn_norm, eps_);
       std::tie(x, residual) = add_rms_norm(layer.ffn(x), residual, layer.next_norm, eps_);
@@ -160,7 +181,6 @@ void register_decoder(pybind11::module_& m) {
            py::arg("next_norm"))
       .def_property_readonly("num_layers", &DenseStack::num_layers)
       .def("forward", &DenseStack::forward, py::arg("x"), py::arg("residual"), py::arg("kv"), py::arg("cos_table"),
-           py::arg("sin_table"), py::arg("positions"), py::arg("slot_mapping"), py::arg("query_starts"),
-           py::arg("query_lens"), py::arg("context_lens"), py::arg("block_tables"),
-           py::arg("window_starts") = py::none(), py::arg("window_positions") = py::none());
+           py::arg("sin_table"), py::arg("positions"), py::arg("slot_mapping"), py::arg("attention"),
+           py::arg("logits_rows") = py::none(), py::arg("logits_attention") = py::none());
 }

@@ -19,6 +19,7 @@ order), not bit for bit; within each implementation they are batch-invariant.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +61,32 @@ class CpuAttentionMetadata:
     # and [R, W] int64, the positions a tree row reads its keys window_starts[r].. from.
     window_starts: torch.Tensor | None = None
     window_positions: torch.Tensor | None = None
+    # The attention of the rows that need logits alone (batch.logits_indices, in that order), where
+    # they are fewer than the step's rows: the layer stack's last layer runs on them alone.
+    logits_only: CpuAttentionMetadata | None = None
+
+    def as_rows(self) -> tuple:
+        """What DenseStack.forward takes as `attention` (decoder.cpp's AttentionRows)."""
+        return (
+            self.query_starts,
+            self.query_lens,
+            self.context_lens,
+            self.block_tables,
+            self.window_starts,
+            self.window_positions,
+        )
 
 
-def _tree_attention_metadata(batch: RaggedBatch) -> CpuAttentionMetadata:
-    """Each tree row becomes a one-row request over the context and its ancestors."""
-    # (query start, query len, context len, request, window start, window positions)
-    units: list[tuple[int, int, int, int, int, list[int]]] = []
+# A run of query rows the C++ attention reads as one request: (query start, query len, context
+# len, the batch's request, window start, window positions); a tree row is a unit of its own.
+Unit = tuple[int, int, int, int, int, list[int]]
+
+
+def _units(batch: RaggedBatch) -> list[Unit]:
+    """Each request as one unit, but each tree row one over the context and its ancestors."""
+    units: list[Unit] = []
     for r, (start, m, n) in enumerate(zip(batch.query_starts, batch.query_lens, batch.context_lens)):
-        parents = batch.tree_parents[r]
+        parents = batch.tree_parents[r] if batch.tree_parents else None
         if parents is None:
             units.append((start, m, n, r, -1, []))
             continue
@@ -75,14 +94,37 @@ def _tree_attention_metadata(batch: RaggedBatch) -> CpuAttentionMetadata:
         for row, path in enumerate(tree_paths(parents)):
             positions = [first_position + ancestor for ancestor in path]
             units.append((start + row, 1, first_position + len(path), r, first_position, positions))
-    starts, lens, contexts, requests, window_starts, window_positions = zip(*units)
+    return units
+
+
+def _logits_units(batch: RaggedBatch, units: list[Unit]) -> list[Unit]:
+    """The units cut to the rows that need logits (each request's last logits_counts rows), renumbered
+    in logits_indices' order: a unit keeps a suffix of its rows, which attend as they did."""
+    kept: list[Unit] = []
+    row = 0
+    for start, m, n, r, window_start, positions in units:
+        first_logit = batch.query_starts[r] + batch.query_lens[r] - batch.logits_counts[r]
+        keep = start + m - max(start, first_logit)
+        if keep > 0:
+            kept.append((row, keep, n, r, window_start, positions))
+            row += keep
+    return kept
+
+
+def _metadata(batch: RaggedBatch, units: list[Unit]) -> CpuAttentionMetadata:
+    """The C++ attention's tensors for these units (none: a step whose rows need no logits)."""
+    starts, lens, contexts, requests, window_starts, window_positions = zip(*units) if units else ((),) * 6
+    starts, lens, contexts = torch.tensor([starts, lens, contexts], dtype=torch.int64).view(3, -1)
+    tables = batch.block_tables[list(requests)].contiguous()
+    if all(w < 0 for w in window_starts):
+        return CpuAttentionMetadata(starts, lens, contexts, tables)
     width = max(len(p) for p in window_positions)
     padded = [p + [0] * (width - len(p)) for p in window_positions]
     return CpuAttentionMetadata(
-        torch.tensor(starts),
-        torch.tensor(lens),
-        torch.tensor(contexts),
-        batch.block_tables[list(requests)].contiguous(),
+        starts,
+        lens,
+        contexts,
+        tables,
         torch.tensor(window_starts),
         torch.tensor(padded, dtype=torch.int64).reshape(len(padded), width),
     )
@@ -124,9 +166,15 @@ class CpuLayerStack:
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
     ) -> torch.Tensor:
-        """x, residual [T, hidden] from the embedding → the last layer's output after the final
-        norm (residual is updated in place); kv: each layer's (K, V) cache (KVCache.layers)."""
-        m = metadata
+        """x, residual [T, hidden] from the embedding → the LM head's input: the final norm of the
+        last layer's output at the rows of batch.logits_indices (residual is updated in place; kv:
+        each layer's (K, V) cache, KVCache.layers). Where fewer rows need logits than the step
+        computes, the last layer runs on those alone (decoder.cpp), else on all and they are picked."""
+        logits_only = metadata.logits_only
+        if logits_only is None:
+            return self._stack.forward(
+                x, residual, kv, cos_table, sin_table, batch.positions, batch.slot_mapping, metadata.as_rows()
+            )[batch.logits_indices]
         return self._stack.forward(
             x,
             residual,
@@ -135,12 +183,9 @@ class CpuLayerStack:
             sin_table,
             batch.positions,
             batch.slot_mapping,
-            m.query_starts,
-            m.query_lens,
-            m.context_lens,
-            m.block_tables,
-            m.window_starts,
-            m.window_positions,
+            metadata.as_rows(),
+            batch.logits_indices,
+            logits_only.as_rows(),
         )
 
 
@@ -157,9 +202,15 @@ class CpuOps:
         return CpuLayerStack.build(self._k, config, weights, scale)
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> CpuAttentionMetadata:
-        """Per-step attention metadata: one tensor built from the batch's lists, three views of it."""
-        if batch.tree_parents:
-            return _tree_attention_metadata(batch)
+        """Per-step attention metadata, and where fewer rows need logits than the step computes (a
+        prompt chunk), that of those rows alone. A step of plain requests whose rows all need logits
+        (decodes, verifies): one tensor built from the batch's lists, three views of it."""
+        if batch.tree_parents or (batch.logits_counts and batch.num_logits < batch.num_tokens):
+            units = _units(batch)
+            logits_only = None
+            if batch.logits_counts and batch.num_logits < batch.num_tokens:
+                logits_only = _metadata(batch, _logits_units(batch, units))
+            return dataclasses.replace(_metadata(batch, units), logits_only=logits_only)
         starts, lens, contexts = torch.tensor([batch.query_starts, batch.query_lens, batch.context_lens]).view(3, -1)
         return CpuAttentionMetadata(starts, lens, contexts, batch.block_tables)
 

@@ -152,7 +152,7 @@ class HybridTransformer(Decoder):
                 mixed = self._gated_attention(layer_index, layer, x, batch, kv_cache, metadata)
             x, residual = ops.add_rms_norm(mixed, residual, layer.ffn_norm, c.rms_norm_eps)
             x, residual = ffn(x, residual, layer_index, c, w, ops)
-        return lm_head(x, batch, w)
+        return lm_head(x[batch.logits_indices], batch, w)
 
     def _gated_attention(
         self, layer_index: int, layer: LayerWeights, x, batch: RaggedBatch, kv_cache: KVCache, metadata

@@ -53,9 +53,9 @@ def ffn(x: torch.Tensor, residual: torch.Tensor, layer_index: int, config: Model
     return ops.add_rms_norm(out, residual, next_norm, config.rms_norm_eps)
 
 
-def lm_head(x: torch.Tensor, batch: RaggedBatch, weights: ModelWeights) -> torch.Tensor:
-    """float32 logits [batch.num_logits, vocab] of only the rows that need them."""
-    logits = linear(x[batch.logits_indices], weights.lm_head).float()
+def lm_head(rows: torch.Tensor, batch: RaggedBatch, weights: ModelWeights) -> torch.Tensor:
+    """float32 logits [batch.num_logits, vocab] from the final hidden states at batch.logits_indices."""
+    logits = linear(rows, weights.lm_head).float()
     return logits[: batch.num_logits]
 
 
@@ -99,8 +99,8 @@ class Transformer(Decoder):
         c, w, ops = self.config, self.weights, self.ops
         x, residual = embed(batch, c, w, ops, self.dtype)  # each [T_padded, hidden]
         if self.layer_stack is not None:
-            x = self.layer_stack.forward(x, residual, batch, metadata, kv_cache.layers, self.rope_cos, self.rope_sin)
-            return lm_head(x, batch, w)
+            rows = self.layer_stack.forward(x, residual, batch, metadata, kv_cache.layers, self.rope_cos, self.rope_sin)
+            return lm_head(rows, batch, w)
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache.layer(layer_index)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T_padded, (heads + 2 * kv_heads) * head_dim]
@@ -123,4 +123,4 @@ class Transformer(Decoder):
                 linear(attn.view(attn.shape[0], -1), layer.o_proj), residual, layer.ffn_norm, c.rms_norm_eps
             )
             x, residual = ffn(x, residual, layer_index, c, w, ops)
-        return lm_head(x, batch, w)
+        return lm_head(x[batch.logits_indices], batch, w)

@@ -513,7 +513,9 @@ def test_the_model_on_cpu_ops_matches_torch_ops(tmp_path, architecture, dtype):
 def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architecture, tensor_type, matmul, dtype):
     """`CpuLayerStack` (decoder.cpp) runs the layer loop's kernels in C++: its logits and the KV it
     writes are bit-identical to transformer.py's loop, for each matmul kernel, with qwen2's QKV bias and
-    qwen3's q/k norms, over a ragged prefill step and a batched decode step."""
+    qwen3's q/k norms, over a ragged prefill step, a batched decode step, and a step whose last layer
+    the stack runs on the logits rows alone: a chunk mid-prompt (no logits), a prompt's last chunk, a
+    verify window and a draft tree side by side — and over a step that needs no logits at all."""
     from gguf import GGMLQuantizationType
 
     from executor_svc.kv.kv_cache import KVCache
@@ -549,9 +551,20 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             cache.grow(table, len(prompt) + 1)
+        more = [[] for _ in range(4)]
+        for table, n in zip(more, (40, 30, 25, 25)):
+            cache.grow(table, n)
         step1 = [RequestSlice(p, 0, t, 1) for p, t in zip(prompts, tables)]
         step2 = [RequestSlice([11 + i], len(p), t, 1) for i, (p, t) in enumerate(zip(prompts, tables))]
-        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu")), cache) for s in (step1, step2)]
+        step3 = [  # the first chunk of one prompt and the last of another, a verify of 3 drafts, a tree
+            RequestSlice(list(range(20, 36)), 0, more[0], 0),
+            RequestSlice(list(range(40, 52)), 12, more[1], 1),
+            RequestSlice([7, 8, 9, 10], len(prompts[0]) + 1, tables[0], 4),
+            RequestSlice([5, 6, 7, 8, 9], 16, more[2], 5, tree_parents=(-1, 0, 0, 1, 2)),
+        ]
+        step4 = [RequestSlice(list(range(60, 80)), 0, more[3], 0)]  # no logits: the last layer's K/V only
+        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu")), cache) for s in (step1, step2, step3)]
+        assert model.forward(RaggedBatch.build(step4, 16, torch.device("cpu")), cache).shape[0] == 0
         results.append((torch.cat(out), cache.tensor.clone()))
     (loop_logits, loop_kv), (stack_logits, stack_kv) = results
     assert torch.equal(stack_logits, loop_logits)

@@ -19,7 +19,6 @@ order), not bit for bit; within each implementation they are batch-invariant.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -111,13 +110,19 @@ def _logits_units(batch: RaggedBatch, units: list[Unit]) -> list[Unit]:
     return kept
 
 
-def _metadata(batch: RaggedBatch, units: list[Unit]) -> CpuAttentionMetadata:
-    """The C++ attention's tensors for these units (none: a step whose rows need no logits)."""
+def _metadata(
+    batch: RaggedBatch, units: list[Unit], logits_only: CpuAttentionMetadata | None = None
+) -> CpuAttentionMetadata:
+    """The C++ attention's tensors for these units (none: a step whose rows need no logits): one
+    tensor built from their lists, three views of it, and the block tables' rows they read."""
     starts, lens, contexts, requests, window_starts, window_positions = zip(*units) if units else ((),) * 6
     starts, lens, contexts = torch.tensor([starts, lens, contexts], dtype=torch.int64).view(3, -1)
-    tables = batch.block_tables[list(requests)].contiguous()
+    requests = list(requests)
+    tables = batch.block_tables
+    if requests != list(range(batch.num_requests)):
+        tables = tables[requests].contiguous()
     if all(w < 0 for w in window_starts):
-        return CpuAttentionMetadata(starts, lens, contexts, tables)
+        return CpuAttentionMetadata(starts, lens, contexts, tables, logits_only=logits_only)
     width = max(len(p) for p in window_positions)
     padded = [p + [0] * (width - len(p)) for p in window_positions]
     return CpuAttentionMetadata(
@@ -127,6 +132,7 @@ def _metadata(batch: RaggedBatch, units: list[Unit]) -> CpuAttentionMetadata:
         tables,
         torch.tensor(window_starts),
         torch.tensor(padded, dtype=torch.int64).reshape(len(padded), width),
+        logits_only,
     )
 
 
@@ -203,16 +209,12 @@ class CpuOps:
 
     def prepare(self, batch: RaggedBatch, block_size: int) -> CpuAttentionMetadata:
         """Per-step attention metadata, and where fewer rows need logits than the step computes (a
-        prompt chunk), that of those rows alone. A step of plain requests whose rows all need logits
-        (decodes, verifies): one tensor built from the batch's lists, three views of it."""
-        if batch.tree_parents or (batch.logits_counts and batch.num_logits < batch.num_tokens):
-            units = _units(batch)
-            logits_only = None
-            if batch.logits_counts and batch.num_logits < batch.num_tokens:
-                logits_only = _metadata(batch, _logits_units(batch, units))
-            return dataclasses.replace(_metadata(batch, units), logits_only=logits_only)
-        starts, lens, contexts = torch.tensor([batch.query_starts, batch.query_lens, batch.context_lens]).view(3, -1)
-        return CpuAttentionMetadata(starts, lens, contexts, batch.block_tables)
+        prompt chunk), that of those rows alone (the layer stack's last layer)."""
+        units = _units(batch)
+        logits_only = None
+        if batch.logits_counts and batch.num_logits < batch.num_tokens:
+            logits_only = _metadata(batch, _logits_units(batch, units))
+        return _metadata(batch, units, logits_only)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., n] → weight · x / rms(x), computed in float32, returned in x's dtype."""

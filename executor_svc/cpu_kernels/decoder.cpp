@@ -124,8 +124,9 @@ class DenseStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x: the first layer's normed input; residual: the residual stream (both [T, hidden], updated
-  // IN PLACE for residual). kv: each layer's (K, V) cache, [num_blocks, block_size, Hkv, D] each.
+  // x: the first layer's normed input; residual: the residual stream (both [T, hidden]; residual
+  // is updated IN PLACE, but for a trimmed last layer, which adds to its logits rows' copy).
+  // kv: each layer's (K, V) cache, [num_blocks, block_size, Hkv, D] each.
   // `attention`: the step's requests as paged_attention reads them. `logits_rows` (with the
   // attention of those rows alone, `logits_attention`): the rows the LM head reads, where they
   // are fewer than the step's; the last layer then runs past its K/V write on them alone.

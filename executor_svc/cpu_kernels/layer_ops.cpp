@@ -449,7 +449,7 @@ inline float softmax_chunk(float* s, int64_t n, float scale, float& m, float& l)
 //   (not by two integer divisions per key) and output rows stored by vector: 1.16-1.20x at 1,024
 //   queries over their own keys (4.1 → 3.6 ms, 72% of peak), 1.07-1.12x at 256 over 4k (76%),
 //   1.3-1.5x for one decode row (alternated builds). Packing a chunk's value pairs once for all
-//   its rows, instead of unpacking them per block of rows, measured 0.95x: not kept.
+//   its rows, instead of unpacking them per block of rows, measured 0.92-0.97x: not kept.
 // The float32 path above stays the reference (`--kv-cache-dtype float32`).
 constexpr int BF_SCORE_ROWS = 6, BF_PV_ROWS = 6;
 
@@ -570,8 +570,9 @@ SS_INLINE void score_rows_bf16(const bf16* q, int64_t D, const bf16* const* kg, 
   }
 }
 
-// A whole chunk's four groups in one pass of BF_SCORE_ROWS rows (24 sums); a request's last,
-// partial chunk in passes of two groups (a group past the last key is not scored).
+// A chunk's four groups in one pass of BF_SCORE_ROWS rows (24 sums); a request's last chunk,
+// when it holds only one or two groups of keys, in one pass of two (the zero groups past its
+// last key are scored only inside a pass, and masked by the softmax).
 void score_chunk_bf16(const bf16* q, int64_t rows, int64_t D, const bf16* const* kg, const int64_t* ks,
                       int64_t groups, float* s) {
   static_assert(GROUPS == 4, "a chunk is four key groups");

@@ -176,12 +176,8 @@ class CpuLayerStack:
         last layer's output at the rows of batch.logits_indices (residual is updated in place; kv:
         each layer's (K, V) cache, KVCache.layers). Where fewer rows need logits than the step
         computes, the last layer runs on those alone (decoder.cpp), else on all and they are picked."""
-        logits_only = metadata.logits_only
-        if logits_only is None:
-            return self._stack.forward(
-                x, residual, kv, cos_table, sin_table, batch.positions, batch.slot_mapping, metadata.as_rows()
-            )[batch.logits_indices]
-        return self._stack.forward(
+        trimmed = metadata.logits_only is not None
+        rows = self._stack.forward(
             x,
             residual,
             kv,
@@ -190,9 +186,10 @@ class CpuLayerStack:
             batch.positions,
             batch.slot_mapping,
             metadata.as_rows(),
-            batch.logits_indices,
-            logits_only.as_rows(),
+            batch.logits_indices if trimmed else None,
+            metadata.logits_only.as_rows() if trimmed else None,
         )
+        return rows if trimmed else rows[batch.logits_indices]
 
 
 class CpuOps:

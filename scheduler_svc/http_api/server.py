@@ -32,12 +32,12 @@ def listening_socket(address: str) -> socket.socket:
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
-    # connections whose socket says TCP. With it on, a response's second small write (the body
-    # after the headers, each streamed event after the first) waited for the client's delayed
-    # ACK: ~40 ms on every request of a kept-alive connection (17 ms requests took 44-75 ms).
+    # accepted sockets that say TCP, and an accepted socket says what this one says. With Nagle
+    # on, a response's second small write (the body after the headers, each streamed event after
+    # the first) waited for the client's delayed ACK: ~40 ms on every request of a kept-alive
+    # connection (17 ms requests took 44-75 ms).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Linux passes it on to accepted sockets
     try:
         sock.bind((host, int(port)))
     except OSError as exc:

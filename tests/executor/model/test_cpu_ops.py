@@ -563,8 +563,19 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(tmp_path, architect
             RequestSlice([5, 6, 7, 8, 9], 16, more[2], 5, tree_parents=(-1, 0, 0, 1, 2)),
         ]
         step4 = [RequestSlice(list(range(60, 80)), 0, more[3], 0)]  # no logits: the last layer's K/V only
-        out = [model.forward(RaggedBatch.build(s, 16, torch.device("cpu")), cache) for s in (step1, step2, step3)]
-        assert model.forward(RaggedBatch.build(step4, 16, torch.device("cpu")), cache).shape[0] == 0
+        batches = [RaggedBatch.build(s, 16, torch.device("cpu")) for s in (step1, step2, step3, step4)]
+        if layer_stack is not None:  # the stack's last layer gets the logits rows' attention alone
+            trims = [OPS.prepare(b, 16).logits_only for b in batches]
+            assert trims[1] is None  # decodes: every row needs logits
+            assert [t.query_lens.tolist() for t in (trims[0], trims[2], trims[3])] == [
+                [1, 1, 1],  # each prompt's last token
+                [1, 4, 1, 1, 1, 1, 1],  # the last chunk's last token, the verify's 4 rows, each tree row
+                [],
+            ]
+            assert trims[2].query_starts.tolist() == [0, 1, 5, 6, 7, 8, 9]
+            assert trims[2].context_lens.tolist() == [24, len(prompts[0]) + 5, 17, 18, 18, 19, 19]
+        out = [model.forward(b, cache) for b in batches[:3]]
+        assert model.forward(batches[3], cache).shape[0] == 0
         results.append((torch.cat(out), cache.tensor.clone()))
     (loop_logits, loop_kv), (stack_logits, stack_kv) = results
     assert torch.equal(stack_logits, loop_logits)

@@ -1616,9 +1616,11 @@ const uint16_t* bf16_swiglu_amx(const uint16_t* a, const uint16_t* w, int64_t M,
 constexpr int64_t BF16_VDP_ROWS = 8;  // activation rows of a register tile (× 2 panels: 16 sums)
 
 // The sums of rows m0 .. m0 + ROWS − 1 of the A tiles against panels w[0 .. PANELS − 1], over all of K.
-template <int ROWS, int PANELS>
+// between(b) runs after block b's products are issued (as bf16_tile_pair's): vector work that the
+// core's scheduler interleaves with them.
+template <int ROWS, int PANELS, class Between>
 SS_INLINE void bf16_vdp_tile(const uint16_t* a, int64_t nb, int64_t m0, const uint16_t* const (&w)[PANELS],
-                             __m512 (&sum)[ROWS][PANELS]) {
+                             __m512 (&sum)[ROWS][PANELS], const Between& between) {
   constexpr int64_t TILE = AMX_ROWS * 32;  // bf16 values of one A tile or one panel's block
   const uint16_t* row[ROWS];
   for (int i = 0; i < ROWS; i++) {
@@ -1637,7 +1639,14 @@ SS_INLINE void bf16_vdp_tile(const uint16_t* a, int64_t nb, int64_t m0, const ui
         for (int j = 0; j < PANELS; j++) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], x, line[j]);
       }
     }
+    between(b);
   }
+}
+
+template <int ROWS, int PANELS>
+SS_INLINE void bf16_vdp_tile(const uint16_t* a, int64_t nb, int64_t m0, const uint16_t* const (&w)[PANELS],
+                             __m512 (&sum)[ROWS][PANELS]) {
+  bf16_vdp_tile<ROWS, PANELS>(a, nb, m0, w, sum, [](int64_t) {});
 }
 
 // The tasks' rows (of M) in register tiles of MAX rows and a shorter last one, each run as
@@ -1676,12 +1685,17 @@ void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
 }
 
 // bf16_swiglu_amx's A tiles of bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) from VDPBF16PS register tiles of 8 rows
-// × 2 panels, the matmul's: for a block of 32 columns of the down matmul's K, gate's panel pair
-// (its sums parked in L1), then up's, whose silu·up is rounded to bf16 and stored into that block's
-// lines. The same bits as bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows past M are never
-// written (nor read by bf16_matmul_vdp). A single 6 × 4 tile over both pairs (24 sums) had GCC
-// spill its sums to the stack after every block of K; on a 2-core Zen 4 VM qlinear_bf16_swiglu ran
-// 1.03-1.04x slower that way at 1,024 rows (three alternated runs of each build).
+// × 2 panels, the matmul's: for a block of 32 columns of the down matmul's K, gate's panel pair,
+// then up's, their sums parked in L1; that block's silu·up is rounded to bf16 and stored into its
+// lines a row at a time between the products of the next block (two sets of sums), as
+// bf16_swiglu_amx's epilogue. The same bits as bf16_matmul_vdp → silu_mul → bf16_row_tiles; rows
+// past M are never written (nor read by bf16_matmul_vdp). On a 2-core Zen 4 VM, at 1,024 rows,
+// the epilogue run right after its block's products cost 6% of qlinear_bf16_swiglu (12.8 ms a
+// layer against 12.1 with silu left out) whatever its instructions (a reciprocal for the
+// division, a cheaper exp: both level): its chains of dependent vector ops held up the products
+// behind them. Spread over the next block's products it costs 2-3% (12.3-12.5 ms); a half row at
+// a time measured the same. A single 6 × 4 tile over both pairs (24 sums) had GCC spill its sums
+// to the stack after every block of K (1.03-1.04x slower).
 const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
   constexpr int64_t TILE = AMX_ROWS * 32;
   thread_local AlignedVector<uint16_t> buffer;
@@ -1692,26 +1706,37 @@ const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M,
       bf16_tasks(bf16_row_pairs(M), nbi), M,  // over gate's panel pairs (up's follow them)
       [&](auto rows, int64_t m0, int64_t b0, int64_t b1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;
-        for (int64_t b = b0; b < b1; b++) {
-          const uint16_t* const gate[2] = {w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE};
-          const uint16_t* const up[2] = {w + (2 * (b + nbi)) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE};
-          alignas(64) float g[ROWS][2][16];
-          {
-            __m512 sum[ROWS][2];
-            bf16_vdp_tile<ROWS, 2>(a, nb, m0, gate, sum);
-            for (int i = 0; i < ROWS; i++)
-              for (int j = 0; j < 2; j++) _mm512_store_ps(g[i][j], sum[i][j]);
-          }
-          __m512 sum[ROWS][2];
-          bf16_vdp_tile<ROWS, 2>(a, nb, m0, up, sum);
-          for (int i = 0; i < ROWS; i++) {
-            const int64_t m = m0 + i;
-            const simd16::V16 lo = simd16::mul(simd16::silu(simd16::load(g[i][0])), {sum[i][0]});
-            const simd16::V16 hi = simd16::mul(simd16::silu(simd16::load(g[i][1])), {sum[i][1]});
-            _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + b) * TILE + (m % AMX_ROWS) * 32,
+        alignas(64) float sums[2][2][ROWS][2][16];  // [set][gate, up][row][panel][lane]
+        int set = 0;                                  // the set the block being multiplied fills
+        int64_t pending = 0;                          // the block whose epilogue is due (in set ^ 1)
+        int row = ROWS;                               // its next epilogue row (ROWS: none due)
+        const auto epilogue_rows = [&](int until) SS_INLINE_LAMBDA {
+          for (; row < until; row++) {
+            const float(&g)[2][16] = sums[set ^ 1][0][row];
+            const float(&u)[2][16] = sums[set ^ 1][1][row];
+            const simd16::V16 lo = simd16::mul(simd16::silu(simd16::load(g[0])), simd16::load(u[0]));
+            const simd16::V16 hi = simd16::mul(simd16::silu(simd16::load(g[1])), simd16::load(u[1]));
+            const int64_t m = m0 + row;
+            _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + pending) * TILE + (m % AMX_ROWS) * 32,
                                (__m512i)_mm512_cvtne2ps_pbh(hi.v, lo.v));
           }
+        };
+        for (int64_t b = b0; b < b1; b++) {
+          const uint16_t* const panels[2][2] = {{w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE},  // gate
+                                                {w + 2 * (b + nbi) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE}};  // up
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; h++) {  // gate, then up; the pending rows spread over both
+            __m512 sum[ROWS][2];
+            bf16_vdp_tile<ROWS, 2>(a, nb, m0, panels[h], sum, [&](int64_t k) SS_INLINE_LAMBDA {
+              epilogue_rows((h * nb + k + 1) * ROWS / (2 * nb));
+            });
+            for (int i = 0; i < ROWS; i++)
+              for (int j = 0; j < 2; j++) _mm512_store_ps(sums[set][h][i][j], sum[i][j]);
+          }
+          epilogue_rows(ROWS);
+          pending = b, row = 0, set ^= 1;
         }
+        epilogue_rows(ROWS);
       });
   return tiles;
 }

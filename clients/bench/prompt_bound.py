@@ -18,6 +18,7 @@ so a median of an even count is the mean of the middle two.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import time
@@ -270,25 +271,60 @@ async def measure_engines(peers: Peers, swarmserve: Endpoint, measure, *, num_sl
     return summaries, errors
 
 
+def prefill_waves_summary(waves: Sequence[dict]) -> dict:
+    """An engine's prefill row over its waves (each a prefill_summary): the median wave's output
+    tok/s, and TTFT and TPOT over every request of every wave. A lone request's TTFT is one
+    sample, and on these shared machines one wave of a peer swung ~5% between runs: the median of
+    several keeps one wave's noise from deciding the row."""
+    requests = [r | {"wave": w} for w, wave in enumerate(waves) for r in wave["requests"]]
+    rates = [wave["output_tokens_per_s"] for wave in waves]
+    return {
+        "num_requests": len(requests),
+        "waves": len(waves),
+        "output_tokens": sum(wave["output_tokens"] for wave in waves),
+        "duration_s": sum(wave["duration_s"] for wave in waves),
+        "output_tokens_per_s": percentile(rates, 50),
+        "output_tokens_per_s_by_wave": rates,
+        "ttft_median_s": percentile(_present(r["ttft_s"] for r in requests), 50),
+        "ttft_p90_s": percentile(_present(r["ttft_s"] for r in requests), 90),
+        "tpot_median_s": percentile(_present(r["tpot_s"] for r in requests), 50),
+        "prompt_tokens": sorted({n for wave in waves for n in wave["prompt_tokens"]}),
+        "load_avg_1m": max(wave["load_avg_1m"] for wave in waves),
+        "requests": requests,
+    }
+
+
 async def prefill_row(
-    peers: Peers, swarmserve: Endpoint, prompts: list[list[int]], warm_up_prompt: list[int], max_tokens: int
+    peers: Peers, swarmserve: Endpoint, prompt_waves: list[list[list[int]]], warm_up_prompt: list[int], max_tokens: int
 ) -> dict:
-    """One prefill row: every engine on `prompts` at once; llama.cpp with one slot per prompt."""
-    num_tokens = len(prompts[0])
-    summaries, errors = await measure_engines(
-        peers,
-        swarmserve,
-        lambda endpoint: measure_prefill(endpoint, prompts, max_tokens, warm_up_prompt),
-        num_slots=len(prompts),
-        slot_context=num_tokens + max_tokens + SLOT_MARGIN,
-    )
+    """One prefill row: every engine on each wave's prompts at once, the engines taking turns wave
+    by wave (so that a slow spell of the machine falls on both); llama.cpp with one slot per
+    prompt. An engine that fails a wave gets None and that wave's error for the row."""
+    streams, num_tokens = len(prompt_waves[0]), len(prompt_waves[0][0])
+    waves: dict[str, list[dict]] = {}
+    errors: dict[str, str] = {}
+    for prompts in prompt_waves:
+        summaries, wave_errors = await measure_engines(
+            peers,
+            swarmserve,
+            functools.partial(measure_prefill, prompts=prompts, max_tokens=max_tokens, warm_up_prompt=warm_up_prompt),
+            num_slots=streams,
+            slot_context=num_tokens + max_tokens + SLOT_MARGIN,
+        )
+        for engine, summary in summaries.items():
+            if summary is None:
+                errors.setdefault(engine, wave_errors[engine])
+            else:
+                waves.setdefault(engine, []).append(summary)
+    engines = {engine: None if engine in errors else prefill_waves_summary(waves[engine]) for engine in summaries}
     row = {
         "kind": "prefill",
-        "streams": len(prompts),
+        "streams": streams,
         "prompt_tokens": num_tokens,
         "max_tokens": max_tokens,
-        "fingerprint": workload_fingerprint(prompts),
-        "engines": summaries,
+        "waves": len(prompt_waves),
+        "fingerprint": workload_fingerprint(prompt_waves),
+        "engines": engines,
         "errors": errors,
     }
     row["advantage"] = row_advantages(row, PREFILL_METRICS)

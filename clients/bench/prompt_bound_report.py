@@ -79,7 +79,7 @@ def workload_checks(rows: Sequence[dict]) -> list[str]:
                     f"  NOTE: {ENGINE_LABELS[engine]} counted {counted} prompt tokens in {prefill_label(row)} "
                     f"(sent {row['prompt_tokens']} ids)"
                 )
-            expected = row["streams"] * row["max_tokens"]
+            expected = summary.get("waves", 1) * row["streams"] * row["max_tokens"]
             if summary["output_tokens"] != expected:
                 lines.append(
                     f"  NOTE: {ENGINE_LABELS[engine]} generated {summary['output_tokens']} tokens in "
@@ -99,7 +99,8 @@ def format_prompt_bound(rows: Sequence[dict]) -> list[str]:
             *format_rows(
                 prefill,
                 PREFILL_METRICS,
-                "prefill: N requests at once, random token ids in, greedy tokens out (/v1/completions, streamed)",
+                f"prefill: N requests at once, {prefill[0].get('waves', 1)} wave(s) of them, the engines taking turns; "
+                "random token ids in, greedy tokens out (/v1/completions, streamed); out tok/s: the median wave's",
                 prefill_label,
             ),
             *workload_checks(prefill),

@@ -17,7 +17,9 @@ llama.cpp maps the GGUF), next to the GGUF's size and, where GetInfo reports it,
 executor's own count of weight bytes.
 
 Then the prompt-bound rows (clients/bench/prompt_bound.py): `prefill`, N requests
-of 1024 random token ids x 128 tokens out through /v1/completions, and `swarm`, eight agents
+of 1024 random token ids x 128 tokens out through /v1/completions, in `--prefill-waves`
+waves with prompts of their own (the engines take turns wave by wave; a row reports the
+median wave's out tok/s and TTFT/TPOT over all its requests), and `swarm`, eight agents
 over /v1/chat/completions, each engine through its OpenAI HTTP server (ours: the scheduler's
 HTTP front) and measured by the same client code. vLLM-CPU joins these rows when given
 (`--vllm-server URL`, or `--vllm-command` to start it for the run, before swarmserve starts so
@@ -377,8 +379,11 @@ async def run_prefill_rows(args: argparse.Namespace, peers: Peers, swarmserve: E
     draw = functools.partial(workloads.random_prompts, vocab_size=vocab_size, excluded_ids=special_ids, seed=args.seed)
     warm_up_prompt = draw(1, args.prefill_tokens, purpose="warm-up")[0]
     for num_streams in args.prefill_streams:
-        prompts = draw(num_streams, args.prefill_tokens)
-        row = await prompt_bound.prefill_row(peers, swarmserve, prompts, warm_up_prompt, args.prefill_max_tokens)
+        waves = [  # wave 1's prompts are earlier runs' (one wave a row), each later wave its own
+            draw(num_streams, args.prefill_tokens, purpose="measure" if wave == 0 else f"measure, wave {wave + 1}")
+            for wave in range(args.prefill_waves)
+        ]
+        row = await prompt_bound.prefill_row(peers, swarmserve, waves, warm_up_prompt, args.prefill_max_tokens)
         add_row(result, row, args.json)
 
 
@@ -778,6 +783,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-tokens", type=int_at_least(1), default=1024, help="prefill rows: prompt tokens (default %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill-waves",
+        type=int_at_least(1),
+        default=3,
+        help="prefill rows: waves of N requests, each with prompts of its own, the engines taking turns wave by "
+        "wave; a row reports the median wave's out tok/s and TTFT/TPOT over all its requests (default %(default)s)",
     )
     parser.add_argument(
         "--prefill-max-tokens", type=int_at_least(2), default=128, help="prefill rows: tokens out (default %(default)s)"

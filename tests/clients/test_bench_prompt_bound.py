@@ -140,6 +140,25 @@ def test_prefill_summary_rates_the_whole_wave():
     assert [r["sent_s"] for r in summary["requests"]] == [0.0, 0.0]
 
 
+def test_a_prefill_row_over_waves_takes_the_median_wave_and_every_request():
+    """Three waves of two requests: out tok/s is the middle wave's rate (not the mean, which the
+    slow wave would drag), TTFT and TPOT pool all six requests, each request keeps its wave."""
+    waves = [
+        prefill_summary([_request(0.0, 0.5, 2.5, 128), _request(0.0, 0.7, 2.0, 128)], 0.0),  # 256 tok in 2.5 s
+        prefill_summary([_request(10.0, 10.6, 14.0, 128), _request(10.0, 11.0, 12.0, 128)], 10.0),  # in 4.0 s
+        prefill_summary([_request(20.0, 20.4, 22.0, 128), _request(20.0, 20.5, 22.0, 128)], 20.0),  # in 2.0 s
+    ]
+    summary = prompt_bound.prefill_waves_summary(waves)
+    assert summary["output_tokens_per_s_by_wave"] == [256 / 2.5, 64.0, 128.0]
+    assert summary["output_tokens_per_s"] == 256 / 2.5
+    assert summary["ttft_median_s"] == pytest.approx(0.55)  # of 0.4, 0.5, 0.5, 0.6, 0.7, 1.0
+    assert summary["ttft_p90_s"] == pytest.approx(0.85)
+    assert summary["output_tokens"] == 768 and summary["num_requests"] == 6 and summary["waves"] == 3
+    assert summary["duration_s"] == pytest.approx(8.5)
+    assert summary["prompt_tokens"] == [1024]
+    assert [r["wave"] for r in summary["requests"]] == [0, 0, 1, 1, 2, 2]
+
+
 def test_swarm_summary_takes_the_makespan_and_ttft_over_all_turns():
     t0 = 0.0
     turns = [
@@ -239,6 +258,7 @@ def test_workload_and_peer_flags():
     assert args.workloads == ("streams", "copy", "prefill", "swarm")
     assert (args.vllm_server, args.vllm_command, args.vllm_model) == (None, None, "smollm2-135m-instruct")
     assert (args.prefill_streams, args.prefill_tokens, args.prefill_max_tokens) == ((1, 8, 16), 1024, 128)
+    assert args.prefill_waves == 3
     assert (args.agents, args.turns, args.kv_cache_gb) == (8, 3, 2.0)
     args = parse_args(["bench", "vs", "--workloads", "swarm,prefill", "--vllm-command", "serve {port} --x"])
     assert args.workloads == ("prefill", "swarm")  # in the order they run
@@ -253,6 +273,7 @@ def test_workload_and_peer_flags():
         ["--vllm-command", "vllm serve"],  # no {port}
         ["--vllm-server", "http://x:1", "--vllm-command", "serve {port}"],
         ["--prefill-max-tokens", "1"],  # TPOT needs two tokens
+        ["--prefill-waves", "0"],
     ],
 )
 def test_bad_workload_and_peer_flags_are_usage_errors(argv):
@@ -314,7 +335,8 @@ def test_prompt_bound_rows_end_to_end_against_a_peer_started_by_command(tmp_path
     done = subprocess.run(
         [
             sys.executable, "-m", "clients.cli", "bench", "vs", "--model", str(model), "--workloads", "prefill,swarm",
-            "--prefill-streams", "1,3", "--prefill-tokens", "40", "--prefill-max-tokens", "5", "--agents", "2",
+            "--prefill-streams", "1,3", "--prefill-tokens", "40", "--prefill-max-tokens", "5", "--prefill-waves", "2",
+            "--agents", "2",
             "--turns", "2", "--swarm-chunk-chars", "300", "--swarm-output-scale", "0.02", "--threads", "1",
             "--kv-cache-gb", "0.05", "--vllm-command", peer, "--vllm-model", "tiny", "--json", str(out),
             "--log", str(tmp_path / "log"),
@@ -325,11 +347,12 @@ def test_prompt_bound_rows_end_to_end_against_a_peer_started_by_command(tmp_path
     result = json.loads(out.read_text())
     assert [(r["kind"], r.get("streams")) for r in result["rows"]] == [("prefill", 1), ("prefill", 3), ("swarm", None)]
     for row in result["rows"][:2]:
-        assert set(row["engines"]) == {"vllm", "swarmserve"} and row["errors"] == {}
+        assert set(row["engines"]) == {"vllm", "swarmserve"} and row["errors"] == {} and row["waves"] == 2
         for summary in row["engines"].values():
-            assert summary["output_tokens"] == row["streams"] * 5  # EOS ignored: exact lengths
+            assert summary["output_tokens"] == 2 * row["streams"] * 5  # EOS ignored: exact lengths, two waves
             assert summary["prompt_tokens"] == [40]  # the ids went in as sent
             assert summary["ttft_median_s"] > 0 and summary["tpot_median_s"] > 0
+            assert [r["wave"] for r in summary["requests"]] == [0] * row["streams"] + [1] * row["streams"]
         assert set(row["advantage"]) == {"vllm"}
     swarm = result["rows"][2]
     for summary in swarm["engines"].values():
@@ -395,7 +418,9 @@ def test_prompt_bound_rows_against_the_real_peers(tmp_path):
 def test_an_engine_that_cannot_be_reached_fails_its_cells_not_the_run():
     closed = lambda: Endpoint("vllm", f"http://127.0.0.1:{free_port()}", "m")  # noqa: E731 - nothing listens there
     peers = prompt_bound.Peers(vllm=closed())
-    row = asyncio.run(prompt_bound.prefill_row(peers, replace(closed(), engine="swarmserve"), [[5, 6, 7]], [5], 4))
+    row = asyncio.run(
+        prompt_bound.prefill_row(peers, replace(closed(), engine="swarmserve"), [[[5, 6, 7]], [[8, 9, 10]]], [5], 4)
+    )
     assert row["engines"] == {"vllm": None, "swarmserve": None}
     assert set(row["errors"]) == {"vllm", "swarmserve"} and "ConnectError" in row["errors"]["vllm"]
     assert row["advantage"] == {}

@@ -274,7 +274,7 @@ async def measure_engines(peers: Peers, swarmserve: Endpoint, measure, *, num_sl
 def prefill_waves_summary(waves: Sequence[dict]) -> dict:
     """An engine's prefill row over its waves (each a prefill_summary): the median wave's output
     tok/s, and TTFT and TPOT over every request of every wave. A lone request's TTFT is one
-    sample, and on these shared machines one wave of a peer swung ~5% between runs: the median of
+    sample, and on these shared machines vLLM-CPU's swung 0.77-0.86 s between runs: the median of
     several keeps one wave's noise from deciding the row."""
     requests = [r | {"wave": w} for w, wave in enumerate(waves) for r in wave["requests"]]
     rates = [wave["output_tokens_per_s"] for wave in waves]

@@ -1706,37 +1706,37 @@ const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M,
       bf16_tasks(bf16_row_pairs(M), nbi), M,  // over gate's panel pairs (up's follow them)
       [&](auto rows, int64_t m0, int64_t b0, int64_t b1) SS_INLINE_LAMBDA {
         constexpr int ROWS = decltype(rows)::value;
-        alignas(64) float sums[2][2][ROWS][2][16];  // [set][gate, up][row][panel][lane]
-        int set = 0;                                  // the set the block being multiplied fills
-        int64_t pending = 0;                          // the block whose epilogue is due (in set ^ 1)
-        int row = ROWS;                               // its next epilogue row (ROWS: none due)
-        const auto epilogue_rows = [&](int until) SS_INLINE_LAMBDA {
+        // [block b's set, (b − b0) % 2][gate, up][row][panel][lane]: block b fills one set while the
+        // epilogue of block b − 1 reads the other, from `row` on (ROWS: none due).
+        alignas(64) float sums[2][2][ROWS][2][16];
+        int row = ROWS;
+        const auto epilogue_rows = [&](int64_t block, int until) SS_INLINE_LAMBDA {
           for (; row < until; row++) {
-            const float(&g)[2][16] = sums[set ^ 1][0][row];
-            const float(&u)[2][16] = sums[set ^ 1][1][row];
+            const float(&g)[2][16] = sums[(block - b0) % 2][0][row];
+            const float(&u)[2][16] = sums[(block - b0) % 2][1][row];
             const simd16::V16 lo = simd16::mul(simd16::silu(simd16::load(g[0])), simd16::load(u[0]));
             const simd16::V16 hi = simd16::mul(simd16::silu(simd16::load(g[1])), simd16::load(u[1]));
             const int64_t m = m0 + row;
-            _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + pending) * TILE + (m % AMX_ROWS) * 32,
+            _mm512_store_si512(tiles + ((m / AMX_ROWS) * nbi + block) * TILE + (m % AMX_ROWS) * 32,
                                (__m512i)_mm512_cvtne2ps_pbh(hi.v, lo.v));
           }
         };
         for (int64_t b = b0; b < b1; b++) {
-          const uint16_t* const panels[2][2] = {{w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE},  // gate
-                                                {w + 2 * (b + nbi) * nb * TILE, w + (2 * (b + nbi) + 1) * nb * TILE}};  // up
+          const int64_t up = b + nbi;  // up's panel pair for gate's b
+          const uint16_t* const panels[2][2] = {{w + 2 * b * nb * TILE, w + (2 * b + 1) * nb * TILE},
+                                                {w + 2 * up * nb * TILE, w + (2 * up + 1) * nb * TILE}};
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; h++) {  // gate, then up; the pending rows spread over both
+          for (int h = 0; h < 2; h++) {  // gate, then up; block b − 1's rows spread over both (done by up's end)
             __m512 sum[ROWS][2];
             bf16_vdp_tile<ROWS, 2>(a, nb, m0, panels[h], sum, [&](int64_t k) SS_INLINE_LAMBDA {
-              epilogue_rows((h * nb + k + 1) * ROWS / (2 * nb));
+              epilogue_rows(b - 1, (h * nb + k + 1) * ROWS / (2 * nb));
             });
             for (int i = 0; i < ROWS; i++)
-              for (int j = 0; j < 2; j++) _mm512_store_ps(sums[set][h][i][j], sum[i][j]);
+              for (int j = 0; j < 2; j++) _mm512_store_ps(sums[(b - b0) % 2][h][i][j], sum[i][j]);
           }
-          epilogue_rows(ROWS);
-          pending = b, row = 0, set ^= 1;
+          row = 0;  // block b's epilogue is due
         }
-        epilogue_rows(ROWS);
+        epilogue_rows(b1 - 1, ROWS);
       });
   return tiles;
 }

@@ -1694,7 +1694,7 @@ void bf16_matmul_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
 // layer against 12.1 with silu left out) whatever its instructions (a reciprocal for the
 // division, a cheaper exp: both level): its chains of dependent vector ops held up the products
 // behind them. Spread over the next block's products it costs 2-3% (12.3-12.5 ms); a half row at
-// a time measured the same. A single 6 × 4 tile over both pairs (24 sums) had GCC spill its sums
+// a time ran no faster (0.97-0.99x). A single 6 × 4 tile over both pairs (24 sums) had GCC spill its sums
 // to the stack after every block of K (1.03-1.04x slower).
 const uint16_t* bf16_swiglu_vdp(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t I) {
   constexpr int64_t TILE = AMX_ROWS * 32;
